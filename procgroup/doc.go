@@ -1,0 +1,26 @@
+// Package procgroup defines the collective layer of goddp: the ProcessGroup and Work
+// interfaces, the open backend registry, the rendezvous Store (in memory, or served over gRPC)
+// and rank discovery from the environment.
+//
+// # Usage
+//
+//	env, err := procgroup.InitFromEnv()           // RANK, WORLD_SIZE, MASTER_ADDR, ...
+//	store, err := env.DialStore(ctx, token)        // the job's rendezvous store
+//	pg, err := procgroup.New(ctx, "gloo", procgroup.Options{
+//		Rank: env.Rank, Size: env.WorldSize, LocalRank: env.LocalRank,
+//		LocalSize: env.LocalWorldSize, Store: store, Token: token,
+//	})
+//	defer pg.Close()
+//	w := pg.AllReduce(ctx, grads, procgroup.Sum) // returns at once
+//	// ... other work ...
+//	if err := w.Wait(ctx); err != nil { ... }     // grads now holds the sum over all ranks
+//
+// Backends register themselves in init(); a main package imports the ones it wants:
+//
+//	import _ "github.com/goddp/goddp/backends/gloo"
+//
+// Note [Collective order]: collectives are matched between ranks by their position in the
+// sequence each rank issues, not by any name or tag. Every rank must therefore issue the same
+// collectives, with the same element types and counts, in the same order; a group runs its
+// works strictly in issue order.
+package procgroup
