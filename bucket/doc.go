@@ -1,0 +1,24 @@
+// Package bucket assigns parameters to size-capped buckets and lays out each bucket's flat
+// buffer: which parameters it holds, in which order, and at which offset. It is pure
+// (standard library only): no buffers are reduced here, and nothing here knows of process
+// groups or models.
+//
+// # Usage
+//
+//	params := []bucket.Param{{Name: "w1", DType: bucket.Float32, Len: 4096}, ...}
+//	buckets, err := bucket.Assign(params, bucket.DefaultFirstCapBytes, bucket.DefaultCapBytes)
+//	lay, err := bucket.NewLayout(params, buckets)
+//	flat := bucket.Alloc[float32](buckets[0])      // one flat buffer per bucket
+//	loc := lay.Where[i]                             // parameter i's slot
+//	slot := bucket.View(flats[loc.Bucket], loc)     // a view of it: flat[off : off+len]
+//
+// Note [Bucket assignment]: parameters are taken in reverse registration order (the order in
+// which backward usually produces their gradients), or in an observed order given to
+// AssignOrdered. Each (element type, device) pair fills its own current bucket; the first
+// bucket of each pair is capped at firstCapBytes (small, so that the first all-reduce starts
+// early) and the others at capBytes. A parameter is never split: when it does not fit in the
+// current bucket, that bucket is closed and a new one started; a parameter larger than the
+// cap gets a bucket of its own. Buckets are numbered by the position, in the order, of their
+// first parameter, so bucket 0 is the one whose gradients are expected first. Inside a bucket
+// parameters keep the order, and their offsets are contiguous from 0.
+package bucket

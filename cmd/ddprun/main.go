@@ -1,0 +1,309 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+func main() {
+	os.Exit(mainExit(os.Args[1:]))
+}
+
+// interruptError is the cause of the run's context when ddprun receives a signal.
+type interruptError struct{ sig os.Signal }
+
+func (e *interruptError) Error() string { return "interrupted by " + e.sig.String() }
+
+// mainExit runs ddprun with the process's signals, environment and standard streams.
+func mainExit(args []string) int {
+	sigs := make(chan os.Signal, 1) // signal.Notify needs a buffer: it does not block to deliver
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGQUIT)
+	defer signal.Stop(sigs)
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		select {
+		case s := <-sigs:
+			cancel(&interruptError{s})
+		case <-stop:
+		}
+	}()
+	code := run(ctx, args, os.Environ(), os.Stdout, os.Stderr)
+	close(stop)
+	<-done
+	return code
+}
+
+// run is ddprun: it parses args, prepares the program and the store, and runs the group,
+// restarting it on failure. env is the environment the ranks inherit. It returns the exit
+// code: 0 when every rank succeeded, 2 for a bad command line, the first failed rank's code
+// (128+N for signal N) when ddprun gives up, 128+N when ddprun itself got signal N, and 1 for
+// any other error.
+func run(ctx context.Context, args, env []string, stdout, stderr io.Writer) int {
+	con := &console{out: stdout, err: stderr}
+	cfg, err := parseArgs(args, func(w string) { con.msg("ddprun: warning: " + w + "\n") })
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		printUsage(stdout)
+		return 0
+	case err != nil:
+		con.msg(fmt.Sprintf("ddprun: %v\nRun 'ddprun --help' for usage.\n", err))
+		return 2
+	}
+	if err := runJob(ctx, cfg, env, con); err != nil {
+		var ex *exitError
+		if errors.As(err, &ex) {
+			return ex.code
+		}
+		con.msg(fmt.Sprintf("ddprun: %v\n", err))
+		return 1
+	}
+	return 0
+}
+
+// exitError ends the job with a specific exit code; its message has been printed already.
+type exitError struct{ code int }
+
+func (e *exitError) Error() string { return fmt.Sprintf("exit code %d", e.code) }
+
+// interruptCode is the exit code for a job stopped by ctx: 128+signal, or 1.
+func interruptCode(ctx context.Context) int {
+	var ie *interruptError
+	if errors.As(context.Cause(ctx), &ie) {
+		if s, ok := ie.sig.(syscall.Signal); ok {
+			return 128 + int(s)
+		}
+	}
+	return 1
+}
+
+// runJob prepares the program, the token and the store, then runs attempts until one
+// succeeds, ddprun is interrupted, or --max_restarts is spent.
+func runJob(ctx context.Context, cfg *config, env []string, con *console) error {
+	host, _ := os.Hostname()
+	workDir, err := os.MkdirTemp("", "ddprun-")
+	if err != nil {
+		return fmt.Errorf("work dir: %w", err)
+	}
+	defer os.RemoveAll(workDir)
+
+	tags := ""
+	for _, kv := range env {
+		if v, ok := cutEnv(kv, "GODDP_GO_TAGS"); ok {
+			tags = v
+		}
+	}
+	exe, err := resolveProgram(ctx, cfg.program, workDir, cfg.goBuildFlags, tags, con)
+	if err != nil {
+		if ctx.Err() != nil {
+			return &exitError{interruptCode(ctx)}
+		}
+		return err
+	}
+
+	var token string
+	if cfg.nnodes > 1 {
+		token, err = sharedToken(env)
+	} else {
+		token, err = newToken()
+	}
+	if err != nil {
+		return err
+	}
+	tokenFile, err := writeTokenFile(workDir, token)
+	if err != nil {
+		return err
+	}
+	runID := cfg.rdzvID
+	if runID == "" {
+		if runID, err = deriveRunID(token, cfg.nnodes > 1); err != nil {
+			return err
+		}
+	}
+
+	j := &job{cfg: cfg, exe: exe, baseEnv: env, tokenFile: tokenFile, runID: runID, host: host, con: con}
+	if cfg.isStoreHost() {
+		srv, addr, err := hostStore(cfg, token, storeLogger(con))
+		if err != nil {
+			return err
+		}
+		defer srv.Close()
+		j.storeAddr = addr
+	} else {
+		j.storeAddr = net.JoinHostPort(cfg.storeHost, strconv.Itoa(cfg.storePort))
+		if err := awaitStore(ctx, j.storeAddr, token, cfg.rdzvTimeout, con); err != nil {
+			if ctx.Err() != nil {
+				return &exitError{interruptCode(ctx)}
+			}
+			return err
+		}
+	}
+	if cfg.nproc > 1 {
+		setDefaultThreads(j, con)
+	}
+
+	var coord *coordinator
+	if cfg.nnodes > 1 {
+		st, err := procgroup.DialStore(ctx, j.storeAddr, token, procgroup.DialOptions{})
+		if err != nil {
+			return fmt.Errorf("rendezvous store: %w", err)
+		}
+		defer st.Close()
+		coord = &coordinator{st: st, prefix: runID + "/ddprun", nnodes: cfg.nnodes, node: cfg.nodeRank, timeout: cfg.rdzvTimeout}
+	}
+
+	for attempt := 0; ; attempt++ {
+		var remote <-chan string
+		stopWatch := func() {}
+		if coord != nil {
+			if err := coord.join(ctx, attempt); err != nil {
+				if ctx.Err() != nil {
+					return &exitError{interruptCode(ctx)}
+				}
+				return fmt.Errorf("rendezvous: %w", err)
+			}
+			remote, stopWatch = coord.watch(ctx, attempt)
+		}
+		res := j.runAttempt(ctx, attempt, remote)
+		if coord != nil {
+			switch {
+			case res.interrupted:
+				coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) was interrupted", cfg.nodeRank, host))
+			case res.startErr != nil:
+				coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) could not start its ranks", cfg.nodeRank, host))
+			case res.first != nil:
+				coord.publish(ctx, attempt, verdictFor(res.first, host, cfg.nodeRank))
+			case res.remote == "":
+				v, err := coord.finish(ctx, attempt, remote)
+				if err != nil && ctx.Err() == nil {
+					stopWatch()
+					return fmt.Errorf("rendezvous after attempt %d: %w", attempt, err)
+				}
+				res.remote = v
+				switch {
+				case ctx.Err() != nil:
+					coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) was interrupted", cfg.nodeRank, host))
+				case v == "":
+					coord.leave(ctx, attempt)
+				}
+			}
+			stopWatch()
+		}
+		code := 0
+		switch {
+		case res.interrupted || (res.first == nil && res.remote == "" && ctx.Err() != nil):
+			con.msg(fmt.Sprintf("ddprun: %v; stopped every rank\n", context.Cause(ctx)))
+			return &exitError{interruptCode(ctx)}
+		case res.startErr != nil:
+			return fmt.Errorf("attempt %d: %w", attempt, res.startErr)
+		case res.first != nil:
+			j.reportFailure(res.first, attempt)
+			code = res.first.exitCode()
+		case res.remote != "":
+			c, desc, stop := parseVerdict(res.remote)
+			if stop {
+				con.msg(fmt.Sprintf("ddprun: attempt %d stopped: %s; stopped this node's ranks\n", attempt, desc))
+				return &exitError{1}
+			}
+			con.msg(fmt.Sprintf("ddprun: attempt %d failed on another node: %s; stopped this node's ranks\n", attempt, desc))
+			code = c
+		default:
+			return nil
+		}
+		if attempt >= cfg.maxRestarts {
+			if cfg.maxRestarts > 0 {
+				con.msg(fmt.Sprintf("ddprun: giving up after %d restarts\n", cfg.maxRestarts))
+			}
+			return &exitError{code}
+		}
+		con.msg(fmt.Sprintf("ddprun: restarting the group (restart %d of %d)\n", attempt+1, cfg.maxRestarts))
+	}
+}
+
+// reportFailure prints the first failure of an attempt: rank, host, how it ended, and its
+// last lines.
+func (j *job) reportFailure(p *rankProc, attempt int) {
+	msg := fmt.Sprintf("ddprun: rank %d (local_rank %d, host %s, pid %d) failed on attempt %d: %s\n",
+		p.rank, p.localRank, j.host, p.cmd.Process.Pid, attempt, p.describe())
+	printed := false
+	for i, name := range []string{"stdout", "stderr"} {
+		lines := p.tails[i].get()
+		if len(lines) == 0 {
+			continue
+		}
+		printed = true
+		msg += fmt.Sprintf("ddprun: last %d lines of rank %d's %s:\n", len(lines), p.rank, name)
+		for _, l := range lines {
+			msg += "    " + l + "\n"
+		}
+	}
+	if !printed {
+		msg += fmt.Sprintf("ddprun: rank %d printed nothing\n", p.rank)
+	}
+	if j.cfg.logDir != "" {
+		msg += fmt.Sprintf("ddprun: full logs in %s\n", filepath.Join(j.cfg.logDir, fmt.Sprintf("attempt_%d", attempt), strconv.Itoa(p.rank)))
+	}
+	j.con.msg(msg)
+}
+
+// setDefaultThreads sets OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to 1 for the ranks unless
+// the environment sets them, as torchrun does for OMP_NUM_THREADS: several ranks on one
+// node, each with a thread per core, oversubscribe the CPUs.
+func setDefaultThreads(j *job, con *console) {
+	for _, k := range []string{"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} {
+		found := false
+		for _, kv := range j.baseEnv {
+			if _, ok := cutEnv(kv, k); ok {
+				found = true
+			}
+		}
+		if !found {
+			j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)], k+"=1")
+			con.msg(fmt.Sprintf("ddprun: setting %s=1 for each rank (set it yourself to change this)\n", k))
+		}
+	}
+}
+
+// cutEnv returns the value of kv if its key is k.
+func cutEnv(kv, k string) (string, bool) {
+	key, v, ok := strings.Cut(kv, "=")
+	if !ok || key != k {
+		return "", false
+	}
+	return v, true
+}
+
+// storeLogger logs the store's warnings and errors to the console.
+func storeLogger(con *console) *zap.Logger {
+	enc := zapcore.NewConsoleEncoder(zapcore.EncoderConfig{
+		MessageKey: "msg", LevelKey: "level", NameKey: "logger",
+		EncodeLevel: zapcore.LowercaseLevelEncoder,
+	})
+	return zap.New(zapcore.NewCore(enc, zapcore.AddSync(consoleWriter{con}), zapcore.WarnLevel)).Named("ddprun.store")
+}
+
+// consoleWriter adapts the console to an io.Writer for the logger.
+type consoleWriter struct{ con *console }
+
+func (w consoleWriter) Write(b []byte) (int, error) {
+	w.con.msg(string(b))
+	return len(b), nil
+}

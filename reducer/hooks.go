@@ -1,0 +1,111 @@
+package reducer
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+// BucketView is what a CommHook sees of one bucket. It lives as long as the bucket layout
+// (until the rebuild), so a hook may keep per-bucket state in Scratch across iterations.
+type BucketView struct {
+	// Index is the bucket's launch position.
+	Index int
+	// DType is Float32 or Float64; Buffer is the bucket's flat []float32 or []float64,
+	// holding every gradient already divided by the world size, so a plain sum over ranks
+	// is the average. The hook owns Buffer from Launch until its Work completes and must
+	// leave the reduced result in it by the end of Finish.
+	DType  procgroup.DType
+	Buffer any
+	// Params and Offsets say which parameter sits where in Buffer (in elements).
+	Params  []int
+	Offsets []int
+	// Scratch is the hook's own: the reducer never reads it and resets it at the rebuild.
+	Scratch any
+}
+
+// CommHook reduces buckets. The reducer calls Launch once per bucket per synced backward,
+// in bucket order (Note [Bucket order]) and possibly from the goroutine that runs backward:
+// Launch must issue its collectives and return their Work at once, without blocking. Once
+// that Work has completed without error, the reducer calls Finish, from Finalize, for the
+// hook to post-process the result into b.Buffer (decompress, say). Every rank must issue
+// the same collectives for the same bucket.
+type CommHook interface {
+	Launch(ctx context.Context, pg procgroup.ProcessGroup, b *BucketView) procgroup.Work
+	Finish(b *BucketView) error
+}
+
+// AllReduceHook is the default hook: one all-reduce (sum) of the bucket's buffer.
+func AllReduceHook() CommHook { return allReduceHook{} }
+
+type allReduceHook struct{}
+
+func (allReduceHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *BucketView) procgroup.Work {
+	return pg.AllReduce(ctx, b.Buffer, procgroup.Sum)
+}
+
+func (allReduceHook) Finish(*BucketView) error { return nil }
+
+// FP16CompressHook casts the (pre-divided) bucket to IEEE half precision, all-reduces it, and
+// casts the sum back: half the bytes on the wire, about 3 significant digits kept, and values
+// beyond ±65504 overflow to infinity.
+func FP16CompressHook() CommHook {
+	return compressHook[procgroup.F16]{narrow: procgroup.F16FromFloat32, widen: procgroup.F16.Float32}
+}
+
+// BF16CompressHook is FP16CompressHook with bfloat16: float32's range, about 2 significant
+// digits.
+func BF16CompressHook() CommHook {
+	return compressHook[procgroup.BF16]{narrow: procgroup.BF16FromFloat32, widen: procgroup.BF16.Float32}
+}
+
+type compressHook[H procgroup.F16 | procgroup.BF16] struct {
+	narrow func(float32) H
+	widen  func(H) float32
+}
+
+// scratch returns the bucket's compressed buffer, allocated on the bucket's first launch,
+// as a slice and as the interface value that boxes it (passing the slice itself to
+// AllReduce would allocate a new box on every launch).
+func (h compressHook[H]) scratch(b *BucketView, n int) ([]H, any) {
+	if s, ok := b.Scratch.([]H); ok && len(s) == n {
+		return s, b.Scratch
+	}
+	s := make([]H, n)
+	b.Scratch = s
+	return s, b.Scratch
+}
+
+func (h compressHook[H]) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *BucketView) procgroup.Work {
+	switch buf := b.Buffer.(type) {
+	case []float32:
+		s, boxed := h.scratch(b, len(buf))
+		for k, v := range buf {
+			s[k] = h.narrow(v)
+		}
+		return pg.AllReduce(ctx, boxed, procgroup.Sum)
+	case []float64:
+		s, boxed := h.scratch(b, len(buf))
+		for k, v := range buf {
+			s[k] = h.narrow(float32(v))
+		}
+		return pg.AllReduce(ctx, boxed, procgroup.Sum)
+	}
+	return procgroup.Completed(fmt.Errorf("%w: compression hook: bucket %d holds %T", ErrInvalidArgument, b.Index, b.Buffer))
+}
+
+func (h compressHook[H]) Finish(b *BucketView) error {
+	s, _ := b.Scratch.([]H)
+	switch buf := b.Buffer.(type) {
+	case []float32:
+		for k := range buf {
+			buf[k] = h.widen(s[k])
+		}
+	case []float64:
+		for k := range buf {
+			buf[k] = float64(h.widen(s[k]))
+		}
+	}
+	return nil
+}

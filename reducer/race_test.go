@@ -1,0 +1,5 @@
+//go:build race
+
+package reducer
+
+const raceEnabled = true

@@ -1,0 +1,608 @@
+package reducer
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/goddp/goddp/bucket"
+	"github.com/goddp/goddp/procgroup"
+)
+
+// Param is one parameter the Reducer averages.
+type Param struct {
+	// Name appears in errors.
+	Name string
+	// Grad is where Finalize writes the averaged gradient: a []float32 or []float64. It sets
+	// the parameter's element type and length. With Options.GradientAsBucketView it is not
+	// written and may be nil, if DType and Len are set instead.
+	Grad any
+	// DType (Float32 or Float64) and Len describe a parameter whose Grad is nil.
+	DType procgroup.DType
+	Len   int
+}
+
+// Options configure a Reducer.
+type Options struct {
+	// BucketCapMB caps every bucket but the first, in MiB (default 25).
+	BucketCapMB float64
+	// FirstBucketCapMB caps the first bucket, in MiB (default 1), so that the first
+	// all-reduce starts early in backward.
+	FirstBucketCapMB float64
+	// FindUnusedParameters: parameters that get no gradient in a synced backward are reduced
+	// as zeros at Finalize (and listed in IterStats.Unused) instead of failing it.
+	FindUnusedParameters bool
+	// GradientAsBucketView: parameters' gradients live in the buckets (see GradView);
+	// Finalize copies nothing back and Param.Grad is not used.
+	GradientAsBucketView bool
+	// CommHook reduces each bucket (default AllReduceHook).
+	CommHook CommHook
+	// Logger receives the rare log lines (layout, rebuild); nil means zap.NewNop().
+	Logger *zap.Logger
+}
+
+func (o *Options) validate() error {
+	if o.BucketCapMB == 0 {
+		o.BucketCapMB = 25
+	}
+	if o.FirstBucketCapMB == 0 {
+		o.FirstBucketCapMB = 1
+	}
+	if !(o.BucketCapMB > 0) || !(o.FirstBucketCapMB > 0) {
+		return fmt.Errorf("%w: bucket caps %v MiB and first %v MiB, want both positive", ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB)
+	}
+	if o.CommHook == nil {
+		o.CommHook = AllReduceHook()
+	}
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
+	}
+	return nil
+}
+
+func mib(mb float64) int64 {
+	b := int64(mb * (1 << 20))
+	if b < 1 {
+		b = 1
+	}
+	return b
+}
+
+// slot is one bucket's driver state.
+type slot struct {
+	f32  []float32 // the flat buffer, one of the two
+	f64  []float64
+	view BucketView
+	work procgroup.Work // the bucket's in-flight reduction, nil when not launched
+	seen bool           // its completion was recorded in the stats
+}
+
+// Reducer averages gradients across the ranks of a ProcessGroup: the driver of a Machine.
+//
+// Use from one training loop: BeginBackward, then GradReady for each parameter as backward
+// produces its gradient (from any goroutine, typically the one running backward; calls are
+// serialized), then Finalize. Collectives are issued from GradReady and Finalize only, under
+// the Reducer's lock, so they have the same order on every rank. Stats may be called at any
+// time.
+//
+// Failure is final (the fail-stop model of DESIGN.md): once an iteration fails — an unused
+// or twice-marked parameter, a wrong gradient, a failed collective, Finalize's ctx ending —
+// the ranks' collective sequences can no longer be trusted to match, so the Reducer aborts
+// the process group with the error (peers fail at once instead of hanging) and every later
+// call returns the same error.
+type Reducer struct {
+	pg      procgroup.ProcessGroup
+	opts    Options
+	log     *zap.Logger
+	params  []Param
+	bparams []bucket.Param
+	inv32   float32 // 1 / world size
+	inv64   float64
+
+	mu       sync.Mutex // guards the fields below
+	m        *Machine
+	lay      *bucket.Layout
+	slots    []slot
+	gen      int
+	polled   int // the lowest launched bucket whose completion is not yet recorded
+	stats    [2]IterStats
+	cur      int // stats[cur] is being filled; stats[1-cur] is the last finished pass
+	finished bool
+	aborted  bool
+	closed   bool
+	order64  []int64 // the rebuild's broadcast buffer
+}
+
+// New returns a Reducer for params over pg with the initial bucket layout (Note [Bucket
+// assignment] in package bucket). It issues no collective.
+func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, error) {
+	if pg == nil {
+		return nil, fmt.Errorf("%w: nil process group", ErrInvalidArgument)
+	}
+	if err := opts.validate(); err != nil {
+		return nil, err
+	}
+	r := &Reducer{pg: pg, opts: opts, log: opts.Logger, params: append([]Param(nil), params...)}
+	r.bparams = make([]bucket.Param, len(params))
+	for i, p := range r.params {
+		dt, n := p.DType, p.Len
+		if p.Grad != nil {
+			gdt, gn, err := procgroup.DTypeOf(p.Grad)
+			if err != nil {
+				return nil, fmt.Errorf("%w: parameter %d (%s): %w", ErrInvalidArgument, i, p.Name, err)
+			}
+			if (dt != 0 && dt != gdt) || (n != 0 && n != gn) {
+				return nil, fmt.Errorf("%w: parameter %d (%s): Grad is %v×%d but DType, Len say %v×%d", ErrInvalidArgument, i, p.Name, gdt, gn, dt, n)
+			}
+			dt, n = gdt, gn
+		} else if !opts.GradientAsBucketView {
+			return nil, fmt.Errorf("%w: parameter %d (%s): nil Grad (allowed only with GradientAsBucketView)", ErrInvalidArgument, i, p.Name)
+		}
+		if dt != procgroup.Float32 && dt != procgroup.Float64 {
+			return nil, fmt.Errorf("%w: parameter %d (%s): element type %v, want float32 or float64", ErrInvalidArgument, i, p.Name, dt)
+		}
+		if n < 0 {
+			return nil, fmt.Errorf("%w: parameter %d (%s): negative length %d", ErrInvalidArgument, i, p.Name, n)
+		}
+		r.params[i].DType, r.params[i].Len = dt, n
+		r.bparams[i] = bucket.Param{Name: p.Name, DType: bucket.DType(dt), Len: n}
+	}
+	buckets, err := bucket.Assign(r.bparams, mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
+	}
+	r.m, err = NewMachine(MachineConfig{Params: r.bparams, Buckets: buckets, FindUnusedParameters: opts.FindUnusedParameters, Rebuild: true})
+	if err != nil {
+		return nil, err
+	}
+	r.inv32, r.inv64 = 1/float32(pg.Size()), 1/float64(pg.Size())
+	r.order64 = make([]int64, len(params))
+	r.setLayout(r.m.Layout())
+	r.log.Info("reducer: buckets assigned", zap.Int("rank", pg.Rank()), zap.Int("params", len(params)),
+		zap.Int("buckets", len(buckets)), zap.Float64("bucket_cap_mb", opts.BucketCapMB), zap.Float64("first_bucket_cap_mb", opts.FirstBucketCapMB))
+	return r, nil
+}
+
+// setLayout allocates the flat buffers of lay; in bucket-view mode it carries the gradients
+// over from the old buffers, so that the views hold the same values after the rebuild.
+func (r *Reducer) setLayout(lay *bucket.Layout) {
+	slots := make([]slot, len(lay.Buckets))
+	for b, bk := range lay.Buckets {
+		s := &slots[b]
+		s.view = BucketView{Index: b, DType: procgroup.DType(bk.DType), Params: bk.Params, Offsets: bk.Offsets}
+		if bk.DType == bucket.Float32 {
+			s.f32 = bucket.Alloc[float32](bk)
+			s.view.Buffer = s.f32
+		} else {
+			s.f64 = bucket.Alloc[float64](bk)
+			s.view.Buffer = s.f64
+		}
+	}
+	if r.lay != nil {
+		for i, from := range r.lay.Where {
+			to, old, neu := lay.Where[i], &r.slots[r.lay.Where[i].Bucket], &slots[lay.Where[i].Bucket]
+			if old.f32 != nil {
+				copy(bucket.View(neu.f32, to), bucket.View(old.f32, from))
+			} else {
+				copy(bucket.View(neu.f64, to), bucket.View(old.f64, from))
+			}
+		}
+	}
+	r.lay, r.slots = lay, slots
+}
+
+// Size returns the world size.
+func (r *Reducer) Size() int { return r.pg.Size() }
+
+// Buckets returns the current bucket layout (read only).
+func (r *Reducer) Buckets() []bucket.Bucket {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.lay.Buckets
+}
+
+// Generation counts the bucket layouts: 0 at New, 1 after the rebuild that follows the first
+// synced backward. Slices from GradView belong to one generation.
+func (r *Reducer) Generation() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.gen
+}
+
+// GradView returns parameter i's slot in its bucket: with GradientAsBucketView, the
+// parameter's gradient itself (averaged after Finalize). It is a []float32 or []float64,
+// valid until the Generation changes (once, in the first synced Finalize); take it again
+// after that Finalize. The caller may read and write it between Finalize and the next
+// BeginBackward only.
+func (r *Reducer) GradView(i int) (any, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if i < 0 || i >= len(r.params) {
+		return nil, fmt.Errorf("%w: GradView(%d): parameter index outside [0, %d)", ErrInvalidArgument, i, len(r.params))
+	}
+	loc := r.lay.Where[i]
+	if s := &r.slots[loc.Bucket]; s.f32 != nil {
+		return bucket.View(s.f32, loc), nil
+	} else {
+		return bucket.View(s.f64, loc), nil
+	}
+}
+
+// GradView32 is GradView for a float32 parameter (nil for a float64 one).
+func (r *Reducer) GradView32(i int) []float32 {
+	v, _ := r.GradView(i)
+	g, _ := v.([]float32)
+	return g
+}
+
+// GradView64 is GradView for a float64 parameter (nil for a float32 one).
+func (r *Reducer) GradView64(i int) []float64 {
+	v, _ := r.GradView(i)
+	g, _ := v.([]float64)
+	return g
+}
+
+// fail ends the reducer with err and aborts the process group (see Reducer).
+// r.mu must be held.
+func (r *Reducer) failLocked(err error) error {
+	err = r.m.Fail(err)
+	if !r.aborted {
+		r.aborted = true
+		r.log.Error("reducer: iteration failed; aborting the process group", zap.Int("rank", r.pg.Rank()), zap.Error(err))
+		r.pg.Abort(err)
+	}
+	return err
+}
+
+// BeginBackward starts a backward pass: Sync to reduce this pass (plus what Accumulate passes
+// left), Accumulate to add this pass's gradients up locally (NoSync). It fails with an
+// *UnusedError, naming the parameters, if the previous synced pass never got all its
+// gradients and was not finalized. It does not block.
+func (r *Reducer) BeginBackward(mode Mode) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return ErrClosed
+	}
+	if err := r.m.BeginBackward(mode); err != nil {
+		return r.afterMachineErr(err)
+	}
+	if r.finished { // publish the finished pass's stats; fill the other buffer
+		r.cur = 1 - r.cur
+	} // else an Accumulate pass was not finalized: its stats are dropped
+	r.finished = false
+	r.stats[r.cur].reset(r.m.Iter(), mode, r.gen, time.Now(), len(r.params), len(r.slots))
+	for b := range r.slots {
+		r.slots[b].work, r.slots[b].seen = nil, false
+		r.stats[r.cur].BucketBytes[b] = r.lay.Buckets[b].Bytes()
+	}
+	r.polled = 0
+	return nil
+}
+
+// GradReady copies parameter i's freshly computed gradient (a float32 parameter's) into its
+// bucket slot, divided by the world size — or adds it there, after an Accumulate pass — and
+// launches every bucket this completes, in bucket order. It never blocks on communication.
+// grad is only read, and may be reused once GradReady returns.
+func (r *Reducer) GradReady(i int, grad []float32) error {
+	t0 := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.checkGrad(i, procgroup.Float32, len(grad)); err != nil {
+		return err
+	}
+	acts, err := r.m.GradReady(i)
+	if err != nil {
+		return r.afterMachineErr(err)
+	}
+	a := acts[0] // always the copy
+	dst := bucket.View(r.slots[a.Bucket].f32, r.lay.Where[i])
+	scaleInto(dst, grad, r.inv32, a.Add)
+	r.afterCopy(i, acts[1:], t0)
+	return nil
+}
+
+// GradReady64 is GradReady for a float64 parameter.
+func (r *Reducer) GradReady64(i int, grad []float64) error {
+	t0 := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.checkGrad(i, procgroup.Float64, len(grad)); err != nil {
+		return err
+	}
+	acts, err := r.m.GradReady(i)
+	if err != nil {
+		return r.afterMachineErr(err)
+	}
+	a := acts[0]
+	dst := bucket.View(r.slots[a.Bucket].f64, r.lay.Where[i])
+	scaleInto(dst, grad, r.inv64, a.Add)
+	r.afterCopy(i, acts[1:], t0)
+	return nil
+}
+
+// scaleInto sets dst to src·inv, or adds src·inv to it. With one rank inv is exactly 1.
+func scaleInto[T float32 | float64](dst, src []T, inv T, add bool) {
+	src = src[:len(dst)]
+	switch {
+	case add:
+		for k, v := range src {
+			dst[k] += v * inv
+		}
+	case inv == 1:
+		copy(dst, src)
+	default:
+		for k, v := range src {
+			dst[k] = v * inv
+		}
+	}
+}
+
+// checkGrad validates a GradReady call's arguments. r.mu must be held.
+func (r *Reducer) checkGrad(i int, dt procgroup.DType, n int) error {
+	if r.closed {
+		return ErrClosed
+	}
+	if err := r.m.Err(); err != nil {
+		return err
+	}
+	if i < 0 || i >= len(r.params) {
+		return r.failLocked(fmt.Errorf("%w: GradReady(%d): parameter index outside [0, %d)", ErrInvalidArgument, i, len(r.params)))
+	}
+	if p := &r.params[i]; p.DType != dt || p.Len != n {
+		return r.failLocked(fmt.Errorf("%w: GradReady(%d): gradient of parameter %s is %v×%d, want %v×%d", ErrInvalidArgument, i, p.Name, dt, n, p.DType, p.Len))
+	}
+	return nil
+}
+
+// afterMachineErr turns a Machine error into the call's: a call out of turn leaves the
+// iteration intact; anything else has failed it. r.mu must be held.
+func (r *Reducer) afterMachineErr(err error) error {
+	if r.m.Err() == nil {
+		return err
+	}
+	return r.failLocked(err)
+}
+
+// afterCopy records the stats of gradient i, reported at t0, then launches buckets.
+// It reads the clock once, or twice if it launches. r.mu must be held.
+func (r *Reducer) afterCopy(i int, launches []Action, t0 time.Time) {
+	st := &r.stats[r.cur]
+	t1 := time.Now()
+	st.GradReady[i] = t0.Sub(st.Start)
+	st.CopyTime += t1.Sub(t0)
+	end := t1
+	if len(launches) > 0 {
+		st.BucketReady[r.lay.Where[i].Bucket] = t1.Sub(st.Start)
+		for _, a := range launches {
+			end = r.launch(a.Bucket, t1)
+		}
+	}
+	r.poll(end)
+	st.HookTime += end.Sub(t0)
+}
+
+// launch performs ActLaunch for bucket b, which became ready at now, and returns the time
+// it was launched. r.mu must be held.
+func (r *Reducer) launch(b int, now time.Time) time.Time {
+	st := &r.stats[r.cur]
+	s := &r.slots[b]
+	if st.BucketReady[b] < 0 {
+		st.BucketReady[b] = now.Sub(st.Start)
+	}
+	// The hook's ctx: GradReady has none to give. The group's Timeout bounds each
+	// collective, and Finalize's ctx bounds the wait for them (the group is aborted if it
+	// ends first).
+	s.work = r.opts.CommHook.Launch(context.Background(), r.pg, &s.view)
+	t := time.Now()
+	st.BucketLaunched[b] = t.Sub(st.Start)
+	return t
+}
+
+// poll records the finish time of the launched buckets seen complete at now, in order.
+// r.mu must be held.
+func (r *Reducer) poll(now time.Time) {
+	st := &r.stats[r.cur]
+	for r.polled < len(r.slots) {
+		s := &r.slots[r.polled]
+		if s.work == nil {
+			return
+		}
+		select {
+		case <-s.work.Done():
+		default:
+			return
+		}
+		st.BucketFinished[r.polled] = now.Sub(st.Start)
+		s.seen = true
+		r.polled++
+	}
+}
+
+// Finalize ends the backward pass. After a synced pass it launches the buckets left (with
+// FindUnusedParameters, those of unused parameters, reduced as zeros), waits for every
+// bucket, and leaves the averaged gradients in each Param.Grad (or, with
+// GradientAsBucketView, in the views); after the first synced pass it also rebuilds the
+// buckets (Note [Rebuild]). After an Accumulate pass it returns at once: the running sum
+// stays in the bucket slots (Param.Grad is not written until the next synced Finalize).
+//
+// It fails with an *UnusedError if parameters got no gradient (without
+// FindUnusedParameters), with ErrMarkedTwice or a collective's error, or with ctx's error if
+// ctx ends first; every failure aborts the process group (see Reducer).
+func (r *Reducer) Finalize(ctx context.Context) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return ErrClosed
+	}
+	now := time.Now()
+	acts, err := r.m.Finalize()
+	if err != nil {
+		return r.afterMachineErr(err)
+	}
+	st := &r.stats[r.cur]
+	st.BackwardEnd = now.Sub(st.Start)
+	st.Unused = append(st.Unused[:0], r.m.Unused()...)
+	for b := 0; ; b++ {
+		for _, a := range acts {
+			switch a.Kind {
+			case ActZero:
+				loc := r.lay.Where[a.Param]
+				if s := &r.slots[a.Bucket]; s.f32 != nil {
+					clear(bucket.View(s.f32, loc))
+				} else {
+					clear(bucket.View(s.f64, loc))
+				}
+			case ActLaunch:
+				r.launch(a.Bucket, now)
+			case ActUnpack:
+				if err := r.unpack(a.Bucket); err != nil {
+					return r.failLocked(err)
+				}
+			case ActRebuild:
+				if err := r.rebuild(ctx); err != nil {
+					return r.failLocked(err)
+				}
+			case ActDone:
+				st.FinalizeEnd = time.Since(st.Start)
+				r.finished = true
+				return nil
+			}
+		}
+		// Wait for the next bucket, in order.
+		s := &r.slots[b]
+		// Wait without the lock, so that Stats (and Close, which aborts) are not held up.
+		// Any other call meanwhile is out of turn and the Machine refuses it.
+		r.mu.Unlock()
+		werr := s.work.Wait(ctx)
+		r.mu.Lock()
+		if werr != nil && ctx.Err() != nil && s.work.Err() == nil {
+			return r.failLocked(fmt.Errorf("reducer: backward %d: Finalize: waiting for bucket %d: %w", r.m.Iter(), b, werr))
+		}
+		if !s.seen {
+			st.BucketFinished[b] = time.Since(st.Start)
+			s.seen = true
+			r.polled = b + 1
+		}
+		acts, err = r.m.BucketDone(b, werr)
+		if err != nil {
+			return r.failLocked(err)
+		}
+	}
+}
+
+// unpack finishes bucket b's reduction: the hook's Finish, then (unless the gradients are
+// bucket views) the copy of the averaged gradients back into each Param.Grad.
+// r.mu must be held.
+func (r *Reducer) unpack(b int) error {
+	s := &r.slots[b]
+	if err := r.opts.CommHook.Finish(&s.view); err != nil {
+		return fmt.Errorf("reducer: backward %d: bucket %d: comm hook: %w", r.m.Iter(), b, err)
+	}
+	if r.opts.GradientAsBucketView {
+		return nil
+	}
+	for _, i := range r.lay.Buckets[b].Params {
+		loc := r.lay.Where[i]
+		if s.f32 != nil {
+			copy(r.params[i].Grad.([]float32), bucket.View(s.f32, loc))
+		} else {
+			copy(r.params[i].Grad.([]float64), bucket.View(s.f64, loc))
+		}
+	}
+	return nil
+}
+
+// rebuild performs ActRebuild (Note [Rebuild]). r.mu must be held.
+//
+// Note [Rebuild]: the initial buckets follow reverse registration order, a guess at the
+// order backward produces gradients in. At the end of the first synced Finalize, after
+// every bucket of that pass is reduced, every rank issues one Broadcast from rank 0 of
+// rank 0's observed grad-ready order (parameters that got no gradient follow, in reverse
+// registration order), and all ranks rebuild their buckets from it with the same caps, so
+// they agree whatever their own hooks' order. This is done once: later passes keep the
+// layout. It happens inside Finalize because Finalize has a ctx for the broadcast and is
+// already a point every rank reaches in step. In bucket-view mode the averaged gradients
+// are carried over into the new buffers and Generation is incremented, so views taken
+// before must be taken again; if the order reproduces the current layout nothing changes.
+func (r *Reducer) rebuild(ctx context.Context) error {
+	order := r.m.Order()
+	for k, i := range order {
+		r.order64[k] = int64(i)
+	}
+	if err := r.pg.Broadcast(ctx, r.order64, 0).Wait(ctx); err != nil {
+		return fmt.Errorf("reducer: rebuild: broadcast of rank 0's grad-ready order: %w", err)
+	}
+	agreed := make([]int, len(r.order64))
+	for k, i := range r.order64 {
+		agreed[k] = int(i)
+	}
+	buckets, err := bucket.AssignOrdered(r.bparams, agreed, mib(r.opts.FirstBucketCapMB), mib(r.opts.BucketCapMB))
+	if err != nil {
+		return fmt.Errorf("reducer: rebuild from rank 0's order: %w", err)
+	}
+	if sameBuckets(buckets, r.lay.Buckets) {
+		return nil
+	}
+	if err := r.m.SetBuckets(buckets); err != nil {
+		return fmt.Errorf("reducer: rebuild: %w", err)
+	}
+	r.setLayout(r.m.Layout())
+	r.gen++
+	r.log.Info("reducer: buckets rebuilt from the observed grad-ready order", zap.Int("rank", r.pg.Rank()),
+		zap.Int("buckets", len(buckets)), zap.Int("generation", r.gen))
+	return nil
+}
+
+func sameBuckets(a, b []bucket.Bucket) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k := range a {
+		if len(a[k].Params) != len(b[k].Params) {
+			return false
+		}
+		for j := range a[k].Params {
+			if a[k].Params[j] != b[k].Params[j] {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// Stats returns the measurements of the last finalized backward pass, or nil before the
+// first. The IterStats is reused: it stays valid until the second BeginBackward from now;
+// Clone it to keep it longer. Do not modify it.
+func (r *Reducer) Stats() *IterStats {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.finished {
+		return &r.stats[r.cur]
+	}
+	if s := &r.stats[1-r.cur]; s.Iter > 0 {
+		return s
+	}
+	return nil
+}
+
+// Close releases the Reducer; later calls fail with ErrClosed. If a synced pass is in
+// progress, its collectives can no longer be matched by this rank, so Close aborts the
+// process group (its peers fail instead of hanging). It does not close the group, which
+// belongs to the caller. It is idempotent and returns nil.
+func (r *Reducer) Close() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil
+	}
+	r.closed = true
+	if r.m.Busy() && !r.aborted {
+		r.aborted = true
+		r.pg.Abort(fmt.Errorf("reducer: closed during backward %d", r.m.Iter()))
+	}
+	return nil
+}
