@@ -4,11 +4,12 @@
 //
 // # Usage
 //
-//	env, err := procgroup.InitFromEnv()           // RANK, WORLD_SIZE, MASTER_ADDR, ...
-//	store, err := env.DialStore(ctx, token)        // the job's rendezvous store
+//	env, err := procgroup.InitFromEnv()                      // RANK, WORLD_SIZE, MASTER_ADDR, ...
+//	store, closer, err := procgroup.Rendezvous(ctx, env, logger) // the job's rendezvous store
+//	defer closer.Close()
 //	pg, err := procgroup.New(ctx, "gloo", procgroup.Options{
 //		Rank: env.Rank, Size: env.WorldSize, LocalRank: env.LocalRank,
-//		LocalSize: env.LocalWorldSize, Store: store, Token: token,
+//		LocalSize: env.LocalWorldSize, Store: store, Token: env.Token,
 //	})
 //	defer pg.Close()
 //	w := pg.AllReduce(ctx, grads, procgroup.Sum) // returns at once

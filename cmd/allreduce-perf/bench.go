@@ -1,0 +1,319 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"time"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+// afterOp, when set (by the test hooks), runs after each all-reduce this rank completes.
+var afterOp func(rank int)
+
+// bench runs every size of cfg on pg and calls emit with each size's row (on every rank:
+// the numbers are agreed between ranks with collectives).
+//
+// For each size, every iteration restores the buffer from the rank's pristine data before
+// the timed all-reduce (so repeated sums or products stay in range and never reach
+// subnormals), and the time of a size is the slowest rank's mean.
+func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func(row)) error {
+	rank, world := pg.Rank(), pg.Size()
+	esize := int64(cfg.dtype.Size())
+	allreduce := func(buf any, op procgroup.ReduceOp, what string, size int64) error {
+		if err := pg.AllReduce(ctx, buf, op).Wait(ctx); err != nil {
+			return fmt.Errorf("%s all-reduce of %d bytes: %w", what, size, err)
+		}
+		if afterOp != nil {
+			afterOp(rank)
+		}
+		return nil
+	}
+	for size := cfg.minBytes; size <= cfg.maxBytes; size *= cfg.factor {
+		count := int(size / esize)
+		bytes := int64(count) * esize
+		src := newBuf(cfg.dtype, count)
+		fill(src, newGen(rank, world, bytes, cfg.dtype, cfg.op))
+		buf := newBuf(cfg.dtype, count)
+
+		for range cfg.warmup {
+			copyBuf(buf, src)
+			if err := allreduce(buf, cfg.op, "warm-up", bytes); err != nil {
+				return err
+			}
+		}
+		wrong := int64(-1)
+		if cfg.check {
+			copyBuf(buf, src)
+			if err := allreduce(buf, cfg.op, "checked", bytes); err != nil {
+				return err
+			}
+			total := []int64{verify(buf, world, bytes, cfg.dtype, cfg.op)}
+			if err := allreduce(total, procgroup.Sum, "wrong-count", 8); err != nil {
+				return err
+			}
+			wrong = total[0]
+		}
+		var elapsed time.Duration
+		for range cfg.iters {
+			copyBuf(buf, src)
+			start := time.Now()
+			if err := allreduce(buf, cfg.op, "timed", bytes); err != nil {
+				return err
+			}
+			elapsed += time.Since(start)
+		}
+		us := []float64{float64(elapsed.Nanoseconds()) / 1e3 / float64(cfg.iters)}
+		if err := allreduce(us, procgroup.Max, "time", 8); err != nil {
+			return err
+		}
+		r := row{
+			SizeBytes: bytes, Count: count, DType: cfg.dtype.String(), Op: cfg.op.String(), Ranks: world,
+			TimeUS: us[0], Wrong: wrong,
+		}
+		if us[0] > 0 {
+			r.AlgBW = float64(bytes) / (us[0] * 1e3) // bytes/ns = GB/s
+		}
+		r.BusBW = r.AlgBW * 2 * float64(world-1) / float64(world)
+		if cfg.check {
+			ok := wrong == 0
+			r.OK = &ok
+		}
+		emit(r)
+		if size > cfg.maxBytes/cfg.factor {
+			break // the next step would pass -e (or overflow)
+		}
+	}
+	return nil
+}
+
+// gen yields one rank's data for one size: the same sequence whoever draws it, so that
+// every rank can recompute every other rank's contribution.
+type gen struct {
+	rng   *rand.Rand
+	dtype procgroup.DType
+	op    procgroup.ReduceOp
+	world int
+}
+
+func newGen(rank, world int, bytes int64, dt procgroup.DType, op procgroup.ReduceOp) *gen {
+	seed := uint64(rank)*0x9E3779B97F4A7C15 + 1
+	return &gen{rng: rand.New(rand.NewPCG(seed, uint64(bytes))), dtype: dt, op: op, world: world}
+}
+
+// next returns the next element, exactly representable in the element type.
+//
+// Integers are small, so that sums and products over the ranks are exact in float64 and
+// never overflow: [-1000, 1000], or {-1, 1, 2} for products (|product| ≤ 2^30 up to 30
+// ranks, {-1, 1} beyond). Floats are in [-1, 1), or ±[0.5, 1.5) for products, so products
+// neither vanish nor blow up.
+func (g *gen) next() float64 {
+	switch g.dtype {
+	case procgroup.Int32, procgroup.Int64:
+		if g.op == procgroup.Prod {
+			if g.world <= 30 {
+				return [3]float64{-1, 1, 2}[g.rng.IntN(3)]
+			}
+			return [2]float64{-1, 1}[g.rng.IntN(2)]
+		}
+		return float64(g.rng.IntN(2001) - 1000)
+	}
+	var x float64
+	if g.op == procgroup.Prod {
+		x = 0.5 + g.rng.Float64()
+		if g.rng.IntN(2) == 0 {
+			x = -x
+		}
+	} else {
+		x = 2*g.rng.Float64() - 1
+	}
+	switch g.dtype {
+	case procgroup.Float32:
+		return float64(float32(x))
+	case procgroup.BFloat16:
+		return float64(procgroup.BF16FromFloat32(float32(x)).Float32())
+	case procgroup.Float16:
+		return float64(procgroup.F16FromFloat32(float32(x)).Float32())
+	}
+	return x
+}
+
+func newBuf(dt procgroup.DType, n int) any {
+	switch dt {
+	case procgroup.Float32:
+		return make([]float32, n)
+	case procgroup.Float64:
+		return make([]float64, n)
+	case procgroup.Int32:
+		return make([]int32, n)
+	case procgroup.Int64:
+		return make([]int64, n)
+	case procgroup.BFloat16:
+		return make([]procgroup.BF16, n)
+	case procgroup.Float16:
+		return make([]procgroup.F16, n)
+	}
+	panic(fmt.Sprintf("allreduce-perf: no buffer for %v", dt))
+}
+
+func copyBuf(dst, src any) {
+	switch d := dst.(type) {
+	case []float32:
+		copy(d, src.([]float32))
+	case []float64:
+		copy(d, src.([]float64))
+	case []int32:
+		copy(d, src.([]int32))
+	case []int64:
+		copy(d, src.([]int64))
+	case []procgroup.BF16:
+		copy(d, src.([]procgroup.BF16))
+	case []procgroup.F16:
+		copy(d, src.([]procgroup.F16))
+	}
+}
+
+func fill(buf any, g *gen) {
+	switch b := buf.(type) {
+	case []float32:
+		for i := range b {
+			b[i] = float32(g.next())
+		}
+	case []float64:
+		for i := range b {
+			b[i] = g.next()
+		}
+	case []int32:
+		for i := range b {
+			b[i] = int32(g.next())
+		}
+	case []int64:
+		for i := range b {
+			b[i] = int64(g.next())
+		}
+	case []procgroup.BF16:
+		for i := range b {
+			b[i] = procgroup.BF16FromFloat32(float32(g.next()))
+		}
+	case []procgroup.F16:
+		for i := range b {
+			b[i] = procgroup.F16FromFloat32(float32(g.next()))
+		}
+	}
+}
+
+// load converts buf[off:off+len(dst)] to float64.
+func load(dst []float64, buf any, off int) {
+	switch b := buf.(type) {
+	case []float32:
+		for i := range dst {
+			dst[i] = float64(b[off+i])
+		}
+	case []float64:
+		copy(dst, b[off:])
+	case []int32:
+		for i := range dst {
+			dst[i] = float64(b[off+i])
+		}
+	case []int64:
+		for i := range dst {
+			dst[i] = float64(b[off+i])
+		}
+	case []procgroup.BF16:
+		for i := range dst {
+			dst[i] = float64(b[off+i].Float32())
+		}
+	case []procgroup.F16:
+		for i := range dst {
+			dst[i] = float64(b[off+i].Float32())
+		}
+	}
+}
+
+// unitRoundoff is the relative rounding error of one operation in dt.
+func unitRoundoff(dt procgroup.DType) float64 {
+	switch dt {
+	case procgroup.Float32:
+		return 0x1p-24
+	case procgroup.Float64:
+		return 0x1p-53
+	case procgroup.BFloat16:
+		return 0x1p-8
+	case procgroup.Float16:
+		return 0x1p-11
+	}
+	return 0
+}
+
+// verify compares the all-reduced buf with a reference computed here, in float64, from
+// every rank's data regenerated from its seed, and returns the number of elements that
+// differ by more than the tolerance.
+//
+// Integers, Min and Max must match exactly. For float Sum and Avg the tolerance is
+// 2(n+1)·u·Σ|x| (u the type's unit roundoff; n+1 roundings along any reduction order, each
+// bounded by u times the partial sum, which is at most Σ|x|; twice that as margin); for
+// Prod it is 2(n+1)·u·|Πx|.
+func verify(buf any, world int, bytes int64, dt procgroup.DType, op procgroup.ReduceOp) int64 {
+	_, count, _ := procgroup.DTypeOf(buf)
+	gens := make([]*gen, world)
+	for r := range gens {
+		gens[r] = newGen(r, world, bytes, dt, op)
+	}
+	isInt := dt == procgroup.Int32 || dt == procgroup.Int64
+	u := unitRoundoff(dt)
+	n := float64(world)
+	var atol float64
+	if dt == procgroup.Float16 {
+		atol = n * 0x1p-24 // float16 subnormal spacing
+	}
+	chunk := make([]float64, 1<<14)
+	var wrong int64
+	for off := 0; off < count; off += len(chunk) {
+		got := chunk[:min(len(chunk), count-off)]
+		load(got, buf, off)
+		for _, g := range got {
+			var want, scale float64
+			switch op {
+			case procgroup.Sum, procgroup.Avg:
+				for _, gn := range gens {
+					v := gn.next()
+					want += v
+					scale += math.Abs(v)
+				}
+				if op == procgroup.Avg {
+					want /= n
+					scale /= n
+					if isInt {
+						want = math.Trunc(want)
+					}
+				}
+			case procgroup.Prod:
+				want = 1
+				for _, gn := range gens {
+					want *= gn.next()
+				}
+				scale = math.Abs(want)
+			case procgroup.Min:
+				want = math.Inf(1)
+				for _, gn := range gens {
+					want = math.Min(want, gn.next())
+				}
+			case procgroup.Max:
+				want = math.Inf(-1)
+				for _, gn := range gens {
+					want = math.Max(want, gn.next())
+				}
+			}
+			tol := 2*(n+1)*u*scale + atol
+			if isInt || op == procgroup.Min || op == procgroup.Max {
+				tol = 0
+			}
+			if math.IsNaN(g) || math.Abs(g-want) > tol {
+				wrong++
+			}
+		}
+	}
+	return wrong
+}

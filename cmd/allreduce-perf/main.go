@@ -1,0 +1,366 @@
+// Command allreduce-perf measures all-reduce the way nccl-tests' all_reduce_perf does: for
+// each message size from -b to -e (times -f each step) it runs -w warm-up and -n timed
+// all-reduces and prints size, element count, type, time, algorithm bandwidth and bus
+// bandwidth (busbw = algbw·2(n−1)/n, the per-link traffic of a ring), and checks the result
+// against a reference computed independently in float64.
+//
+// # Usage
+//
+//	allreduce-perf --nproc 2 -b 4K -e 256M          # 2 local ranks, spawned by the command
+//	ddprun --nproc_per_node=4 allreduce-perf -d bf16  # ranks from the environment (torchrun style)
+//	allreduce-perf --nproc 2 --json | jq .busbw_gbs
+//
+// Without --nproc the process is one rank: it reads RANK, WORLD_SIZE, MASTER_ADDR, ... (or
+// SLURM/Open MPI variables, see procgroup.InitFromEnv) and meets the others through
+// procgroup.Rendezvous. With --nproc N it hosts a store on 127.0.0.1, starts N copies of
+// itself as ranks 0..N-1, and stops them all if one fails. Rank 0 prints the table.
+//
+// Exit status: 0 if every check passed, 1 if a check failed or a rank failed, 2 for bad flags.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+// childEnv marks a rank process started by --nproc (which then runs as a rank).
+const childEnv = "GODDP_ALLREDUCE_PERF_CHILD"
+
+type config struct {
+	minBytes, maxBytes int64
+	factor             int64
+	iters, warmup      int
+	check              bool
+	dtype              procgroup.DType
+	op                 procgroup.ReduceOp
+	backend            string
+	nproc              int
+	json               bool
+	transport, algo    string
+	timeout            time.Duration
+}
+
+// errUsage marks flag errors (exit status 2).
+type errUsage struct{ msg string }
+
+func (e errUsage) Error() string { return e.msg }
+
+func usagef(format string, args ...any) error { return errUsage{fmt.Sprintf(format, args...)} }
+
+func parseFlags(args []string, stderr io.Writer) (config, error) {
+	fs := flag.NewFlagSet("allreduce-perf", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var (
+		c                      config
+		minS, maxS, dt, op     string
+		check                  int
+		factor                 int
+		transport, algo, bname string
+	)
+	fs.StringVar(&minS, "b", "4K", "minimum message size in bytes (suffixes K, M, G: powers of 1024)")
+	fs.StringVar(&maxS, "e", "64M", "maximum message size in bytes")
+	fs.IntVar(&factor, "f", 2, "size multiplication factor between steps (at least 2)")
+	fs.IntVar(&c.iters, "n", 20, "timed iterations per size")
+	fs.IntVar(&c.warmup, "w", 5, "warm-up iterations per size")
+	fs.IntVar(&check, "c", 1, "check results (1) or not (0)")
+	fs.StringVar(&dt, "d", "float32", "element type: float32, float64, int32, int64, bfloat16, float16")
+	fs.StringVar(&op, "op", "sum", "reduction: sum, avg, min, max, prod")
+	fs.StringVar(&bname, "backend", "gloo", "process group backend (\"store\": through the rendezvous store, slow, for checking)")
+	fs.IntVar(&c.nproc, "nproc", 0, "spawn this many local ranks on 127.0.0.1 (0: this process is one rank, from the environment)")
+	fs.BoolVar(&c.json, "json", false, "print one JSON object per size instead of the table")
+	fs.StringVar(&transport, "transport", "", "gloo transport: auto, tcp or unix (sets GODDP_GLOO_TRANSPORT)")
+	fs.StringVar(&algo, "algo", "", "gloo algorithm: auto, ring or direct (sets GODDP_GLOO_ALGO)")
+	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "collective and rendezvous timeout")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "usage: allreduce-perf [flags]\n\nnccl-tests style all-reduce benchmark; see the package doc.\n\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return c, err
+		}
+		return c, errUsage{err.Error()} // the flag package has printed the usage
+	}
+	if fs.NArg() > 0 {
+		return c, usagef("unexpected argument %q", fs.Arg(0))
+	}
+	var err error
+	if c.minBytes, err = parseSize(minS); err != nil {
+		return c, usagef("-b: %v", err)
+	}
+	if c.maxBytes, err = parseSize(maxS); err != nil {
+		return c, usagef("-e: %v", err)
+	}
+	if c.dtype, err = procgroup.ParseDType(strings.ToLower(dt)); err != nil {
+		return c, usagef("-d: %v", err)
+	}
+	if c.op, err = procgroup.ParseReduceOp(strings.ToLower(op)); err != nil {
+		return c, usagef("--op: %v", err)
+	}
+	switch {
+	case c.minBytes < int64(c.dtype.Size()):
+		return c, usagef("-b %s is smaller than one %s element (%d bytes)", minS, c.dtype, c.dtype.Size())
+	case c.maxBytes < c.minBytes:
+		return c, usagef("-e %s is smaller than -b %s", maxS, minS)
+	case factor < 2:
+		return c, usagef("-f %d: want at least 2", factor)
+	case c.iters < 1:
+		return c, usagef("-n %d: want at least 1", c.iters)
+	case c.warmup < 0:
+		return c, usagef("-w %d: want at least 0", c.warmup)
+	case check != 0 && check != 1:
+		return c, usagef("-c %d: want 0 or 1", check)
+	case c.nproc < 0:
+		return c, usagef("--nproc %d: want at least 0", c.nproc)
+	case c.timeout <= 0:
+		return c, usagef("--timeout %v: want a positive duration", c.timeout)
+	case bname == "":
+		return c, usagef("--backend: empty name")
+	}
+	if transport != "" && transport != "auto" && transport != "tcp" && transport != "unix" {
+		return c, usagef("--transport %q: want auto, tcp or unix", transport)
+	}
+	if algo != "" && algo != "auto" && algo != "ring" && algo != "direct" {
+		return c, usagef("--algo %q: want auto, ring or direct", algo)
+	}
+	c.factor, c.check, c.backend, c.transport, c.algo = int64(factor), check == 1, bname, transport, algo
+	return c, nil
+}
+
+// maxSize bounds -b and -e (1 TiB), far beyond any buffer this machine could hold, so that
+// the size loop cannot overflow.
+const maxSize = 1 << 40
+
+// parseSize reads "4096", "4K", "1M", "256MB", "1GiB" (binary multiples).
+func parseSize(s string) (int64, error) {
+	t := strings.ToUpper(strings.TrimSpace(s))
+	t = strings.TrimSuffix(strings.TrimSuffix(t, "B"), "I")
+	mult := int64(1)
+	if n := len(t); n > 0 {
+		switch t[n-1] {
+		case 'K':
+			mult = 1 << 10
+		case 'M':
+			mult = 1 << 20
+		case 'G':
+			mult = 1 << 30
+		case 'T':
+			mult = 1 << 40
+		}
+		if mult > 1 {
+			t = t[:n-1]
+		}
+	}
+	n, err := strconv.ParseInt(t, 10, 64)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("size %q: want a positive number of bytes, optionally with K, M or G", s)
+	}
+	if n > maxSize/mult {
+		return 0, fmt.Errorf("size %q exceeds 1 TiB", s)
+	}
+	return n * mult, nil
+}
+
+func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
+
+// run is main without os.Exit; it returns the exit status.
+func run(args []string, stdout, stderr io.Writer) int {
+	cfg, err := parseFlags(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "allreduce-perf: %v\n", err)
+		return 2
+	}
+	// The gloo backend reads these when the group is created (children inherit them).
+	if cfg.transport != "" {
+		os.Setenv("GODDP_GLOO_TRANSPORT", cfg.transport)
+	}
+	if cfg.algo != "" {
+		os.Setenv("GODDP_GLOO_ALGO", cfg.algo)
+	}
+	if _, err := procgroup.Lookup(cfg.backend); err != nil {
+		fmt.Fprintf(stderr, "allreduce-perf: --backend: %v (have %s)\n", err, strings.Join(procgroup.Backends(), ", "))
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if cfg.nproc > 0 && os.Getenv(childEnv) == "" {
+		return launch(ctx, cfg, args, stdout, stderr)
+	}
+	return runRank(ctx, cfg, stdout, stderr)
+}
+
+func newLogger(stderr io.Writer, rank int) *zap.Logger {
+	enc := zap.NewDevelopmentEncoderConfig()
+	core := zapcore.NewCore(zapcore.NewConsoleEncoder(enc), zapcore.AddSync(stderr), zapcore.WarnLevel)
+	return zap.New(core).With(zap.Int("rank", rank))
+}
+
+// runRank runs this process as one rank of the job its environment describes.
+func runRank(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
+	env, err := procgroup.InitFromEnv()
+	if err != nil {
+		fmt.Fprintf(stderr, "allreduce-perf: %v (or use --nproc N to start N local ranks)\n", err)
+		return 2
+	}
+	logger := newLogger(stderr, env.Rank)
+	fail := func(err error) int {
+		fmt.Fprintf(stderr, "allreduce-perf: rank %d: %v\n", env.Rank, err)
+		return 1
+	}
+	rctx, cancel := context.WithTimeout(ctx, cfg.timeout)
+	store, closer, err := procgroup.Rendezvous(rctx, env, logger)
+	if err != nil {
+		cancel()
+		return fail(err)
+	}
+	defer closer.Close()
+	token := env.Token
+	if token == "" {
+		token = procgroup.DevToken
+	}
+	pg, err := procgroup.New(rctx, cfg.backend, procgroup.Options{
+		Rank: env.Rank, Size: env.WorldSize, LocalRank: env.LocalRank, LocalSize: env.LocalWorldSize,
+		Store: procgroup.PrefixStore{Prefix: "allreduce-perf", Store: store}, Token: token,
+		Timeout: cfg.timeout, Logger: logger,
+	})
+	cancel()
+	if err != nil {
+		return fail(err)
+	}
+	var out reporter = nopReporter{}
+	if env.Rank == 0 {
+		out = newReporter(stdout, cfg, pg.Size())
+	}
+	out.header()
+	failed := false
+	err = bench(ctx, pg, cfg, func(r row) {
+		if r.Wrong != 0 {
+			failed = true
+		}
+		out.row(r)
+	})
+	if err != nil {
+		pg.Abort(err)
+		return fail(err)
+	}
+	if err := pg.Close(); err != nil {
+		return fail(err)
+	}
+	out.footer()
+	if failed {
+		if env.Rank == 0 {
+			fmt.Fprintln(stderr, "allreduce-perf: check FAILED: some results differ from the reference")
+		}
+		return 1
+	}
+	return 0
+}
+
+// row is one line of output.
+type row struct {
+	SizeBytes int64   `json:"size_bytes"`
+	Count     int     `json:"count"`
+	DType     string  `json:"dtype"`
+	Op        string  `json:"op"`
+	Ranks     int     `json:"nranks"`
+	TimeUS    float64 `json:"time_us"`
+	AlgBW     float64 `json:"algbw_gbs"`
+	BusBW     float64 `json:"busbw_gbs"`
+	OK        *bool   `json:"ok"`    // null when not checked (-c 0)
+	Wrong     int64   `json:"wrong"` // elements differing from the reference, over all ranks; -1 unchecked
+}
+
+type reporter interface {
+	header()
+	row(row)
+	footer()
+}
+
+type nopReporter struct{}
+
+func (nopReporter) header()        {}
+func (nopReporter) row(row)        {}
+func (nopReporter) footer()        {}
+func (nopReporter) String() string { return "" }
+
+type tableReporter struct {
+	w      io.Writer
+	cfg    config
+	ranks  int
+	json   bool
+	rows   int
+	sumBus float64
+	wrong  int64
+}
+
+func newReporter(w io.Writer, cfg config, ranks int) *tableReporter {
+	return &tableReporter{w: w, cfg: cfg, ranks: ranks, json: cfg.json}
+}
+
+func (t *tableReporter) header() {
+	if t.json {
+		return
+	}
+	check := 1
+	if !t.cfg.check {
+		check = 0
+	}
+	fmt.Fprintf(t.w, "# allreduce-perf: backend %s, %d ranks, dtype %s, op %s, -b %d -e %d -f %d -n %d -w %d -c %d\n",
+		t.cfg.backend, t.ranks, t.cfg.dtype, t.cfg.op, t.cfg.minBytes, t.cfg.maxBytes, t.cfg.factor, t.cfg.iters, t.cfg.warmup, check)
+	fmt.Fprintf(t.w, "#\n# %12s %12s %9s %6s %12s %10s %10s %8s\n", "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong")
+	fmt.Fprintf(t.w, "# %12s %12s %9s %6s %12s %10s %10s %8s\n", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "")
+}
+
+func (t *tableReporter) row(r row) {
+	t.rows++
+	t.sumBus += r.BusBW
+	if r.Wrong > 0 {
+		t.wrong += r.Wrong
+	}
+	if t.json {
+		b, _ := json.Marshal(r)
+		fmt.Fprintf(t.w, "%s\n", b)
+		return
+	}
+	wrong := "N/A"
+	if r.Wrong >= 0 {
+		wrong = strconv.FormatInt(r.Wrong, 10)
+	}
+	fmt.Fprintf(t.w, "  %12d %12d %9s %6s %12.2f %10.3f %10.3f %8s\n",
+		r.SizeBytes, r.Count, r.DType, r.Op, r.TimeUS, r.AlgBW, r.BusBW, wrong)
+}
+
+func (t *tableReporter) footer() {
+	if t.json {
+		return
+	}
+	verdict := "OK"
+	if t.wrong > 0 {
+		verdict = "FAILED"
+	}
+	if !t.cfg.check {
+		verdict = "not checked"
+	}
+	fmt.Fprintf(t.w, "# Out of bounds values : %d %s\n", t.wrong, verdict)
+	if t.rows > 0 {
+		fmt.Fprintf(t.w, "# Avg bus bandwidth    : %.3f\n", t.sumBus/float64(t.rows))
+	}
+}

@@ -1,0 +1,413 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func TestParseSize(t *testing.T) {
+	for in, want := range map[string]int64{
+		"1": 1, "4096": 4096, "4K": 4096, "4k": 4096, "4KB": 4096, "4KiB": 4096, "1M": 1 << 20,
+		"256M": 256 << 20, "1G": 1 << 30, " 2m ": 2 << 20, "1T": 1 << 40,
+	} {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "0", "-4K", "K", "4X", "1.5M", "2T", "99999999999999999999"} {
+		if got, err := parseSize(in); err == nil {
+			t.Errorf("parseSize(%q) = %d; want an error", in, got)
+		}
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	c, err := parseFlags(strings.Fields("-b 1K -e 1M -f 4 -n 3 -w 0 -c 0 -d bf16 --op max --backend store --nproc 3 --json --transport unix --algo ring"), &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := config{minBytes: 1024, maxBytes: 1 << 20, factor: 4, iters: 3, warmup: 0, check: false,
+		dtype: procgroup.BFloat16, op: procgroup.Max, backend: "store", nproc: 3, json: true,
+		transport: "unix", algo: "ring", timeout: 5 * time.Minute}
+	if c != want {
+		t.Fatalf("parseFlags =\n%+v\nwant\n%+v", c, want)
+	}
+	for _, args := range []string{
+		"-b 0", "-b 1 -d float32", "-b 1M -e 4K", "-f 1", "-n 0", "-w -1", "-c 2", "-d int8",
+		"--op mean", "--nproc -1", "--transport rdma", "--algo tree", "--bogus", "extra", "--timeout 0s", "-e lots",
+	} {
+		_, err := parseFlags(strings.Fields(args), &bytes.Buffer{})
+		var u errUsage
+		if !errors.As(err, &u) {
+			t.Errorf("parseFlags(%q) = %v; want a usage error", args, err)
+		}
+	}
+	if code := run([]string{"-f", "1"}, &bytes.Buffer{}, &bytes.Buffer{}); code != 2 {
+		t.Errorf("run with a bad flag: exit %d, want 2", code)
+	}
+	if code := run([]string{"-h"}, &bytes.Buffer{}, &bytes.Buffer{}); code != 0 {
+		t.Errorf("run -h: exit %d, want 0", code)
+	}
+}
+
+// newStoreGroups makes a world of store-backend groups whose ranks are goroutines.
+func newStoreGroups(t *testing.T, n int) []procgroup.ProcessGroup {
+	t.Helper()
+	st := procgroup.NewMemStore()
+	pgs := make([]procgroup.ProcessGroup, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for r := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			pgs[r], errs[r] = procgroup.New(context.Background(), "store", procgroup.Options{Rank: r, Size: n, Store: st})
+		}()
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return pgs
+}
+
+// benchAll runs bench on every rank and returns rank 0's rows.
+func benchAll(t *testing.T, pgs []procgroup.ProcessGroup, cfg config) []row {
+	t.Helper()
+	var rows []row
+	errs := make([]error, len(pgs))
+	var wg sync.WaitGroup
+	for r, pg := range pgs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[r] = bench(context.Background(), pg, cfg, func(x row) {
+				if r == 0 {
+					rows = append(rows, x)
+				}
+			})
+		}()
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	return rows
+}
+
+func TestBenchEveryTypeAndOp(t *testing.T) {
+	for _, world := range []int{1, 3} {
+		pgs := newStoreGroups(t, world)
+		for _, dt := range procgroup.DTypes {
+			for _, op := range procgroup.ReduceOps {
+				cfg := config{minBytes: 100, maxBytes: 1000, factor: 3, iters: 2, warmup: 1, check: true, dtype: dt, op: op}
+				rows := benchAll(t, pgs, cfg)
+				// 100, 300, 900 bytes, rounded down to whole elements.
+				if len(rows) != 3 {
+					t.Fatalf("world %d %v %v: %d rows, want 3", world, dt, op, len(rows))
+				}
+				for i, r := range rows {
+					size := int64(100 * math.Pow(3, float64(i)))
+					wantCount := int(size) / dt.Size()
+					if r.Count != wantCount || r.SizeBytes != int64(wantCount*dt.Size()) || r.DType != dt.String() || r.Ranks != world {
+						t.Errorf("world %d %v %v row %d: %+v; want count %d", world, dt, op, i, r, wantCount)
+					}
+					if r.Wrong != 0 || r.OK == nil || !*r.OK {
+						t.Errorf("world %d %v %v row %d: %d wrong elements", world, dt, op, i, r.Wrong)
+					}
+					wantBus := r.AlgBW * 2 * float64(world-1) / float64(world)
+					if r.TimeUS <= 0 || r.AlgBW <= 0 || math.Abs(r.BusBW-wantBus) > 1e-12 {
+						t.Errorf("row %+v: time/bandwidth inconsistent (busbw want %g)", r, wantBus)
+					}
+				}
+			}
+		}
+		for _, pg := range pgs {
+			pg.Close()
+		}
+	}
+}
+
+// verify must catch a wrong element, for every type and op.
+func TestVerifyDetectsCorruption(t *testing.T) {
+	const world, bytes = 3, 96
+	pgs := newStoreGroups(t, world)
+	defer func() {
+		for _, pg := range pgs {
+			pg.Close()
+		}
+	}()
+	for _, dt := range procgroup.DTypes {
+		for _, op := range procgroup.ReduceOps {
+			count := bytes / dt.Size()
+			bufs := make([]any, world)
+			var wg sync.WaitGroup
+			for r := range world {
+				bufs[r] = newBuf(dt, count)
+				fill(bufs[r], newGen(r, world, bytes, dt, op))
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					if err := pgs[r].AllReduce(context.Background(), bufs[r], op).Wait(context.Background()); err != nil {
+						t.Error(err)
+					}
+				}()
+			}
+			wg.Wait()
+			if w := verify(bufs[1], world, bytes, dt, op); w != 0 {
+				t.Fatalf("%v %v: %d wrong in a correct result", dt, op, w)
+			}
+			// Corrupt two elements: a small relative change and a sign flip.
+			vals := make([]float64, count)
+			load(vals, bufs[1], 0)
+			vals[3] = vals[3]*1.05 + 1
+			vals[count-1] = -vals[count-1] - 1
+			store(bufs[1], vals)
+			if w := verify(bufs[1], world, bytes, dt, op); w != 2 {
+				t.Errorf("%v %v: verify found %d wrong elements, want 2", dt, op, w)
+			}
+			// A rank whose data came from another seed is wrong too.
+			if w := verify(bufs[2], world, bytes+1, dt, op); w == 0 {
+				t.Errorf("%v %v: verify against another size's data found nothing wrong", dt, op)
+			}
+		}
+	}
+}
+
+func TestReporter(t *testing.T) {
+	ok, bad := true, false
+	rows := []row{
+		{SizeBytes: 4096, Count: 1024, DType: "float32", Op: "sum", Ranks: 2, TimeUS: 10, AlgBW: 0.4096, BusBW: 0.4096, OK: &ok},
+		{SizeBytes: 8192, Count: 2048, DType: "float32", Op: "sum", Ranks: 2, TimeUS: 20, AlgBW: 0.4096, BusBW: 0.4096, OK: &bad, Wrong: 3},
+	}
+	var table bytes.Buffer
+	rep := newReporter(&table, config{check: true, backend: "gloo", dtype: procgroup.Float32, op: procgroup.Sum}, 2)
+	rep.header()
+	for _, r := range rows {
+		rep.row(r)
+	}
+	rep.footer()
+	lines := strings.Split(strings.TrimSpace(table.String()), "\n")
+	var data []string
+	for _, l := range lines {
+		if !strings.HasPrefix(l, "#") {
+			data = append(data, l)
+		}
+	}
+	if len(data) != 2 || !strings.Contains(table.String(), "Out of bounds values : 3 FAILED") {
+		t.Fatalf("table:\n%s", table.String())
+	}
+	if f := strings.Fields(data[1]); len(f) != 8 || f[0] != "8192" || f[1] != "2048" || f[4] != "20.00" || f[7] != "3" {
+		t.Errorf("row fields %q", f)
+	}
+
+	var js bytes.Buffer
+	rep = newReporter(&js, config{json: true}, 2)
+	rep.header()
+	for _, r := range rows {
+		rep.row(r)
+	}
+	rep.footer()
+	jl := strings.Split(strings.TrimSpace(js.String()), "\n")
+	if len(jl) != 2 {
+		t.Fatalf("JSON output has %d lines:\n%s", len(jl), js.String())
+	}
+	var m map[string]any
+	if err := json.Unmarshal([]byte(jl[1]), &m); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"size_bytes", "count", "dtype", "time_us", "algbw_gbs", "busbw_gbs", "ok"} {
+		if _, found := m[k]; !found {
+			t.Errorf("JSON object lacks %q: %s", k, jl[1])
+		}
+	}
+	if m["ok"] != false || m["size_bytes"] != 8192.0 {
+		t.Errorf("JSON object %s", jl[1])
+	}
+}
+
+// buildCommand builds allreduce-perf into a temporary directory, with the test hooks, and
+// without gloo when gloo does not build (yet); it reports whether gloo is in.
+func buildCommand(t *testing.T) (string, bool) {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("builds the command: skipped with -short")
+	}
+	bin := filepath.Join(t.TempDir(), "allreduce-perf")
+	build := func(tags string) error {
+		out, err := exec.Command("go", "build", "-tags", tags, "-o", bin, ".").CombinedOutput()
+		if err != nil {
+			return fmt.Errorf("%v\n%s", err, out)
+		}
+		return nil
+	}
+	if err := build("allreduceperf_testhooks"); err == nil {
+		return bin, true
+	} else {
+		t.Logf("building with gloo failed, testing the store backend only: %v", err)
+	}
+	if err := build("allreduceperf_testhooks,allreduceperf_nogloo"); err != nil {
+		t.Fatal(err)
+	}
+	return bin, false
+}
+
+// runCommand runs the binary with a marker in its environment and checks, once it has
+// exited, that no process carrying the marker (a rank) is left.
+func runCommand(t *testing.T, bin string, extraEnv []string, args ...string) (stdout, stderr string, code int) {
+	t.Helper()
+	marker := fmt.Sprintf("GODDP_PERF_TEST_MARKER=%d-%d", os.Getpid(), time.Now().UnixNano())
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Env = append(append(os.Environ(), marker), extraEnv...)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+	case errors.As(err, &ee):
+		code = ee.ExitCode()
+	default:
+		t.Fatalf("run %v: %v", args, err)
+	}
+	if left := processesWith(marker); len(left) > 0 {
+		t.Errorf("processes left behind after %v: %v", args, left)
+	}
+	return out.String(), errb.String(), code
+}
+
+// processesWith lists the pids whose environment holds kv (Linux /proc; none elsewhere).
+func processesWith(kv string) []int {
+	entries, _ := os.ReadDir("/proc")
+	var pids []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
+		if err != nil {
+			continue
+		}
+		for _, v := range bytes.Split(env, []byte{0}) {
+			if string(v) == kv {
+				pids = append(pids, pid)
+				break
+			}
+		}
+	}
+	return pids
+}
+
+func dataRows(out string) [][]string {
+	var rows [][]string
+	for _, l := range strings.Split(out, "\n") {
+		if l = strings.TrimSpace(l); l != "" && !strings.HasPrefix(l, "#") {
+			rows = append(rows, strings.Fields(l))
+		}
+	}
+	return rows
+}
+
+func TestCommandEndToEnd(t *testing.T) {
+	bin, haveGloo := buildCommand(t)
+	backends := []string{"store"}
+	if haveGloo {
+		backends = append(backends, "gloo")
+	}
+	for _, backend := range backends {
+		t.Run(backend, func(t *testing.T) {
+			stdout, stderr, code := runCommand(t, bin, nil, "--nproc", "2", "-b", "4K", "-e", "64K", "-n", "2", "-w", "1", "--backend", backend)
+			if code != 0 {
+				t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+			}
+			rows := dataRows(stdout)
+			if len(rows) != 5 {
+				t.Fatalf("%d rows, want 5 (4K..64K):\n%s", len(rows), stdout)
+			}
+			for i, f := range rows {
+				size := 4096 << i
+				if len(f) != 8 || f[0] != strconv.Itoa(size) || f[1] != strconv.Itoa(size/4) || f[2] != "float32" || f[7] != "0" {
+					t.Errorf("row %d: %q", i, f)
+				}
+			}
+			if !strings.Contains(stdout, "Out of bounds values : 0 OK") {
+				t.Errorf("no OK verdict:\n%s", stdout)
+			}
+
+			stdout, stderr, code = runCommand(t, bin, nil, "--nproc", "3", "-b", "1K", "-e", "4K", "-n", "1", "-w", "0", "-d", "bf16", "--op", "avg", "--json", "--backend", backend)
+			if code != 0 {
+				t.Fatalf("--json: exit %d\n%s\n%s", code, stdout, stderr)
+			}
+			lines := strings.Split(strings.TrimSpace(stdout), "\n")
+			if len(lines) != 3 {
+				t.Fatalf("--json: %d lines, want 3:\n%s", len(lines), stdout)
+			}
+			for i, l := range lines {
+				var r row
+				if err := json.Unmarshal([]byte(l), &r); err != nil {
+					t.Fatalf("line %q: %v", l, err)
+				}
+				if r.SizeBytes != int64(1024<<i) || r.DType != "bfloat16" || r.Ranks != 3 || r.OK == nil || !*r.OK {
+					t.Errorf("line %d: %+v", i, r)
+				}
+			}
+		})
+	}
+}
+
+func TestCommandRankDies(t *testing.T) {
+	bin, _ := buildCommand(t)
+	// Rank 1 exits (status 7) after its 3rd all-reduce; rank 0 waits for it in the next
+	// one, and the launcher must kill it and fail.
+	stdout, stderr, code := runCommand(t, bin, []string{"GODDP_ALLREDUCE_PERF_TEST_EXIT=1:3"},
+		"--nproc", "3", "-b", "4K", "-e", "16K", "-n", "2", "-w", "1", "--backend", "store")
+	if code != 7 {
+		t.Fatalf("exit %d, want 7 (the dead rank's)\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	if !strings.Contains(stderr, "rank 1 failed") {
+		t.Errorf("stderr does not name the failed rank:\n%s", stderr)
+	}
+}
+
+func TestCommandBadFlags(t *testing.T) {
+	bin, _ := buildCommand(t)
+	for _, args := range [][]string{{"-b", "lots"}, {"--nproc", "2", "--op", "mean"}, {"--nproc", "2", "--backend", "nope"}} {
+		_, stderr, code := runCommand(t, bin, nil, args...)
+		if code != 2 || !strings.Contains(stderr, "allreduce-perf:") {
+			t.Errorf("%v: exit %d, want 2; stderr:\n%s", args, code, stderr)
+		}
+	}
+	// No --nproc and no rank in the environment.
+	cmd := exec.Command(bin, "--backend", "store")
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != 2 || !strings.Contains(string(out), "RANK") {
+		t.Errorf("without a rank: %v\n%s", err, out)
+	}
+}

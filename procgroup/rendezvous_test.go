@@ -1,0 +1,166 @@
+package procgroup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// rendezvousAll runs Rendezvous for every rank of a world of n, concurrently, on
+// 127.0.0.1:port.
+func rendezvousAll(t *testing.T, n int, token string, logger *zap.Logger) ([]Store, []io.Closer) {
+	t.Helper()
+	port := freePort(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	stores := make([]Store, n)
+	closers := make([]io.Closer, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for r := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			env := Env{Rank: r, WorldSize: n, LocalRank: r, LocalWorldSize: n,
+				MasterAddr: "127.0.0.1", MasterPort: port, Token: token, Source: "torchrun"}
+			stores[r], closers[r], errs[r] = Rendezvous(ctx, env, logger)
+		}()
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: Rendezvous: %v", r, err)
+		}
+	}
+	return stores, closers
+}
+
+func TestRendezvousRankZeroHostsStore(t *testing.T) {
+	const n = 3
+	stores, closers := rendezvousAll(t, n, testToken, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+
+	// Every rank publishes its address and reads every other one.
+	for r, st := range stores {
+		if err := st.Set(ctx, fmt.Sprintf("addr/%d", r), []byte(fmt.Sprintf("host-%d", r))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for r, st := range stores {
+		for p := range n {
+			v, err := st.Get(ctx, fmt.Sprintf("addr/%d", p))
+			if err != nil || string(v) != fmt.Sprintf("host-%d", p) {
+				t.Fatalf("rank %d reads addr/%d = %q, %v", r, p, v, err)
+			}
+		}
+	}
+
+	// Rank 0 closes first: its closer must keep the server up until ranks 1 and 2 have
+	// released it, so they can still use the store meanwhile.
+	closed0 := make(chan error, 1)
+	go func() { closed0 <- closers[0].Close() }()
+	for r := 1; r < n; r++ {
+		if n, err := stores[r].Add(ctx, "after-rank0-close", 1); err != nil || n != int64(r) {
+			t.Fatalf("rank %d: Add after rank 0 began closing = %d, %v", r, n, err)
+		}
+	}
+	select {
+	case err := <-closed0:
+		t.Fatalf("rank 0's closer returned (%v) before the others released the store", err)
+	default:
+	}
+	for r := 1; r < n; r++ {
+		if err := closers[r].Close(); err != nil {
+			t.Fatalf("rank %d: Close: %v", r, err)
+		}
+	}
+	if err := <-closed0; err != nil {
+		t.Fatalf("rank 0: Close: %v", err)
+	}
+	if err := closers[0].Close(); err != nil {
+		t.Fatalf("rank 0: second Close: %v", err)
+	}
+	if err := stores[1].Set(ctx, "k", nil); !errors.Is(err, ErrStoreClosed) {
+		t.Fatalf("Set after Close: %v; want ErrStoreClosed", err)
+	}
+}
+
+// A rank that never releases the store delays rank 0's closer only by the timeout.
+func TestRendezvousCloseTimeout(t *testing.T) {
+	old := rendezvousCloseTimeout
+	rendezvousCloseTimeout = 200 * time.Millisecond
+	defer func() { rendezvousCloseTimeout = old }()
+
+	core, logs := observer.New(zap.WarnLevel)
+	stores, closers := rendezvousAll(t, 2, "", zap.New(core))
+	_ = stores
+	if err := closers[0].Close(); err != nil {
+		t.Fatalf("rank 0: Close: %v", err)
+	}
+	if logs.FilterMessage("rendezvous: stopping the store before every rank released it").Len() != 1 {
+		t.Errorf("no warning about the rank that did not release the store; logs: %v", logs.All())
+	}
+	// Both ranks used the development token, and warned about it.
+	if n := logs.FilterMessageSnippet("development token").Len(); n != 2 {
+		t.Errorf("%d development-token warnings, want 2", n)
+	}
+	// Rank 1's closer still returns (the server is gone: its release fails).
+	if err := closers[1].Close(); err == nil {
+		t.Error("rank 1: Close after the server stopped reported no error")
+	}
+}
+
+func TestRendezvousLauncherStore(t *testing.T) {
+	s := startServer(t, StoreServerOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	env := Env{Rank: 1, WorldSize: 2, LocalWorldSize: 2, LocalRank: 1, StoreAddr: s.Addr(), Token: testToken, Source: "torchrun"}
+	st, closer, err := Rendezvous(ctx, env, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := st.Add(ctx, "x", 3); err != nil || n != 3 {
+		t.Fatalf("Add = %d, %v", n, err)
+	}
+	if err := closer.Close(); err != nil {
+		t.Fatal(err)
+	}
+	// The launcher's store is untouched by the rank's closer.
+	other := dial(t, s.Addr(), testToken)
+	if v, err := other.Get(ctx, "x"); err != nil || string(v) != "3" {
+		t.Fatalf("launcher store after rank's Close: %q, %v", v, err)
+	}
+
+	env.Token = "wrong"
+	if _, _, err := Rendezvous(ctx, env, nil); err == nil {
+		t.Fatal("Rendezvous with a wrong token succeeded")
+	}
+}
+
+func TestRendezvousBadEnv(t *testing.T) {
+	ctx := context.Background()
+	for _, env := range []Env{
+		{Rank: 0, WorldSize: 1},
+		{Rank: 0, WorldSize: 1, MasterAddr: "127.0.0.1", MasterPort: 0},
+	} {
+		if _, _, err := Rendezvous(ctx, env, nil); !errors.Is(err, ErrInvalidArgument) {
+			t.Errorf("Rendezvous(%+v): %v; want ErrInvalidArgument", env, err)
+		}
+	}
+	// The port is taken: rank 0 cannot host the store.
+	s := startServer(t, StoreServerOptions{})
+	port := s.lis.Addr().(*net.TCPAddr).Port
+	env := Env{Rank: 0, WorldSize: 1, LocalWorldSize: 1, MasterAddr: "127.0.0.1", MasterPort: port}
+	if _, _, err := Rendezvous(ctx, env, nil); err == nil {
+		t.Error("Rendezvous on a taken port succeeded")
+	}
+}
