@@ -1,0 +1,587 @@
+package gloo
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/goddp/goddp/internal/kernels"
+	"github.com/goddp/goddp/procgroup"
+)
+
+// run executes one collective on the worker goroutine.
+func (g *group) run(o *op) error {
+	if err := o.ctx.Err(); err != nil {
+		return err
+	}
+	n := g.size
+	if (o.kind == opAllReduce || o.kind == opReduceScatter) && n > 1 && (o.dt == procgroup.BFloat16 || o.dt == procgroup.Float16) {
+		return g.runWide(o)
+	}
+	switch o.kind {
+	case opAllReduce:
+		if n == 1 || len(o.buf) == 0 {
+			return nil
+		}
+		if g.useDirect(len(o.buf)) {
+			return g.directAllReduce(o)
+		}
+		es := o.dt.Size()
+		g.setChunks(len(o.buf)/es, es)
+		seq := uint32(o.seq)
+		if err := g.ringReduceScatter(o, seq, o.buf, true); err != nil {
+			return err
+		}
+		if err := g.ringAllGather(seq, o.buf, true); err != nil {
+			return err
+		}
+		return g.waitSends()
+	case opBroadcast:
+		if n == 1 || len(o.buf) == 0 {
+			return nil
+		}
+		return g.broadcast(o)
+	case opAllGather:
+		copy(o.buf[g.rank*len(o.in):], o.in)
+		if n == 1 || len(o.in) == 0 {
+			return nil
+		}
+		if g.useDirect(len(o.buf)) {
+			return g.directAllGather(o)
+		}
+		g.setBlocks(len(o.in))
+		if err := g.ringAllGather(uint32(o.seq), o.buf, false); err != nil {
+			return err
+		}
+		return g.waitSends()
+	case opReduceScatter:
+		if n == 1 {
+			copy(o.buf, o.in)
+			return nil
+		}
+		if len(o.buf) == 0 {
+			return nil
+		}
+		if g.useDirect(len(o.in)) {
+			return g.directReduceScatter(o)
+		}
+		w := g.scratch(len(o.in))
+		copy(w, o.in)
+		g.setBlocks(len(o.buf))
+		if err := g.ringReduceScatter(o, uint32(o.seq), w, false); err != nil {
+			return err
+		}
+		if err := g.waitSends(); err != nil {
+			return err
+		}
+		copy(o.buf, w[g.offs[g.rank]:g.offs[g.rank+1]])
+		return nil
+	case opBarrier:
+		if n == 1 {
+			return nil
+		}
+		for j := 1; j < n; j++ {
+			if err := g.sendInline(g.peers[(g.rank+j)%n], uint32(o.seq), nil); err != nil {
+				return err
+			}
+		}
+		for j := 1; j < n; j++ {
+			if err := g.recv(g.peers[(g.rank+n-j)%n], uint32(o.seq), nil); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return fmt.Errorf("%w: op %d", procgroup.ErrInvalidArgument, o.kind)
+}
+
+// runWide runs a 16-bit reduction in float32: the buffers are widened into scratch, reduced
+// as float32 (on the wire too) and rounded once at the end, so the result is the float32
+// reduction correctly rounded, whatever the world size and algorithm.
+func (g *group) runWide(o *op) error {
+	w := &g.wideOp
+	*w = *o
+	w.dt = procgroup.Float32
+	if cap(g.wideBuf) < 2*len(o.buf) {
+		g.wideBuf = kernels.Aligned(2 * len(o.buf))
+	}
+	w.buf = g.wideBuf[:2*len(o.buf)]
+	if o.kind == opReduceScatter {
+		if cap(g.wideIn) < 2*len(o.in) {
+			g.wideIn = kernels.Aligned(2 * len(o.in))
+		}
+		w.in = g.wideIn[:2*len(o.in)]
+		kernels.Widen(o.dt, w.in, o.in)
+	} else {
+		kernels.Widen(o.dt, w.buf, o.buf)
+	}
+	err := g.run(w)
+	if err == nil {
+		kernels.Narrow(o.dt, o.buf, w.buf)
+	}
+	*w = op{}
+	return err
+}
+
+func (g *group) useDirect(bytes int) bool {
+	switch g.cfg.Algorithm {
+	case AlgoDirect:
+		return true
+	case AlgoRing:
+		return false
+	}
+	return bytes <= g.cfg.DirectMaxBytes
+}
+
+// setChunks splits count elements of es bytes into size balanced chunks (byte offsets).
+func (g *group) setChunks(count, es int) {
+	for i := 0; i <= g.size; i++ {
+		g.offs[i] = i * count / g.size * es
+	}
+}
+
+// setBlocks splits a buffer into size blocks of blk bytes.
+func (g *group) setBlocks(blk int) {
+	for i := 0; i <= g.size; i++ {
+		g.offs[i] = i * blk
+	}
+}
+
+func (g *group) chunk(buf []byte, c int) []byte {
+	c = ((c % g.size) + g.size) % g.size
+	return buf[g.offs[c]:g.offs[c+1]]
+}
+
+func (g *group) scratch(n int) []byte {
+	if cap(g.acc) < n {
+		g.acc = kernels.Aligned(n)
+	}
+	return g.acc[:n]
+}
+
+// segLen is the length of the segment at offset a of a region of n bytes.
+func (g *group) segLen(n, a int) int { return min(g.cfg.SegmentSize, n-a) }
+
+// Note [Ring]: rank r ends the reduce-scatter owning chunk r. At step s (0 ≤ s < n-1) it
+// sends chunk r-1-s to r+1 and receives chunk r-2-s from r-1, reducing it into its own copy;
+// the chunk it sends at step s+1 is the one it just reduced, so every reduced segment is
+// queued for sending at once (the pipeline). The all-gather then circulates the owned
+// chunks: at step s rank r sends chunk r-s and receives chunk r-1-s in place. Chunks are
+// reduced by one chain and then copied, so every rank ends with identical bits.
+//
+// The all-gather receives into chunks the reduce-scatter sent from; each such receive first
+// waits until the writer has written that segment (by the data flow it almost always has:
+// the bytes arriving depend on the peers having read it, but the writer's goroutine may not
+// have returned from the write yet). Every collective ends with waitSends.
+
+// ringReduceScatter runs the reduce-scatter half over w with chunk offsets g.offs. With
+// forward, each finished segment of the owned chunk is queued as step 0 of the all-gather.
+func (g *group) ringReduceScatter(o *op, seq uint32, w []byte, forward bool) error {
+	n, r := g.size, g.rank
+	next, prev := g.peers[(r+1)%n], g.peers[(r+n-1)%n]
+	g.marks[0] = next.issued
+	first := g.chunk(w, r-1)
+	for a := 0; a < len(first); a += g.segLen(len(first), a) {
+		next.enqueue(seq, first[a:a+g.segLen(len(first), a)])
+	}
+	for s := 0; s < n-1; s++ {
+		c := g.chunk(w, r-2-s)
+		last := s == n-2
+		if !last {
+			g.marks[s+1] = next.issued
+		}
+		for a := 0; a < len(c); {
+			l := g.segLen(len(c), a)
+			seg := c[a : a+l]
+			tmp := g.tmp[:l]
+			if err := g.recv(prev, seq, tmp); err != nil {
+				return err
+			}
+			kernels.Reduce(o.dt, o.rop, seg, tmp)
+			if last && o.rop == procgroup.Avg {
+				kernels.Divide(o.dt, seg, n)
+			}
+			if !last || forward {
+				next.enqueue(seq, seg)
+			}
+			a += l
+		}
+	}
+	return nil
+}
+
+// ringAllGather circulates chunks g.offs of w; rank r starts owning chunk r. With
+// queued, the owned chunk's sends were already queued by ringReduceScatter, whose step
+// marks (g.marks) it uses.
+func (g *group) ringAllGather(seq uint32, w []byte, queued bool) error {
+	n, r := g.size, g.rank
+	next, prev := g.peers[(r+1)%n], g.peers[(r+n-1)%n]
+	if !queued {
+		own := g.chunk(w, r)
+		for a := 0; a < len(own); a += g.segLen(len(own), a) {
+			next.enqueue(seq, own[a:a+g.segLen(len(own), a)])
+		}
+	}
+	for s := 0; s < n-1; s++ {
+		c := g.chunk(w, r-1-s)
+		for a, j := 0, 0; a < len(c); j++ {
+			l := g.segLen(len(c), a)
+			seg := c[a : a+l]
+			if queued {
+				// After a reduce-scatter, chunk r-1-s went out at its step s, and that
+				// send must be written before the chunk is overwritten (Note [Ring]).
+				if err := g.waitDone(next, g.marks[s]+j+1); err != nil {
+					return err
+				}
+			}
+			if err := g.recv(prev, seq, seg); err != nil {
+				return err
+			}
+			if s < n-2 {
+				next.enqueue(seq, seg)
+			}
+			a += l
+		}
+	}
+	return nil
+}
+
+// sendAll sends data to p as segments: inline when small, else through p's writer.
+func (g *group) sendAll(p *peer, seq uint32, data []byte) error {
+	if len(data) <= g.cfg.InlineMaxBytes {
+		return g.sendInline(p, seq, data)
+	}
+	for a := 0; a < len(data); a += g.segLen(len(data), a) {
+		p.enqueue(seq, data[a:a+g.segLen(len(data), a)])
+	}
+	return nil
+}
+
+// recvAll receives len(dst) bytes from p, segmented as sendAll sends them.
+func (g *group) recvAll(p *peer, seq uint32, dst []byte) error {
+	if len(dst) <= g.cfg.InlineMaxBytes {
+		return g.recv(p, seq, dst)
+	}
+	for a := 0; a < len(dst); a += g.segLen(len(dst), a) {
+		if err := g.recv(p, seq, dst[a:a+g.segLen(len(dst), a)]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// directAllReduce: every rank sends its buffer to every other and reduces all n buffers in
+// rank order (so every rank computes the same bits).
+func (g *group) directAllReduce(o *op) error {
+	n, r, seq := g.size, g.rank, uint32(o.seq)
+	for j := 1; j < n; j++ {
+		if err := g.sendAll(g.peers[(r+j)%n], seq, o.buf); err != nil {
+			return err
+		}
+	}
+	acc := g.scratch(len(o.buf))
+	for j := 0; j < n; j++ {
+		if j == r {
+			if j == 0 {
+				copy(acc, o.buf)
+			} else {
+				kernels.Reduce(o.dt, o.rop, acc, o.buf)
+			}
+			continue
+		}
+		if j == 0 {
+			if err := g.recvAll(g.peers[j], seq, acc); err != nil {
+				return err
+			}
+			continue
+		}
+		for a := 0; a < len(acc); {
+			l := g.segLen(len(acc), a) // as sendAll splits (InlineMaxBytes ≤ SegmentSize)
+			tmp := g.tmp[:l]
+			if err := g.recv(g.peers[j], seq, tmp); err != nil {
+				return err
+			}
+			kernels.Reduce(o.dt, o.rop, acc[a:a+l], tmp)
+			a += l
+		}
+	}
+	if err := g.waitSends(); err != nil {
+		return err
+	}
+	copy(o.buf, acc)
+	if o.rop == procgroup.Avg {
+		kernels.Divide(o.dt, o.buf, n)
+	}
+	return nil
+}
+
+func (g *group) directAllGather(o *op) error {
+	n, r, seq := g.size, g.rank, uint32(o.seq)
+	blk := len(o.in)
+	own := o.buf[r*blk : (r+1)*blk]
+	for j := 1; j < n; j++ {
+		if err := g.sendAll(g.peers[(r+j)%n], seq, own); err != nil {
+			return err
+		}
+	}
+	for j := 1; j < n; j++ {
+		src := (r + n - j) % n
+		if err := g.recvAll(g.peers[src], seq, o.buf[src*blk:(src+1)*blk]); err != nil {
+			return err
+		}
+	}
+	return g.waitSends()
+}
+
+func (g *group) directReduceScatter(o *op) error {
+	n, r, seq := g.size, g.rank, uint32(o.seq)
+	blk := len(o.buf)
+	for j := 1; j < n; j++ {
+		d := (r + j) % n
+		if err := g.sendAll(g.peers[d], seq, o.in[d*blk:(d+1)*blk]); err != nil {
+			return err
+		}
+	}
+	acc := g.scratch(blk)
+	for j := 0; j < n; j++ {
+		if j == r {
+			if j == 0 {
+				copy(acc, o.in[r*blk:(r+1)*blk])
+			} else {
+				kernels.Reduce(o.dt, o.rop, acc, o.in[r*blk:(r+1)*blk])
+			}
+			continue
+		}
+		if j == 0 {
+			if err := g.recvAll(g.peers[j], seq, acc); err != nil {
+				return err
+			}
+			continue
+		}
+		for a := 0; a < blk; {
+			l := g.segLen(blk, a)
+			if err := g.recv(g.peers[j], seq, g.tmp[:l]); err != nil {
+				return err
+			}
+			kernels.Reduce(o.dt, o.rop, acc[a:a+l], g.tmp[:l])
+			a += l
+		}
+	}
+	if err := g.waitSends(); err != nil {
+		return err
+	}
+	copy(o.buf, acc)
+	if o.rop == procgroup.Avg {
+		kernels.Divide(o.dt, o.buf, n)
+	}
+	return nil
+}
+
+// broadcast: direct from the root for small messages, else a pipelined chain
+// root → root+1 → … → root-1.
+func (g *group) broadcast(o *op) error {
+	n, r, seq := g.size, g.rank, uint32(o.seq)
+	if g.useDirect(len(o.buf)) {
+		if r == o.root {
+			for j := 1; j < n; j++ {
+				if err := g.sendAll(g.peers[(r+j)%n], seq, o.buf); err != nil {
+					return err
+				}
+			}
+			return g.waitSends()
+		}
+		return g.recvAll(g.peers[o.root], seq, o.buf)
+	}
+	v := (r - o.root + n) % n
+	var next *peer
+	if v < n-1 {
+		next = g.peers[(r+1)%n]
+	}
+	if v == 0 {
+		for a := 0; a < len(o.buf); a += g.segLen(len(o.buf), a) {
+			next.enqueue(seq, o.buf[a:a+g.segLen(len(o.buf), a)])
+		}
+		return g.waitSends()
+	}
+	prev := g.peers[(r+n-1)%n]
+	for a := 0; a < len(o.buf); {
+		l := g.segLen(len(o.buf), a)
+		seg := o.buf[a : a+l]
+		if err := g.recv(prev, seq, seg); err != nil {
+			return err
+		}
+		if next != nil {
+			next.enqueue(seq, seg)
+		}
+		a += l
+	}
+	return g.waitSends()
+}
+
+// sendInline writes one frame to p from the worker goroutine: Note [Inline writes].
+func (g *group) sendInline(p *peer, seq uint32, data []byte) error {
+	b := g.sendBuf[:frameHeaderLen+len(data)]
+	putHeader(b, kindData, seq, len(data))
+	copy(b[frameHeaderLen:], data)
+	p.wmu.Lock()
+	_, err := p.conn.Write(b)
+	p.wmu.Unlock()
+	if err != nil {
+		return g.lostErr(p, err)
+	}
+	return nil
+}
+
+// recv reads one data frame of exactly len(dst) bytes for collective seq from p. A small
+// frame is read with its header in one read call when the bytes are there.
+func (g *group) recv(p *peer, seq uint32, dst []byte) error {
+	now := time.Now()
+	if p.deadline.Sub(now) < g.cfg.PollInterval/2 {
+		p.deadline = now.Add(g.cfg.PollInterval)
+		p.conn.SetReadDeadline(p.deadline)
+	}
+	small := len(dst) <= g.cfg.InlineMaxBytes
+	b := p.hdr[:]
+	if small {
+		b = p.rbuf[:frameHeaderLen+len(dst)]
+	}
+	n, err := g.readAtLeast(p, b, frameHeaderLen)
+	if err != nil {
+		return err
+	}
+	h, err := parseHeader(b)
+	if err != nil {
+		return fmt.Errorf("from rank %d: %w", p.rank, err)
+	}
+	if h.kind == kindAbort {
+		ab := p.abortBuf[:h.len]
+		got := copy(ab, b[frameHeaderLen:n])
+		if _, err := g.readAtLeast(p, ab[got:], len(ab)-got); err != nil {
+			return err
+		}
+		lost, reason, err := parseAbort(ab, g.size)
+		if err != nil {
+			return fmt.Errorf("from rank %d: %w", p.rank, err)
+		}
+		if lost >= 0 {
+			return &PeerLostError{Rank: lost, Host: g.hosts[lost], Reporter: p.rank, Err: errors.New(reason)}
+		}
+		return fmt.Errorf("%w by rank %d: %s", procgroup.ErrAborted, p.rank, reason)
+	}
+	if h.seq != seq || h.len != uint64(len(dst)) {
+		return fmt.Errorf("%w: rank %d sent %d bytes for collective #%d, this rank expects %d bytes for #%d (ranks issued different collectives?)",
+			procgroup.ErrInvalidArgument, p.rank, h.len, h.seq, len(dst), seq)
+	}
+	if !small {
+		_, err := g.readAtLeast(p, dst, len(dst))
+		return err
+	}
+	if _, err := g.readAtLeast(p, b[n:], len(b)-n); err != nil {
+		return err
+	}
+	copy(dst, b[frameHeaderLen:])
+	return nil
+}
+
+// readAtLeast reads from p into b until at least min bytes have come, and returns how
+// many did. Note [Stalls]: reads carry a deadline PollInterval ahead; when it passes, the
+// worker checks for abort, ctx, the collective's timeout and probes every other peer's
+// connection, so a dead peer is named within about one PollInterval even when this rank is
+// blocked on a different one.
+func (g *group) readAtLeast(p *peer, b []byte, min int) (int, error) {
+	n := 0
+	for n < min {
+		m, err := p.conn.Read(b[n:])
+		n += m
+		if err == nil {
+			continue
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			if err := g.stalled(); err != nil {
+				return n, err
+			}
+			p.deadline = time.Now().Add(g.cfg.PollInterval)
+			p.conn.SetReadDeadline(p.deadline)
+			continue
+		}
+		return n, g.lostErr(p, err)
+	}
+	return n, nil
+}
+
+// stalled runs the checks of Note [Stalls].
+func (g *group) stalled() error {
+	select {
+	case <-g.aborted:
+		return g.abortErr
+	default:
+	}
+	if o := g.cur; o != nil {
+		if err := o.ctx.Err(); err != nil {
+			return err
+		}
+		if time.Now().After(o.deadline) {
+			return fmt.Errorf("%w after %v", procgroup.ErrTimeout, g.opts.Timeout)
+		}
+	}
+	for _, q := range g.peers {
+		if q == nil {
+			continue
+		}
+		if ok, err := q.alive(); !ok {
+			return g.lostErr(q, err)
+		}
+	}
+	return nil
+}
+
+// lostErr turns an I/O error on p into the error to report: the abort cause if the group
+// was aborted meanwhile (its connections were closed under us), else p's loss.
+func (g *group) lostErr(p *peer, err error) error {
+	select {
+	case <-g.aborted:
+		return g.abortErr
+	default:
+	}
+	return &PeerLostError{Rank: p.rank, Host: g.hosts[p.rank], Reporter: g.rank, Err: err}
+}
+
+// waitSends waits until every peer's writer has written everything queued.
+func (g *group) waitSends() error {
+	for _, p := range g.peers {
+		if p != nil {
+			if err := g.waitDone(p, p.issued); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// waitDone waits until p's writer has written its first target requests.
+func (g *group) waitDone(p *peer, target int) error {
+	for {
+		p.mu.Lock()
+		done, werr := p.done, p.werr
+		p.mu.Unlock()
+		if werr != nil {
+			return g.lostErr(p, werr)
+		}
+		if done >= target {
+			return nil
+		}
+		g.timer.Reset(g.cfg.PollInterval)
+		select {
+		case <-p.progress:
+		case <-g.aborted:
+			g.timer.Stop()
+			return g.abortErr
+		case <-g.timer.C:
+			if err := g.stalled(); err != nil {
+				return err
+			}
+		}
+		g.timer.Stop()
+	}
+}

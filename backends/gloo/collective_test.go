@@ -1,0 +1,233 @@
+package gloo
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+var ctx = context.Background()
+
+// inputs returns size random float64 vectors of count small integers (exact in every
+// element type, products stay small).
+func inputs(seed uint64, size, count int, op procgroup.ReduceOp) [][]float64 {
+	rng := rand.New(rand.NewPCG(seed, uint64(size*1000+count)))
+	x := make([][]float64, size)
+	for r := range x {
+		x[r] = make([]float64, count)
+		for i := range x[r] {
+			if op == procgroup.Prod {
+				x[r][i] = float64(rng.IntN(3) + 1)
+			} else {
+				x[r][i] = float64(rng.IntN(41) - 20)
+			}
+		}
+	}
+	return x
+}
+
+func reduceRef(x [][]float64, op procgroup.ReduceOp) []float64 {
+	out := append([]float64(nil), x[0]...)
+	for _, v := range x[1:] {
+		for i := range out {
+			switch op {
+			case procgroup.Sum, procgroup.Avg:
+				out[i] += v[i]
+			case procgroup.Prod:
+				out[i] *= v[i]
+			case procgroup.Min:
+				out[i] = math.Min(out[i], v[i])
+			case procgroup.Max:
+				out[i] = math.Max(out[i], v[i])
+			}
+		}
+	}
+	if op == procgroup.Avg {
+		for i := range out {
+			out[i] /= float64(len(x))
+		}
+	}
+	return out
+}
+
+func toBuf(dt procgroup.DType, v []float64) any {
+	switch dt {
+	case procgroup.Float32:
+		b := make([]float32, len(v))
+		for i, x := range v {
+			b[i] = float32(x)
+		}
+		return b
+	case procgroup.Float64:
+		return append([]float64(nil), v...)
+	case procgroup.Int32:
+		b := make([]int32, len(v))
+		for i, x := range v {
+			b[i] = int32(x)
+		}
+		return b
+	case procgroup.Int64:
+		b := make([]int64, len(v))
+		for i, x := range v {
+			b[i] = int64(x)
+		}
+		return b
+	case procgroup.BFloat16:
+		b := make([]procgroup.BF16, len(v))
+		for i, x := range v {
+			b[i] = procgroup.BF16FromFloat32(float32(x))
+		}
+		return b
+	case procgroup.Float16:
+		b := make([]procgroup.F16, len(v))
+		for i, x := range v {
+			b[i] = procgroup.F16FromFloat32(float32(x))
+		}
+		return b
+	}
+	panic(dt)
+}
+
+func fromBuf(buf any) []float64 {
+	var out []float64
+	switch b := buf.(type) {
+	case []float32:
+		for _, x := range b {
+			out = append(out, float64(x))
+		}
+	case []float64:
+		out = append(out, b...)
+	case []int32:
+		for _, x := range b {
+			out = append(out, float64(x))
+		}
+	case []int64:
+		for _, x := range b {
+			out = append(out, float64(x))
+		}
+	case []procgroup.BF16:
+		for _, x := range b {
+			out = append(out, float64(x.Float32()))
+		}
+	case []procgroup.F16:
+		for _, x := range b {
+			out = append(out, float64(x.Float32()))
+		}
+	}
+	return out
+}
+
+func checkClose(t *testing.T, what string, dt procgroup.DType, op procgroup.ReduceOp, got, want []float64) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Fatalf("%s: %d elements, want %d", what, len(got), len(want))
+	}
+	for i := range want {
+		w := want[i]
+		if op == procgroup.Avg && (dt == procgroup.Int32 || dt == procgroup.Int64) {
+			w = math.Trunc(w)
+		}
+		tol := 1e-9 * math.Abs(w)
+		switch dt {
+		case procgroup.BFloat16:
+			tol = 1.0/64*math.Abs(w) + 1e-6
+		case procgroup.Float16:
+			tol = 1.0/512*math.Abs(w) + 1e-6
+		case procgroup.Float32:
+			tol = 1e-6*math.Abs(w) + 1e-6
+		}
+		if math.Abs(got[i]-w) > tol {
+			t.Fatalf("%s: [%d] = %v, want %v", what, i, got[i], w)
+		}
+	}
+}
+
+type variant struct {
+	name string
+	cfg  *Config
+}
+
+var variants = []variant{
+	{"unix-auto", &Config{Transport: TransportUnix, SegmentSize: 64}},
+	{"tcp-ring", &Config{Transport: TransportTCP, Algorithm: AlgoRing, SegmentSize: 40}},
+	{"unix-direct", &Config{Transport: TransportUnix, Algorithm: AlgoDirect, SegmentSize: 48, InlineMaxBytes: 16}},
+	{"tcp-direct", &Config{Transport: TransportTCP, Algorithm: AlgoDirect}},
+}
+
+// TestCollectives checks every collective against a float64 reference, for world sizes
+// 1-5, both transports and both algorithms, with tiny segments so that pipelining, empty
+// chunks and segment boundaries are exercised on small buffers.
+func TestCollectives(t *testing.T) {
+	counts := []int{0, 1, 2, 7, 13, 64, 101}
+	for _, v := range variants {
+		for size := 1; size <= 5; size++ {
+			t.Run(fmt.Sprintf("%s/n%d", v.name, size), func(t *testing.T) {
+				groups := startGroups(t, size, v.cfg)
+				seed := uint64(0)
+				for _, dt := range procgroup.DTypes {
+					for _, op := range procgroup.ReduceOps {
+						for _, count := range counts {
+							seed++
+							x := inputs(seed, size, count, op)
+							want := reduceRef(x, op)
+							bufs := make([]any, size)
+							each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+								bufs[r] = toBuf(dt, x[r])
+								return wait(g.AllReduce(ctx, bufs[r], op))
+							})
+							for r := range size {
+								checkClose(t, fmt.Sprintf("allreduce %v %v count %d rank %d", dt, op, count, r), dt, op, fromBuf(bufs[r]), want)
+							}
+						}
+					}
+					for _, count := range counts {
+						seed++
+						x := inputs(seed, size, count*size, procgroup.Sum)
+						// ReduceScatter with Sum and Max.
+						for _, op := range []procgroup.ReduceOp{procgroup.Sum, procgroup.Max, procgroup.Avg} {
+							want := reduceRef(x, op)
+							outs := make([]any, size)
+							each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+								outs[r] = toBuf(dt, make([]float64, count))
+								return wait(g.ReduceScatter(ctx, outs[r], toBuf(dt, x[r]), op))
+							})
+							for r := range size {
+								checkClose(t, fmt.Sprintf("reducescatter %v %v count %d rank %d", dt, op, count, r), dt, op, fromBuf(outs[r]), want[r*count:(r+1)*count])
+							}
+						}
+						// AllGather.
+						y := inputs(seed+1000, size, count, procgroup.Sum)
+						var wantAG []float64
+						for r := range size {
+							wantAG = append(wantAG, y[r]...)
+						}
+						outs := make([]any, size)
+						each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+							outs[r] = toBuf(dt, make([]float64, count*size))
+							return wait(g.AllGather(ctx, outs[r], toBuf(dt, y[r])))
+						})
+						for r := range size {
+							checkClose(t, fmt.Sprintf("allgather %v count %d rank %d", dt, count, r), dt, procgroup.Sum, fromBuf(outs[r]), wantAG)
+						}
+						// Broadcast from every root.
+						for root := range size {
+							bufs := make([]any, size)
+							each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+								bufs[r] = toBuf(dt, y[r])
+								return wait(g.Broadcast(ctx, bufs[r], root))
+							})
+							for r := range size {
+								checkClose(t, fmt.Sprintf("broadcast %v count %d root %d rank %d", dt, count, root, r), dt, procgroup.Sum, fromBuf(bufs[r]), y[root])
+							}
+						}
+					}
+				}
+				each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.Barrier(ctx)) })
+			})
+		}
+	}
+}

@@ -1,0 +1,28 @@
+package gloo
+
+import (
+	"testing"
+
+	"github.com/goddp/goddp/procgroup"
+	"github.com/goddp/goddp/procgroup/pgtest"
+)
+
+// TestConformance runs the shared suite over Unix sockets (auto algorithm) and over TCP with
+// each algorithm forced.
+func TestConformance(t *testing.T) {
+	for _, v := range []variant{
+		{"auto", &Config{}},
+		{"tcp-ring", &Config{Transport: TransportTCP, Algorithm: AlgoRing, SegmentSize: 4096}},
+		{"unix-direct", &Config{Transport: TransportUnix, Algorithm: AlgoDirect, SegmentSize: 4096}},
+	} {
+		t.Run(v.name, func(t *testing.T) {
+			opts := pgtest.SuiteOptions{Short: testing.Short() || v.name != "auto"}
+			if v.name != "auto" {
+				opts.Large = 1 << 14
+			}
+			pgtest.Run(t, func(t testing.TB, size int) []procgroup.ProcessGroup {
+				return startGroupsNoCleanup(t, size, v.cfg)
+			}, opts)
+		})
+	}
+}

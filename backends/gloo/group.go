@@ -1,0 +1,444 @@
+package gloo
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/goddp/goddp/internal/kernels"
+	"github.com/goddp/goddp/procgroup"
+)
+
+func init() { procgroup.Register("gloo", New) }
+
+type opKind uint8
+
+const (
+	opAllReduce opKind = iota + 1
+	opBroadcast
+	opAllGather
+	opReduceScatter
+	opBarrier
+)
+
+func (k opKind) String() string {
+	switch k {
+	case opAllReduce:
+		return "allreduce"
+	case opBroadcast:
+		return "broadcast"
+	case opAllGather:
+		return "allgather"
+	case opReduceScatter:
+		return "reducescatter"
+	case opBarrier:
+		return "barrier"
+	}
+	return "op?"
+}
+
+// op is one queued collective. ops are recycled through group.free.
+type op struct {
+	kind     opKind
+	dt       procgroup.DType
+	rop      procgroup.ReduceOp
+	buf, in  []byte // buf: the in-place buffer, or out; in: AllGather/ReduceScatter input
+	root     int
+	seq      uint64
+	ctx      context.Context
+	deadline time.Time
+	fut      *procgroup.Future
+}
+
+// group is the gloo ProcessGroup. Note [Threads]: one worker goroutine runs the works in
+// issue order and does all reads itself (inline); each peer has a writer goroutine for the
+// sends that must not block the worker (ring segments, large direct messages). Small
+// messages are written inline by the worker: Note [Inline writes].
+type group struct {
+	rank, size int
+	cfg        Config
+	opts       procgroup.Options
+	log        *zap.Logger
+	hosts      []string // host names by rank, for errors
+
+	peers []*peer // by rank; nil at g.rank
+
+	listeners []net.Listener
+
+	qmu     sync.Mutex // guards the fields below
+	queue   []*op
+	qhead   int
+	free    []*op
+	seq     uint64
+	closing bool
+	qwake   chan struct{} // size 1: the worker has something to look at
+
+	abortOnce  sync.Once
+	aborted    chan struct{} // closed on abort
+	abortErr   error         // written before aborted is closed
+	stop       chan struct{} // closed when goroutines must exit
+	stopOnce   sync.Once
+	workerDone chan struct{}  // closed when the worker exits
+	wg         sync.WaitGroup // every goroutine of the group
+
+	hsMu    sync.Mutex // guards hsConns
+	hsConns map[net.Conn]struct{}
+	hsSem   chan struct{} // bounds concurrent handshakes
+
+	meshMu sync.Mutex    // guards peers during setup (accepting side)
+	meshCh chan struct{} // size 1: an accepted peer was registered
+
+	// worker-only state
+	tmp     []byte // one segment, 8-aligned
+	acc     []byte // direct all-reduce accumulator / reduce-scatter work buffer
+	offs    []int  // chunk offsets in bytes, len size+1
+	marks   []int  // ring: next.issued before each reduce-scatter step's sends
+	wideOp  op     // runWide's float32 twin of a 16-bit op
+	wideBuf []byte // runWide's float32 buffers
+	wideIn  []byte
+	sendBuf []byte // inline frame
+	timer   *time.Timer
+	cur     *op
+}
+
+var _ procgroup.ProcessGroup = (*group)(nil)
+
+// New creates a gloo group: it listens, publishes its addresses in opts.Store, connects the
+// full mesh, and returns once every peer is connected and authenticated or ctx ends.
+// opts.Backend may be a *Config (nil: defaults).
+func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, error) {
+	if err := opts.Validate(); err != nil {
+		return nil, err
+	}
+	var cfg Config
+	switch b := opts.Backend.(type) {
+	case nil:
+	case *Config:
+		if b != nil {
+			cfg = *b
+		}
+	case Config:
+		cfg = b
+	default:
+		return nil, fmt.Errorf("%w: gloo: Options.Backend is %T, want *gloo.Config", procgroup.ErrInvalidArgument, opts.Backend)
+	}
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	g := &group{
+		rank:       opts.Rank,
+		size:       opts.Size,
+		cfg:        cfg,
+		opts:       opts,
+		log:        opts.Logger.With(zap.Int("rank", opts.Rank), zap.String("backend", "gloo")),
+		hosts:      make([]string, opts.Size),
+		peers:      make([]*peer, opts.Size),
+		qwake:      make(chan struct{}, 1),
+		aborted:    make(chan struct{}),
+		stop:       make(chan struct{}),
+		workerDone: make(chan struct{}),
+		hsConns:    map[net.Conn]struct{}{},
+		hsSem:      make(chan struct{}, 16),
+		meshCh:     make(chan struct{}, 1),
+		tmp:        kernels.Aligned(cfg.SegmentSize),
+		offs:       make([]int, opts.Size+1),
+		marks:      make([]int, opts.Size),
+		sendBuf:    make([]byte, frameHeaderLen+cfg.InlineMaxBytes),
+	}
+	g.timer = time.NewTimer(time.Hour)
+	g.timer.Stop()
+	if opts.Token == "" {
+		g.log.Warn("gloo: empty job token: data-plane connections are not protected")
+	}
+	if err := g.connect(ctx); err != nil {
+		g.shutdown()
+		return nil, fmt.Errorf("gloo: rank %d: setup: %w", g.rank, err)
+	}
+	for _, p := range g.peers {
+		if p != nil {
+			g.wg.Add(1)
+			go p.writeLoop()
+		}
+	}
+	g.wg.Add(1)
+	go g.worker()
+	return g, nil
+}
+
+func (g *group) Rank() int { return g.rank }
+func (g *group) Size() int { return g.size }
+
+func (g *group) AllReduce(ctx context.Context, buf any, rop procgroup.ReduceOp) procgroup.Work {
+	b, dt, _, err := kernels.Bytes(buf)
+	if err == nil {
+		err = checkOp(rop)
+	}
+	if err != nil {
+		return g.invalid(opAllReduce, err)
+	}
+	return g.submit(ctx, opAllReduce, dt, rop, b, nil, 0)
+}
+
+func (g *group) Broadcast(ctx context.Context, buf any, root int) procgroup.Work {
+	b, dt, _, err := kernels.Bytes(buf)
+	if err == nil && (root < 0 || root >= g.size) {
+		err = fmt.Errorf("%w: root %d outside [0, %d)", procgroup.ErrInvalidArgument, root, g.size)
+	}
+	if err != nil {
+		return g.invalid(opBroadcast, err)
+	}
+	return g.submit(ctx, opBroadcast, dt, 0, b, nil, root)
+}
+
+func (g *group) AllGather(ctx context.Context, out, in any) procgroup.Work {
+	ob, odt, on, err := kernels.Bytes(out)
+	if err != nil {
+		return g.invalid(opAllGather, fmt.Errorf("out: %w", err))
+	}
+	ib, idt, inn, err := kernels.Bytes(in)
+	if err != nil {
+		return g.invalid(opAllGather, fmt.Errorf("in: %w", err))
+	}
+	if odt != idt || on != g.size*inn {
+		return g.invalid(opAllGather, fmt.Errorf("%w: out is %v×%d, want %v×%d (size × len(in))",
+			procgroup.ErrInvalidArgument, odt, on, idt, g.size*inn))
+	}
+	return g.submit(ctx, opAllGather, odt, 0, ob, ib, 0)
+}
+
+func (g *group) ReduceScatter(ctx context.Context, out, in any, rop procgroup.ReduceOp) procgroup.Work {
+	ob, odt, on, err := kernels.Bytes(out)
+	if err != nil {
+		return g.invalid(opReduceScatter, fmt.Errorf("out: %w", err))
+	}
+	ib, idt, inn, err := kernels.Bytes(in)
+	if err != nil {
+		return g.invalid(opReduceScatter, fmt.Errorf("in: %w", err))
+	}
+	if odt != idt || inn != g.size*on {
+		return g.invalid(opReduceScatter, fmt.Errorf("%w: in is %v×%d, want %v×%d (size × len(out))",
+			procgroup.ErrInvalidArgument, idt, inn, odt, g.size*on))
+	}
+	if err := checkOp(rop); err != nil {
+		return g.invalid(opReduceScatter, err)
+	}
+	return g.submit(ctx, opReduceScatter, odt, rop, ob, ib, 0)
+}
+
+func (g *group) Barrier(ctx context.Context) procgroup.Work {
+	return g.submit(ctx, opBarrier, 0, 0, nil, nil, 0)
+}
+
+func checkOp(rop procgroup.ReduceOp) error {
+	switch rop {
+	case procgroup.Sum, procgroup.Avg, procgroup.Min, procgroup.Max, procgroup.Prod:
+		return nil
+	}
+	return fmt.Errorf("%w: unknown reduce op %v", procgroup.ErrInvalidArgument, rop)
+}
+
+func (g *group) invalid(k opKind, err error) procgroup.Work {
+	return procgroup.Completed(fmt.Errorf("gloo: rank %d: %v: %w", g.rank, k, err))
+}
+
+func (g *group) submit(ctx context.Context, k opKind, dt procgroup.DType, rop procgroup.ReduceOp, buf, in []byte, root int) procgroup.Work {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	fut := procgroup.NewFuture()
+	g.qmu.Lock()
+	if g.closing {
+		g.qmu.Unlock()
+		fut.Complete(fmt.Errorf("gloo: rank %d: %v: %w", g.rank, k, procgroup.ErrClosed))
+		return fut
+	}
+	select {
+	case <-g.aborted:
+		g.qmu.Unlock()
+		fut.Complete(fmt.Errorf("gloo: rank %d: %v: %w", g.rank, k, g.abortErr))
+		return fut
+	default:
+	}
+	var o *op
+	if n := len(g.free); n > 0 {
+		o, g.free = g.free[n-1], g.free[:n-1]
+	} else {
+		o = new(op)
+	}
+	g.seq++
+	*o = op{kind: k, dt: dt, rop: rop, buf: buf, in: in, root: root, seq: g.seq, ctx: ctx, fut: fut}
+	if g.qhead > 0 && g.qhead == len(g.queue) {
+		clear(g.queue)
+		g.queue, g.qhead = g.queue[:0], 0
+	}
+	g.queue = append(g.queue, o)
+	g.qmu.Unlock()
+	select {
+	case g.qwake <- struct{}{}:
+	default:
+	}
+	return fut
+}
+
+// next pops the next op; nil means the worker must exit.
+func (g *group) next() *op {
+	for {
+		g.qmu.Lock()
+		if g.qhead < len(g.queue) {
+			o := g.queue[g.qhead]
+			g.queue[g.qhead] = nil
+			g.qhead++
+			g.qmu.Unlock()
+			return o
+		}
+		closing := g.closing
+		g.qmu.Unlock()
+		if closing {
+			return nil
+		}
+		select {
+		case <-g.qwake:
+		case <-g.aborted:
+			// Fail whatever is still queued.
+			g.qmu.Lock()
+			if g.qhead < len(g.queue) {
+				o := g.queue[g.qhead]
+				g.queue[g.qhead] = nil
+				g.qhead++
+				g.qmu.Unlock()
+				return o
+			}
+			g.qmu.Unlock()
+			return nil
+		}
+	}
+}
+
+func (g *group) worker() {
+	defer g.wg.Done()
+	defer close(g.workerDone)
+	for {
+		o := g.next()
+		if o == nil {
+			return
+		}
+		var err error
+		select {
+		case <-g.aborted:
+			err = g.opErr(o, g.abortErr)
+		default:
+			g.cur = o
+			o.deadline = time.Now().Add(g.opts.Timeout)
+			err = g.run(o)
+			g.cur = nil
+			if err != nil {
+				err = g.opErr(o, err)
+				g.abort(err)
+			}
+		}
+		fut := o.fut
+		*o = op{}
+		g.qmu.Lock()
+		g.free = append(g.free, o)
+		g.qmu.Unlock()
+		fut.Complete(err)
+	}
+}
+
+func (g *group) opErr(o *op, err error) error {
+	if o.kind == opBarrier {
+		return fmt.Errorf("gloo: rank %d: barrier #%d: %w", g.rank, o.seq, err)
+	}
+	return fmt.Errorf("gloo: rank %d: %v #%d (%v, %d bytes): %w", g.rank, o.kind, o.seq, o.dt, len(o.buf), err)
+}
+
+// abort fails the group with cause: it is recorded once, peers are told (best effort),
+// connections are closed so that blocked reads and writes return. It does not wait for
+// goroutines (it may run on one of them).
+func (g *group) abort(cause error) {
+	g.abortOnce.Do(func() {
+		if !errors.Is(cause, procgroup.ErrAborted) {
+			cause = fmt.Errorf("%w: %w", procgroup.ErrAborted, cause)
+		}
+		g.abortErr = cause
+		close(g.aborted)
+		g.log.Error("gloo: group aborted", zap.Error(cause))
+		lost := -1
+		var ple *PeerLostError
+		if errors.As(cause, &ple) {
+			lost = ple.Rank
+		}
+		deadline := time.Now().Add(300 * time.Millisecond)
+		for _, p := range g.peers {
+			if p != nil && p.rank != lost {
+				p.sendAbort(lost, cause.Error(), deadline)
+			}
+		}
+		g.shutdown()
+	})
+}
+
+// shutdown closes every listener and connection and tells goroutines to stop.
+func (g *group) shutdown() {
+	g.stopOnce.Do(func() { close(g.stop) })
+	for _, ln := range g.listeners {
+		ln.Close()
+	}
+	g.meshMu.Lock()
+	for _, p := range g.peers {
+		if p != nil {
+			p.conn.Close()
+		}
+	}
+	g.meshMu.Unlock()
+	g.hsMu.Lock()
+	for c := range g.hsConns {
+		c.Close()
+	}
+	g.hsMu.Unlock()
+}
+
+// Abort implements procgroup.ProcessGroup.
+func (g *group) Abort(cause error) {
+	if cause == nil {
+		cause = errors.New("Abort called")
+	}
+	g.abort(fmt.Errorf("rank %d: %w", g.rank, cause))
+	g.wg.Wait()
+}
+
+// Close implements procgroup.ProcessGroup: pending works complete first.
+func (g *group) Close() error {
+	g.qmu.Lock()
+	g.closing = true
+	g.qmu.Unlock()
+	select {
+	case g.qwake <- struct{}{}:
+	default:
+	}
+	// The worker exits once the queue is empty (or the group aborted).
+	<-g.workerDone
+	g.shutdown()
+	g.wg.Wait()
+	return nil
+}
+
+func hostname() string {
+	h, _ := os.Hostname()
+	return h
+}
+
+func randomBytes(n int) []byte {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		panic(err)
+	}
+	return b
+}

@@ -1,0 +1,125 @@
+package gloo
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"go.uber.org/zap"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var prefixN atomic.Int64
+
+// startGroups creates size ranks as goroutines of this process, connected through a
+// MemStore over real sockets; they are closed at the end of the test.
+func startGroups(t testing.TB, size int, cfg *Config) []procgroup.ProcessGroup {
+	t.Helper()
+	groups := startGroupsNoCleanup(t, size, cfg)
+	t.Cleanup(func() {
+		for _, g := range groups {
+			g.Close()
+		}
+	})
+	return groups
+}
+
+// startGroupsNoCleanup is startGroups for callers that close the groups themselves.
+func startGroupsNoCleanup(t testing.TB, size int, cfg *Config) []procgroup.ProcessGroup {
+	t.Helper()
+	return startGroupsWith(t, size, cfg, nil, 0)
+}
+
+func startGroupsLogged(t testing.TB, size int, cfg *Config, log *zap.Logger) []procgroup.ProcessGroup {
+	t.Helper()
+	groups := startGroupsWith(t, size, cfg, log, 0)
+	t.Cleanup(func() {
+		for _, g := range groups {
+			g.Close()
+		}
+	})
+	return groups
+}
+
+func startGroupsTimeout(t testing.TB, size int, cfg *Config, timeout time.Duration) []procgroup.ProcessGroup {
+	t.Helper()
+	groups := startGroupsWith(t, size, cfg, nil, timeout)
+	t.Cleanup(func() {
+		for _, g := range groups {
+			g.Abort(nil)
+		}
+	})
+	return groups
+}
+
+func startGroupsWith(t testing.TB, size int, cfg *Config, log *zap.Logger, timeout time.Duration) []procgroup.ProcessGroup {
+	t.Helper()
+	store := procgroup.NewMemStore()
+	prefix := fmt.Sprintf("t%d", prefixN.Add(1))
+	groups := make([]procgroup.ProcessGroup, size)
+	errs := make([]error, size)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	for r := range size {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var c *Config
+			if cfg != nil {
+				cc := *cfg
+				c = &cc
+			}
+			groups[r], errs[r] = procgroup.New(ctx, "gloo", procgroup.Options{
+				Rank: r, Size: size, Store: store, Prefix: prefix, Token: "secret", Backend: c,
+				Logger: log, Timeout: timeout,
+			})
+		}()
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if err != nil {
+			for _, g := range groups {
+				if g != nil {
+					g.Abort(nil)
+				}
+			}
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	t.Cleanup(func() { store.Close() })
+	return groups
+}
+
+// each runs f on every rank concurrently and fails the test on any error.
+func each(t testing.TB, groups []procgroup.ProcessGroup, f func(r int, g procgroup.ProcessGroup) error) {
+	t.Helper()
+	errs := make([]error, len(groups))
+	var wg sync.WaitGroup
+	for r, g := range groups {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[r] = f(r, g)
+		}()
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+}
+
+func wait(w procgroup.Work) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	return w.Wait(ctx)
+}

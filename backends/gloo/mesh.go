@@ -1,0 +1,431 @@
+package gloo
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+// addrInfo is what each rank publishes under "gloo/<rank>" in the group's store prefix.
+type addrInfo struct {
+	Host   string `json:"host"`    // host name, for messages
+	HostID string `json:"host_id"` // same HostID: same-host transport
+	TCP    string `json:"tcp,omitempty"`
+	Unix   string `json:"unix,omitempty"`
+}
+
+// peer is one connection of the mesh.
+type peer struct {
+	g    *group
+	rank int
+	conn net.Conn
+	raw  syscall.RawConn
+
+	wmu sync.Mutex // held while one frame is written (writer goroutine, inline write, abort)
+
+	mu       sync.Mutex // guards the fields below
+	q        []sendReq
+	qhead    int
+	issued   int           // requests ever queued (written by the worker only)
+	done     int           // requests ever written (or failed)
+	werr     error         // first write error
+	wake     chan struct{} // size 1: the queue is not empty
+	progress chan struct{} // size 1: done advanced
+
+	whdr [frameHeaderLen]byte // writer goroutine only
+
+	// worker-only
+	deadline time.Time
+	hdr      [frameHeaderLen]byte
+	abortBuf [maxAbortLen]byte
+	rbuf     []byte // a small frame with its header
+	peek     [1]byte
+}
+
+type sendReq struct {
+	hdr  [frameHeaderLen]byte
+	data []byte
+}
+
+func (g *group) newPeer(rank int, c net.Conn) *peer {
+	p := &peer{g: g, rank: rank, conn: c, wake: make(chan struct{}, 1), progress: make(chan struct{}, 1),
+		rbuf: make([]byte, frameHeaderLen+g.cfg.InlineMaxBytes)}
+	// Note [Inline writes]: the worker writes small frames itself, to every peer, before it
+	// reads; two ranks doing that at once only avoid a deadlock if each frame fits in the
+	// socket's send buffer, so make that buffer comfortably large.
+	switch c := c.(type) {
+	case *net.UnixConn:
+		c.SetWriteBuffer(4 << 20)
+		c.SetReadBuffer(4 << 20)
+	case *net.TCPConn:
+		c.SetNoDelay(true)
+		c.SetWriteBuffer(4 << 20)
+	}
+	if sc, ok := c.(syscall.Conn); ok {
+		p.raw, _ = sc.SyscallConn()
+	}
+	return p
+}
+
+// connect sets up the mesh: rank r accepts from every higher rank and dials every lower one.
+func (g *group) connect(ctx context.Context) error {
+	store := procgroup.PrefixStore{Prefix: g.opts.Prefix + "/gloo", Store: g.opts.Store}
+	hs := &handshaker{key: groupKey(g.opts.Token, g.opts.Prefix), rank: g.rank, size: g.size, rand: rand.Reader}
+	info := addrInfo{Host: hostname(), HostID: g.cfg.HostID}
+	g.hosts[g.rank] = info.Host
+	if g.size == 1 {
+		return nil
+	}
+	accepts := g.rank < g.size-1 // the highest rank only dials
+	if accepts && g.cfg.Transport != TransportUnix {
+		addr := g.cfg.ListenAddr
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			addr = net.JoinHostPort(addr, "0")
+		}
+		ln, err := net.Listen("tcp", addr)
+		if err != nil {
+			return fmt.Errorf("listen tcp: %w", err)
+		}
+		g.listeners = append(g.listeners, ln)
+		info.TCP = ln.Addr().String()
+	}
+	if accepts && g.cfg.Transport != TransportTCP {
+		name := "@goddp-gloo-" + hex.EncodeToString(randomBytes(12))
+		ln, err := net.Listen("unix", name)
+		if err != nil {
+			if g.cfg.Transport == TransportUnix {
+				return fmt.Errorf("listen unix: %w", err)
+			}
+			g.log.Warn("gloo: no unix socket listener, using TCP only", zap.Error(err))
+		} else {
+			g.listeners = append(g.listeners, ln)
+			info.Unix = name
+		}
+	}
+	for _, ln := range g.listeners {
+		g.wg.Add(1)
+		go g.acceptLoop(ln, hs)
+	}
+	b, _ := json.Marshal(info)
+	if err := store.Set(ctx, strconv.Itoa(g.rank), b); err != nil {
+		return fmt.Errorf("publish address: %w", err)
+	}
+	for j := 0; j < g.rank; j++ {
+		raw, err := store.Get(ctx, strconv.Itoa(j))
+		if err != nil {
+			return fmt.Errorf("address of rank %d: %w", j, err)
+		}
+		var pi addrInfo
+		if err := json.Unmarshal(raw, &pi); err != nil {
+			return fmt.Errorf("address of rank %d: %w", j, err)
+		}
+		g.hosts[j] = pi.Host
+		c, err := g.dial(ctx, j, pi, hs)
+		if err != nil {
+			return err
+		}
+		g.meshMu.Lock()
+		g.peers[j] = g.newPeer(j, c)
+		g.meshMu.Unlock()
+	}
+	// Wait for every higher rank to dial in.
+	for {
+		g.meshMu.Lock()
+		missing := -1
+		for j := g.rank + 1; j < g.size; j++ {
+			if g.peers[j] == nil {
+				missing = j
+				break
+			}
+		}
+		g.meshMu.Unlock()
+		if missing < 0 {
+			break
+		}
+		select {
+		case <-g.meshCh:
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for rank %d to connect: %w", missing, ctx.Err())
+		}
+	}
+	for j := g.rank + 1; j < g.size; j++ {
+		if raw, err := store.Get(ctx, strconv.Itoa(j)); err == nil {
+			var pi addrInfo
+			if json.Unmarshal(raw, &pi) == nil {
+				g.hosts[j] = pi.Host
+			}
+		}
+	}
+	return nil
+}
+
+// dial connects to rank j, retrying until ctx ends, and authenticates.
+func (g *group) dial(ctx context.Context, j int, pi addrInfo, hs *handshaker) (net.Conn, error) {
+	network, addr := "tcp", pi.TCP
+	sameHost := pi.HostID == g.cfg.HostID && pi.Unix != ""
+	switch g.cfg.Transport {
+	case TransportUnix:
+		if !sameHost {
+			return nil, fmt.Errorf("%w: transport unix, but rank %d is on another host (%s)", procgroup.ErrInvalidArgument, j, pi.Host)
+		}
+		network, addr = "unix", pi.Unix
+	case TransportAuto:
+		if sameHost {
+			network, addr = "unix", pi.Unix
+		}
+	}
+	if addr == "" {
+		return nil, fmt.Errorf("rank %d published no %s address", j, network)
+	}
+	var d net.Dialer
+	backoff := 10 * time.Millisecond
+	for {
+		c, err := d.DialContext(ctx, network, addr)
+		if err == nil {
+			c.SetDeadline(time.Now().Add(g.cfg.HandshakeTimeout))
+			err = hs.dial(c, j)
+			if err == nil {
+				c.SetDeadline(time.Time{})
+				return c, nil
+			}
+			c.Close()
+			if errors.Is(err, errAuth) {
+				return nil, fmt.Errorf("connect to rank %d at %s %s: %w", j, network, addr, err)
+			}
+		}
+		if network == "unix" && g.cfg.Transport == TransportAuto && pi.TCP != "" {
+			g.log.Warn("gloo: unix socket dial failed, falling back to TCP", zap.Int("peer", j), zap.Error(err))
+			network, addr = "tcp", pi.TCP
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("connect to rank %d at %s %s: %w (last error: %v)", j, network, addr, ctx.Err(), err)
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+// acceptLoop accepts connections until the listener closes; each one is authenticated on
+// its own goroutine (at most cap(hsSem) at once), so a slow stranger blocks nobody.
+func (g *group) acceptLoop(ln net.Listener, hs *handshaker) {
+	defer g.wg.Done()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			select {
+			case <-g.stop:
+				return
+			default:
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			g.log.Warn("gloo: accept", zap.Error(err))
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+		select {
+		case g.hsSem <- struct{}{}:
+		default:
+			g.log.Warn("gloo: refused connection: too many handshakes in progress", zap.String("remote", c.RemoteAddr().String()))
+			c.Close()
+			continue
+		}
+		g.hsMu.Lock()
+		select {
+		case <-g.stop:
+			g.hsMu.Unlock()
+			c.Close()
+			<-g.hsSem
+			return
+		default:
+		}
+		g.hsConns[c] = struct{}{}
+		g.hsMu.Unlock()
+		g.wg.Add(1)
+		go g.handshake(c, hs)
+	}
+}
+
+func (g *group) handshake(c net.Conn, hs *handshaker) {
+	defer g.wg.Done()
+	defer func() { <-g.hsSem }()
+	keep := false
+	defer func() {
+		g.hsMu.Lock()
+		delete(g.hsConns, c)
+		g.hsMu.Unlock()
+		if !keep {
+			c.Close()
+		}
+	}()
+	remote := c.RemoteAddr().String()
+	c.SetDeadline(time.Now().Add(g.cfg.HandshakeTimeout))
+	rank, err := hs.accept(c)
+	if err != nil {
+		g.log.Warn("gloo: refused connection", zap.String("remote", remote), zap.Error(err))
+		return
+	}
+	g.meshMu.Lock()
+	if rank <= g.rank || g.peers[rank] != nil {
+		g.meshMu.Unlock()
+		g.log.Warn("gloo: refused authenticated connection: unexpected or duplicate", zap.Int("peer", rank))
+		return
+	}
+	select {
+	case <-g.stop:
+		g.meshMu.Unlock()
+		return
+	default:
+	}
+	if err := confirm(c); err != nil {
+		g.meshMu.Unlock()
+		g.log.Warn("gloo: handshake confirm", zap.Int("peer", rank), zap.Error(err))
+		return
+	}
+	c.SetDeadline(time.Time{})
+	g.peers[rank] = g.newPeer(rank, c)
+	keep = true
+	g.meshMu.Unlock()
+	select {
+	case g.meshCh <- struct{}{}:
+	default:
+	}
+}
+
+// writeLoop writes the peer's queued frames in order until the group stops.
+func (p *peer) writeLoop() {
+	defer p.g.wg.Done()
+	for {
+		select {
+		case <-p.wake:
+		case <-p.g.stop:
+			return
+		}
+		for {
+			p.mu.Lock()
+			if p.qhead == len(p.q) {
+				clear(p.q)
+				p.q, p.qhead = p.q[:0], 0
+				p.mu.Unlock()
+				break
+			}
+			r := &p.q[p.qhead]
+			p.whdr = r.hdr // a field, not a local: a local would escape through Write
+			data := r.data
+			r.data = nil
+			p.qhead++
+			p.mu.Unlock()
+			var err error
+			select {
+			case <-p.g.aborted:
+				err = p.g.abortErr
+			default:
+				err = p.writeFrame(p.whdr[:], data)
+			}
+			p.mu.Lock()
+			p.done++
+			if err != nil && p.werr == nil {
+				p.werr = err
+			}
+			p.mu.Unlock()
+			if err != nil {
+				p.g.abort(p.g.lostErr(p, err))
+			}
+			select {
+			case p.progress <- struct{}{}:
+			default:
+			}
+		}
+	}
+}
+
+func (p *peer) writeFrame(hdr, data []byte) error {
+	p.wmu.Lock()
+	defer p.wmu.Unlock()
+	if _, err := p.conn.Write(hdr); err != nil {
+		return err
+	}
+	if len(data) > 0 {
+		if _, err := p.conn.Write(data); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// enqueue hands one data frame to the peer's writer goroutine; it is request number
+// p.issued. data must stay untouched until waitDone(p.issued) returns.
+func (p *peer) enqueue(seq uint32, data []byte) {
+	p.mu.Lock()
+	p.q = append(p.q, sendReq{data: data})
+	putHeader(p.q[len(p.q)-1].hdr[:], kindData, seq, len(data))
+	p.issued++
+	p.mu.Unlock()
+	select {
+	case p.wake <- struct{}{}:
+	default:
+	}
+}
+
+// sendAbort tells the peer why the group aborts. A frame being written to the peer is let
+// finish first (until deadline): an abort frame cut into the middle of one would only be
+// garbage to the peer. Writers write nothing new once the group is aborted.
+func (p *peer) sendAbort(lost int, reason string, deadline time.Time) {
+	for !p.wmu.TryLock() {
+		if time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+	defer p.wmu.Unlock()
+	var b [frameHeaderLen + maxAbortLen]byte
+	n := abortPayload(b[frameHeaderLen:], lost, reason)
+	putHeader(b[:], kindAbort, 0, n)
+	p.conn.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+	p.conn.Write(b[:frameHeaderLen+n])
+}
+
+// alive probes the connection without consuming data: false if the peer closed it or it
+// broke.
+func (p *peer) alive() (bool, error) {
+	if p.raw == nil {
+		return true, nil
+	}
+	var n int
+	var perr error
+	// Control, not Read: Read would report the read deadline that brought us here.
+	err := p.raw.Control(func(fd uintptr) {
+		n, _, perr = syscall.Recvfrom(int(fd), p.peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+	})
+	if err != nil {
+		return false, err
+	}
+	switch {
+	case perr == syscall.EAGAIN || perr == syscall.EINTR:
+		return true, nil
+	case perr != nil:
+		return false, perr
+	case n == 0:
+		return false, errors.New("connection closed by peer")
+	}
+	return true, nil
+}
