@@ -1,20 +1,32 @@
 GO ?= go
 PKGS := ./...
+# The example trainer's fast build: gorgonia on OpenBLAS (Debian's libopenblas-dev), when present.
+OPENBLAS := $(shell ls /usr/lib/x86_64-linux-gnu/libopenblas.so /usr/lib/*/libopenblas.so 2>/dev/null | head -1)
+TAGS ?= $(if $(OPENBLAS),openblas,)
 
-.PHONY: build test bench proto vet fmt
+.PHONY: build test bench proto vet sweep run
 
 build:
-	$(GO) build -o bin/ ./cmd/...
+	$(GO) build -tags '$(TAGS)' -o bin/ ./cmd/... ./examples/...
 
 test: vet
-	$(GO) test -race -count=1 -timeout 20m $(PKGS)
+	$(GO) test -race -count=1 -timeout 30m $(PKGS)
+	$(if $(OPENBLAS),$(GO) test -race -count=1 -tags openblas ./examples/...,@echo "libopenblas not found: skipping the openblas build's tests")
 
 vet:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt: files above need formatting"; exit 1; }
 	$(GO) vet $(PKGS)
+	$(if $(OPENBLAS),$(GO) vet -tags openblas ./examples/...,)
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
 
 proto:
 	./scripts/genproto.sh
+
+sweep:
+	./scripts/sweep.sh
+
+run:
+	$(GO) build -o bin/ddprun ./cmd/ddprun
+	GODDP_GO_TAGS='$(TAGS)' ./bin/ddprun --nproc_per_node 2 ./examples/transformer -- $(ARGS)

@@ -1,0 +1,271 @@
+// Command sweep-report turns the raw results of a bucket_cap_mb sweep (scripts/sweep.sh) into
+// the seed article's table (bucket_cap_mb | ms/step | relative to best), a summary CSV and a
+// plot of ms/step against bucket size with the compute-only time drawn as a line.
+//
+// # Usage
+//
+//	sweep-report -in out/sweep/raw.csv -out out/sweep
+//
+// The input CSV has the header system,kind,bucket_cap_mb,repeat,ms_step where kind is "ddp"
+// (bucket_cap_mb set) or "compute" (compute-only: --no_ddp processes, bucket_cap_mb empty).
+// Every system (goddp, torch) gets its own columns; medians are over repeats.
+package main
+
+import (
+	"encoding/csv"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+)
+
+func main() {
+	in := flag.String("in", "", "raw sweep CSV (system,kind,bucket_cap_mb,repeat,ms_step)")
+	out := flag.String("out", "", "folder for table.md, summary.csv, sweep.svg and sweep.png (default: the input's folder)")
+	flag.Parse()
+	if *in == "" || flag.NArg() > 0 {
+		fmt.Fprintln(os.Stderr, "usage: sweep-report -in RAW.csv [-out DIR]")
+		os.Exit(2)
+	}
+	if *out == "" {
+		*out = filepath.Dir(*in)
+	}
+	if err := run(*in, *out, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "sweep-report:", err)
+		os.Exit(1)
+	}
+}
+
+// series holds one system's results: ms/step samples per bucket cap, and compute-only samples.
+type series struct {
+	ddp     map[float64][]float64
+	compute []float64
+}
+
+func read(path string) (map[string]*series, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	r := csv.NewReader(f)
+	header, err := r.Read()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	want := []string{"system", "kind", "bucket_cap_mb", "repeat", "ms_step"}
+	if strings.Join(header, ",") != strings.Join(want, ",") {
+		return nil, fmt.Errorf("%s: header %q, want %q", path, strings.Join(header, ","), strings.Join(want, ","))
+	}
+	all := map[string]*series{}
+	for line := 2; ; line++ {
+		rec, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s:%d: %w", path, line, err)
+		}
+		ms, err := strconv.ParseFloat(rec[4], 64)
+		if err != nil || ms <= 0 {
+			return nil, fmt.Errorf("%s:%d: bad ms_step %q", path, line, rec[4])
+		}
+		s := all[rec[0]]
+		if s == nil {
+			s = &series{ddp: map[float64][]float64{}}
+			all[rec[0]] = s
+		}
+		switch rec[1] {
+		case "ddp":
+			c, err := strconv.ParseFloat(rec[2], 64)
+			if err != nil || c <= 0 {
+				return nil, fmt.Errorf("%s:%d: bad bucket_cap_mb %q", path, line, rec[2])
+			}
+			s.ddp[c] = append(s.ddp[c], ms)
+		case "compute":
+			s.compute = append(s.compute, ms)
+		default:
+			return nil, fmt.Errorf("%s:%d: kind %q, want ddp or compute", path, line, rec[1])
+		}
+	}
+	if len(all) == 0 {
+		return nil, fmt.Errorf("%s: no results", path)
+	}
+	return all, nil
+}
+
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return math.NaN()
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+func minMax(xs []float64) (float64, float64) {
+	lo, hi := math.Inf(1), math.Inf(-1)
+	for _, x := range xs {
+		lo, hi = math.Min(lo, x), math.Max(hi, x)
+	}
+	return lo, hi
+}
+
+func run(in, out string, stdout io.Writer) error {
+	all, err := read(in)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return err
+	}
+	systems := make([]string, 0, len(all))
+	for name := range all {
+		systems = append(systems, name)
+	}
+	sort.Strings(systems) // goddp before torch
+	capSet := map[float64]bool{}
+	for _, s := range all {
+		for c := range s.ddp {
+			capSet[c] = true
+		}
+	}
+	caps := make([]float64, 0, len(capSet))
+	for c := range capSet {
+		caps = append(caps, c)
+	}
+	sort.Float64s(caps)
+
+	var md strings.Builder
+	var sum strings.Builder
+	sum.WriteString("system,bucket_cap_mb,median_ms_step,min_ms_step,max_ms_step,repeats,relative_to_best,compute_ms_step,exposed_ms,exposed_fraction\n")
+	for _, name := range systems {
+		s := all[name]
+		best := math.Inf(1)
+		for _, c := range caps {
+			if v := median(s.ddp[c]); v < best {
+				best = v
+			}
+		}
+		comp := median(s.compute)
+		fmt.Fprintf(&md, "\n%s (world size 2; median over repeats, min..max)\n\n", name)
+		fmt.Fprintf(&md, "| bucket_cap_mb | ms/step | min..max | relative to best | exposed comm ms | exposed fraction |\n")
+		fmt.Fprintf(&md, "|---:|---:|---:|---:|---:|---:|\n")
+		for _, c := range caps {
+			xs := s.ddp[c]
+			if len(xs) == 0 {
+				continue
+			}
+			m := median(xs)
+			lo, hi := minMax(xs)
+			exp, frac := m-comp, (m-comp)/m
+			fmt.Fprintf(&md, "| %g | %.1f | %.1f..%.1f | %.2fx | %.1f | %.1f%% |\n", c, m, lo, hi, m/best, exp, 100*frac)
+			fmt.Fprintf(&sum, "%s,%g,%.3f,%.3f,%.3f,%d,%.4f,%.3f,%.3f,%.4f\n", name, c, m, lo, hi, len(xs), m/best, comp, exp, frac)
+		}
+		if len(s.compute) > 0 {
+			lo, hi := minMax(s.compute)
+			fmt.Fprintf(&md, "\ncompute only (--no_ddp, two processes at once): %.1f ms/step (%.1f..%.1f, %d repeats)\n", comp, lo, hi, len(s.compute))
+		}
+	}
+	if len(systems) > 1 {
+		fmt.Fprintf(&md, "\nratio %s / %s (ms/step, median):\n\n| bucket_cap_mb |", systems[0], systems[1])
+		md.WriteString(" ratio |\n|---:|---:|\n")
+		a, b := all[systems[0]], all[systems[1]]
+		for _, c := range caps {
+			if len(a.ddp[c]) > 0 && len(b.ddp[c]) > 0 {
+				fmt.Fprintf(&md, "| %g | %.2f |\n", c, median(a.ddp[c])/median(b.ddp[c]))
+			}
+		}
+		if len(a.compute) > 0 && len(b.compute) > 0 {
+			fmt.Fprintf(&md, "| compute only | %.2f |\n", median(a.compute)/median(b.compute))
+		}
+	}
+	if err := os.WriteFile(filepath.Join(out, "table.md"), []byte(md.String()), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(out, "summary.csv"), []byte(sum.String()), 0o644); err != nil {
+		return err
+	}
+	if err := drawPlot(all, systems, caps, out); err != nil {
+		return err
+	}
+	fmt.Fprint(stdout, md.String())
+	fmt.Fprintf(stdout, "\nwrote %s, %s, %s, %s\n", filepath.Join(out, "table.md"), filepath.Join(out, "summary.csv"),
+		filepath.Join(out, "sweep.svg"), filepath.Join(out, "sweep.png"))
+	return nil
+}
+
+func drawPlot(all map[string]*series, systems []string, caps []float64, out string) error {
+	p := plot.New()
+	p.Title.Text = "bucket_cap_mb sweep, world size 2"
+	p.X.Label.Text = "bucket_cap_mb (log scale)"
+	p.Y.Label.Text = "ms/step (median)"
+	p.X.Scale = plot.LogScale{}
+	p.X.Tick.Marker = capTicks(caps)
+	p.Legend.Top = true
+	for i, name := range systems {
+		s := all[name]
+		var pts plotter.XYs
+		for _, c := range caps {
+			if len(s.ddp[c]) > 0 {
+				pts = append(pts, plotter.XY{X: c, Y: median(s.ddp[c])})
+			}
+		}
+		if len(pts) > 0 {
+			line, points, err := plotter.NewLinePoints(pts)
+			if err != nil {
+				return err
+			}
+			line.Color = plotutil.Color(i)
+			points.Color = plotutil.Color(i)
+			points.Shape = plotutil.Shape(i)
+			p.Add(line, points)
+			p.Legend.Add(name+" DDP", line, points)
+		}
+		if len(s.compute) > 0 && len(caps) > 0 {
+			comp := median(s.compute)
+			l, err := plotter.NewLine(plotter.XYs{{X: caps[0], Y: comp}, {X: caps[len(caps)-1], Y: comp}})
+			if err != nil {
+				return err
+			}
+			l.Color = plotutil.Color(i)
+			l.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+			p.Add(l)
+			p.Legend.Add(name+" compute only (--no_ddp)", l)
+		}
+	}
+	p.Y.Min = 0
+	for _, ext := range []string{"svg", "png"} {
+		if err := p.Save(7*vg.Inch, 4.5*vg.Inch, filepath.Join(out, "sweep."+ext)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// capTicks labels exactly the swept caps on the log axis.
+type capTicks []float64
+
+func (c capTicks) Ticks(lo, hi float64) []plot.Tick {
+	t := make([]plot.Tick, 0, len(c))
+	for _, v := range c {
+		if v >= lo && v <= hi {
+			t = append(t, plot.Tick{Value: v, Label: strconv.FormatFloat(v, 'g', -1, 64)})
+		}
+	}
+	return t
+}

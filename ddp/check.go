@@ -1,0 +1,363 @@
+package ddp
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"hash/fnv"
+	"math"
+	"strings"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+type kind byte
+
+const (
+	kindParam  kind = 'p'
+	kindBuffer kind = 'b'
+)
+
+func (k kind) String() string {
+	if k == kindBuffer {
+		return "buffer"
+	}
+	return "parameter"
+}
+
+// desc is what the ranks compare of one tensor.
+type desc struct {
+	kind  kind
+	index int // in its list
+	name  string
+	dtype procgroup.DType
+	n     int
+	shape []int
+}
+
+func (d desc) label() string {
+	if d.name == "" {
+		return fmt.Sprintf("%v %d", d.kind, d.index)
+	}
+	return fmt.Sprintf("%v %d (%s)", d.kind, d.index, d.name)
+}
+
+// describe checks one tensor locally and returns its description (Shape defaulted).
+func describe(k kind, i int, name string, data any, shape []int) (desc, error) {
+	d := desc{kind: k, index: i, name: name}
+	if data == nil {
+		return d, fmt.Errorf("%w: %s: nil Data", ErrInvalidArgument, d.label())
+	}
+	dt, n, err := procgroup.DTypeOf(data)
+	if err != nil {
+		return d, fmt.Errorf("%w: %s: Data: %w", ErrInvalidArgument, d.label(), err)
+	}
+	d.dtype, d.n = dt, n
+	if shape == nil {
+		shape = []int{n}
+	}
+	size := 1
+	for _, s := range shape {
+		if s < 0 {
+			return d, fmt.Errorf("%w: %s: negative dimension in shape %v", ErrInvalidArgument, d.label(), shape)
+		}
+		size *= s
+	}
+	if size != n {
+		return d, fmt.Errorf("%w: %s: shape %v holds %d elements but Data has %d", ErrInvalidArgument, d.label(), shape, size, n)
+	}
+	d.shape = append([]int(nil), shape...)
+	return d, nil
+}
+
+// hash is d's fingerprint; never 0 (which marks an absent tensor).
+func (d desc) hash() int64 {
+	h := fnv.New64a()
+	var b [8]byte
+	put := func(v int) {
+		binary.LittleEndian.PutUint64(b[:], uint64(v))
+		h.Write(b[:])
+	}
+	put(int(d.kind))
+	put(len(d.name))
+	h.Write([]byte(d.name))
+	put(int(d.dtype))
+	put(len(d.shape))
+	for _, s := range d.shape {
+		put(s)
+	}
+	return int64(h.Sum64() | 1)
+}
+
+// MismatchError says how the ranks' models differ: the first differing parameter or buffer
+// (Index ≥ 0), or their count (Index = -1), as rank 0 has it (Want) and as Rank has it
+// (Got). Other lists further ranks that differ from rank 0 in the same place.
+type MismatchError struct {
+	Kind  string // "parameter" or "buffer"
+	Index int    // -1 for a count mismatch
+	Name  string // rank 0's name for the tensor
+	Rank  int    // the first rank that differs from rank 0
+	Other []int  // further ranks that differ from rank 0 there
+	Want  string // rank 0's side, as in the message
+	Got   string // Rank's side
+	msg   string
+}
+
+func (e *MismatchError) Error() string { return e.msg }
+
+// Unwrap returns ErrMismatch.
+func (e *MismatchError) Unwrap() error { return ErrMismatch }
+
+// finish composes the message "ddp: <subject> <verb><Want> on rank 0 but <Got> on rank R".
+func (e *MismatchError) finish(subject, verb string) *MismatchError {
+	var b strings.Builder
+	fmt.Fprintf(&b, "ddp: %s %s%s on rank 0 but %s on rank %d", subject, verb, e.Want, e.Got, e.Rank)
+	b.WriteString(alsoDiffer(e.Other))
+	e.msg = b.String()
+	return e
+}
+
+// alsoDiffer is the message's note on further ranks that differ, or "".
+func alsoDiffer(other []int) string {
+	switch len(other) {
+	case 0:
+		return ""
+	case 1:
+		return fmt.Sprintf(" (rank %d also differs from rank 0)", other[0])
+	}
+	return fmt.Sprintf(" (ranks %s also differ from rank 0)", joinInts(other))
+}
+
+func joinInts(v []int) string {
+	s := make([]string, len(v))
+	for i, x := range v {
+		s[i] = fmt.Sprint(x)
+	}
+	return strings.Join(s, ", ")
+}
+
+// Note [Model check]: every rank must wrap the same model, or the buckets (and the
+// collectives) would not line up. New compares the ranks in at most three AllGathers that
+// every rank issues in the same order, deciding from the same gathered data, so all ranks
+// return the same error and none hangs:
+//  1. counts of parameters and buffers and a hash of every description (one AllGather of
+//     three int64s per rank); if they are all equal, that is the end;
+//  2. otherwise one hash per tensor (absent ones as 0), to find the first differing tensor
+//     and the ranks that differ from rank 0 there;
+//  3. that tensor's description as a fixed-size record (element type, length, up to
+//     recDims dimensions, up to recName bytes of name), for a message that names both sides.
+//
+// A count mismatch is reported first; then the first differing parameter, then buffer.
+
+const (
+	recDims   = 8
+	recName   = 96
+	recLen    = 3 + recDims + 1 + recName/8
+	recHeader = 3 + recDims + 1
+)
+
+func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error {
+	size := pg.Size()
+	var ps, bs []desc
+	for _, d := range descs {
+		if d.kind == kindParam {
+			ps = append(ps, d)
+		} else {
+			bs = append(bs, d)
+		}
+	}
+	all := fnv.New64a()
+	for _, d := range descs {
+		binary.Write(all, binary.LittleEndian, d.hash())
+	}
+	mine := []int64{int64(len(ps)), int64(len(bs)), int64(all.Sum64())}
+	sum := make([]int64, 3*size)
+	if err := gather(ctx, pg, sum, mine, "model summary"); err != nil {
+		return err
+	}
+	same := true
+	maxP, maxB := 0, 0
+	for r := 0; r < size; r++ {
+		row := sum[3*r : 3*r+3]
+		same = same && row[0] == sum[0] && row[1] == sum[1] && row[2] == sum[2]
+		maxP, maxB = max(maxP, int(row[0])), max(maxB, int(row[1]))
+	}
+	if same {
+		return nil
+	}
+
+	// Round 2: per-tensor hashes, params padded to maxP, then buffers padded to maxB.
+	width := maxP + maxB
+	hs := make([]int64, width)
+	for i, d := range ps {
+		hs[i] = d.hash()
+	}
+	for i, d := range bs {
+		hs[maxP+i] = d.hash()
+	}
+	allHs := make([]int64, width*size)
+	if err := gather(ctx, pg, allHs, hs, "tensor hashes"); err != nil {
+		return err
+	}
+	row := func(r int) []int64 { return allHs[r*width : (r+1)*width] }
+
+	// The first differing tensor in the common prefix of each list.
+	type site struct {
+		k     kind
+		index int // in its list
+		col   int // in the rows
+	}
+	var at *site
+	for _, l := range []struct {
+		k        kind
+		off, col int
+	}{{kindParam, 0, 0}, {kindBuffer, 1, maxP}} {
+		n := math.MaxInt
+		for r := 0; r < size; r++ {
+			n = min(n, int(sum[3*r+l.off]))
+		}
+		for i := 0; i < n && at == nil; i++ {
+			for r := 1; r < size; r++ {
+				if row(r)[l.col+i] != row(0)[l.col+i] {
+					at = &site{l.k, i, l.col + i}
+					break
+				}
+			}
+		}
+		if at != nil {
+			break
+		}
+	}
+
+	// Count mismatches come first.
+	for _, l := range []struct {
+		k   kind
+		off int
+	}{{kindParam, 0}, {kindBuffer, 1}} {
+		var diff []int
+		for r := 1; r < size; r++ {
+			if sum[3*r+l.off] != sum[l.off] {
+				diff = append(diff, r)
+			}
+		}
+		if len(diff) > 0 {
+			e := &MismatchError{Kind: l.k.String(), Index: -1, Rank: diff[0], Other: diff[1:],
+				Want: fmt.Sprint(sum[l.off]), Got: fmt.Sprint(sum[3*diff[0]+l.off])}
+			noun := l.k.String()
+			if sum[l.off] != 1 {
+				noun += "s"
+			}
+			e.msg = fmt.Sprintf("ddp: %v %s on rank 0 but %v on rank %d%s", e.Want, noun, e.Got, e.Rank, alsoDiffer(e.Other))
+			return e
+		}
+	}
+	if at == nil {
+		// Same counts and per-tensor hashes but different summaries cannot happen; say so
+		// rather than pretend the models agree.
+		return fmt.Errorf("%w: model summaries differ across ranks", ErrMismatch)
+	}
+
+	// Round 3: the records of the differing tensor.
+	var d desc
+	if at.k == kindParam {
+		d = ps[at.index]
+	} else {
+		d = bs[at.index]
+	}
+	recs := make([]int64, recLen*size)
+	if err := gather(ctx, pg, recs, encode(d), "description of "+d.label()); err != nil {
+		return err
+	}
+	zero := decode(recs[:recLen])
+	var diff []int
+	for r := 1; r < size; r++ {
+		if row(r)[at.col] != row(0)[at.col] {
+			diff = append(diff, r)
+		}
+	}
+	other := decode(recs[recLen*diff[0] : recLen*(diff[0]+1)])
+	e := &MismatchError{Kind: at.k.String(), Index: at.index, Name: zero.name, Rank: diff[0], Other: diff[1:]}
+	subject := fmt.Sprintf("%v %d", at.k, at.index)
+	if zero.name != "" {
+		subject += " (" + zero.name + ")"
+	}
+	var want, got []string
+	if !equalInts(zero.shape, other.shape) {
+		want, got = append(want, fmt.Sprintf("shape %v", zero.shape)), append(got, fmt.Sprintf("shape %v", other.shape))
+	}
+	if zero.dtype != other.dtype {
+		want, got = append(want, fmt.Sprintf("type %v", zero.dtype)), append(got, fmt.Sprintf("type %v", other.dtype))
+	}
+	switch {
+	case zero.name != other.name:
+		e.Want, e.Got = fmt.Sprintf("%q", zero.name), fmt.Sprintf("%q", other.name)
+		return e.finish(fmt.Sprintf("%v %d", at.k, at.index), "is named ")
+	case len(want) == 1:
+		// "has shape [2 3] on rank 0 but [3 2] on rank 1": the attribute is named once.
+		attr := strings.SplitN(want[0], " ", 2)[0]
+		e.Want, e.Got = strings.TrimPrefix(want[0], attr+" "), strings.TrimPrefix(got[0], attr+" ")
+		return e.finish(subject, "has "+attr+" ")
+	case len(want) > 1:
+		e.Want, e.Got = strings.Join(want, " and "), strings.Join(got, " and ")
+		return e.finish(subject, "has ")
+	}
+	e.Want, e.Got = "one description", "another (beyond the compared detail)"
+	return e.finish(subject, "has ")
+}
+
+func equalInts(a, b []int) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func gather(ctx context.Context, pg procgroup.ProcessGroup, out, in []int64, what string) error {
+	if err := pg.AllGather(ctx, out, in).Wait(ctx); err != nil {
+		return fmt.Errorf("ddp: rank %d: model check: all-gather of the %s: %w", pg.Rank(), what, err)
+	}
+	return nil
+}
+
+// encode packs d into a record (Note [Model check]).
+func encode(d desc) []int64 {
+	rec := make([]int64, recLen)
+	rec[0], rec[1], rec[2] = int64(d.dtype), int64(d.n), int64(len(d.shape))
+	for i := 0; i < len(d.shape) && i < recDims; i++ {
+		rec[3+i] = int64(d.shape[i])
+	}
+	name := d.name
+	if len(name) > recName {
+		name = name[:recName]
+	}
+	rec[recHeader-1] = int64(len(name))
+	var buf [recName]byte
+	copy(buf[:], name)
+	for i := 0; i < recName/8; i++ {
+		rec[recHeader+i] = int64(binary.LittleEndian.Uint64(buf[8*i:]))
+	}
+	return rec
+}
+
+// decode unpacks a record; a shape of more than recDims dimensions keeps its first
+// recDims, and a long name its first recName bytes.
+func decode(rec []int64) desc {
+	d := desc{dtype: procgroup.DType(rec[0]), n: int(rec[1])}
+	nd := int(rec[2])
+	d.shape = make([]int, 0, min(nd, recDims))
+	for i := 0; i < nd && i < recDims; i++ {
+		d.shape = append(d.shape, int(rec[3+i]))
+	}
+	var buf [recName]byte
+	for i := 0; i < recName/8; i++ {
+		binary.LittleEndian.PutUint64(buf[8*i:], uint64(rec[recHeader+i]))
+	}
+	n := min(max(int(rec[recHeader-1]), 0), recName)
+	d.name = string(buf[:n])
+	return d
+}

@@ -1,0 +1,495 @@
+package ddp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"go.uber.org/zap"
+	"gorgonia.org/gorgonia"
+	"gorgonia.org/tensor"
+
+	"github.com/goddp/goddp/procgroup"
+	"github.com/goddp/goddp/reducer"
+)
+
+// Sentinel errors.
+var (
+	// ErrInvalidArgument: a bad parameter, buffer or option (wrapped with the details).
+	ErrInvalidArgument = errors.New("ddp: invalid argument")
+	// ErrMismatch is wrapped by *MismatchError: the ranks' parameters or buffers differ.
+	ErrMismatch = errors.New("ddp: ranks disagree on the model")
+	// ErrPhase: a call out of turn, such as Finalize without BeginBackward. It leaves the
+	// DDP usable.
+	ErrPhase = errors.New("ddp: call out of turn")
+	// ErrClosed: the DDP was closed.
+	ErrClosed = errors.New("ddp: closed")
+)
+
+// Param is one learnable parameter of a trainer that brings its own gradients.
+type Param struct {
+	// Name appears in errors; it must be the same on every rank.
+	Name string
+	// Data holds the parameter's values, a []float32 or a []float64. New overwrites it with
+	// rank 0's values.
+	Data any
+	// Grad is where Finalize leaves the averaged gradient: the same type and length as
+	// Data. With Options.GradientAsBucketView it must be nil: read the gradient with
+	// DDP.Grad32 (or Grad64) instead.
+	Grad any
+	// Shape is the parameter's shape; nil means [len(Data)]. Its product must be len(Data).
+	Shape []int
+}
+
+// Buffer is a tensor that is broadcast from rank 0 but not reduced (PyTorch's buffers,
+// such as batch-norm running statistics).
+type Buffer struct {
+	Name string
+	// Data is a []float32, []float64, []int32, []int64, []procgroup.BF16 or
+	// []procgroup.F16.
+	Data any
+	// Shape as in Param.
+	Shape []int
+}
+
+// Options configure a DDP. They mirror the arguments of PyTorch's
+// DistributedDataParallel.
+type Options struct {
+	// BucketCapMB caps every gradient bucket but the first, in MiB (default 25).
+	BucketCapMB float64
+	// FirstBucketCapMB caps the first bucket, in MiB (default 1).
+	FirstBucketCapMB float64
+	// FindUnusedParameters: parameters that get no gradient in a synced backward are reduced
+	// as zeros instead of failing Finalize.
+	FindUnusedParameters bool
+	// GradientAsBucketView: gradients live in the buckets (read them with Grad32/Grad64,
+	// again after each Finalize); nothing is copied back. Param.Grad must be nil.
+	GradientAsBucketView bool
+	// CommHook reduces each bucket (default: one all-reduce, reducer.AllReduceHook).
+	CommHook reducer.CommHook
+	// Logger receives the rare log lines; nil means zap.NewNop().
+	Logger *zap.Logger
+	// Buffers are broadcast from rank 0 at New and by BroadcastBuffers, never reduced.
+	Buffers []Buffer
+	// BroadcastChunkMB caps each of the broadcasts that copy rank 0's parameters and
+	// buffers at New, in MiB (default 64): tensors of one element type are packed into
+	// chunks of this size, so a model takes a few large broadcasts, not one per tensor.
+	BroadcastChunkMB float64
+}
+
+func (o *Options) validate() error {
+	if o.BucketCapMB == 0 {
+		o.BucketCapMB = 25
+	}
+	if o.FirstBucketCapMB == 0 {
+		o.FirstBucketCapMB = 1
+	}
+	if o.BroadcastChunkMB == 0 {
+		o.BroadcastChunkMB = 64
+	}
+	if !(o.BucketCapMB > 0) || !(o.FirstBucketCapMB > 0) || !(o.BroadcastChunkMB > 0) {
+		return fmt.Errorf("%w: BucketCapMB %v, FirstBucketCapMB %v, BroadcastChunkMB %v: want all positive",
+			ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB, o.BroadcastChunkMB)
+	}
+	if o.Logger == nil {
+		o.Logger = zap.NewNop()
+	}
+	return nil
+}
+
+// phase is where the DDP is in a training step (STYLE 2: the one field that says it).
+type phase int
+
+const (
+	phaseIdle       phase = iota // after New or Finalize
+	phaseSync                    // a synced backward has begun
+	phaseAccumulate              // a NoSync backward has begun
+	phaseFinalizing              // inside Finalize
+	phaseFailed                  // err ended the DDP
+	phaseClosed
+)
+
+// DDP averages the gradients of a model replicated on every rank of a process group, the way
+// PyTorch's DistributedDataParallel does: see the package documentation for the loop.
+//
+// A DDP is driven by one training goroutine (BeginBackward, Finalize, NoSync, Backward);
+// GradReady and Hook may be called from the goroutine that runs backward (gorgonia's tape
+// runs on the caller's); Stats, Err and Close may be called from any goroutine.
+//
+// Failure is final: once a step fails (a hook's error, an unused parameter, a failed
+// collective, a backward function's error), the ranks' collectives can no longer be matched,
+// so the process group is aborted (peers fail at once instead of hanging) and every later
+// Finalize returns the same error.
+type DDP struct {
+	pg      procgroup.ProcessGroup
+	r       *reducer.Reducer
+	opts    Options
+	log     *zap.Logger
+	params  []Param
+	buffers []Buffer
+	nodes   []*gorgonia.Node // set by WrapNodes: Finalize writes the averages into their gradients
+
+	failed atomic.Bool // the hot path's view of phase == phaseFailed
+
+	mu    sync.Mutex // guards the fields below
+	phase phase
+	err   error // why phase is phaseFailed
+}
+
+// New wraps params, replicated on every rank of pg. It checks that every rank has the same
+// parameters and buffers (count, names, element types and shapes; a difference is a
+// *MismatchError naming the first differing tensor and the ranks), then copies rank 0's
+// parameters and buffers to every rank. Every rank must call New with the same model; it
+// returns when all have (or ctx ends). The process group stays the caller's.
+func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Options) (*DDP, error) {
+	if pg == nil {
+		return nil, fmt.Errorf("%w: nil process group", ErrInvalidArgument)
+	}
+	if err := opts.validate(); err != nil {
+		return nil, err
+	}
+	d := &DDP{pg: pg, opts: opts, log: opts.Logger}
+	descs := make([]desc, 0, len(params)+len(opts.Buffers))
+	d.params = make([]Param, len(params))
+	for i, p := range params {
+		dd, err := describe(kindParam, i, p.Name, p.Data, p.Shape)
+		if err != nil {
+			return nil, err
+		}
+		if dd.dtype != procgroup.Float32 && dd.dtype != procgroup.Float64 {
+			return nil, fmt.Errorf("%w: %s: element type %v, want float32 or float64", ErrInvalidArgument, dd.label(), dd.dtype)
+		}
+		if err := checkGrad(dd, p.Grad, opts.GradientAsBucketView); err != nil {
+			return nil, err
+		}
+		p.Shape = dd.shape
+		d.params[i] = p
+		descs = append(descs, dd)
+	}
+	d.buffers = make([]Buffer, len(opts.Buffers))
+	for i, b := range opts.Buffers {
+		dd, err := describe(kindBuffer, i, b.Name, b.Data, b.Shape)
+		if err != nil {
+			return nil, err
+		}
+		b.Shape = dd.shape
+		d.buffers[i] = b
+		descs = append(descs, dd)
+	}
+	d.opts.Buffers = d.buffers
+	if pg.Size() > 1 {
+		if err := verify(ctx, pg, descs); err != nil {
+			return nil, err
+		}
+		if err := broadcastAll(ctx, pg, d.tensors(true), chunkBytes(opts.BroadcastChunkMB)); err != nil {
+			return nil, fmt.Errorf("ddp: rank %d: initial broadcast of rank 0's parameters: %w", pg.Rank(), err)
+		}
+	}
+	rp := make([]reducer.Param, len(d.params))
+	for i, p := range d.params {
+		rp[i] = reducer.Param{Name: p.Name, Grad: p.Grad, DType: descs[i].dtype, Len: descs[i].n}
+	}
+	r, err := reducer.New(pg, rp, reducer.Options{
+		BucketCapMB:          opts.BucketCapMB,
+		FirstBucketCapMB:     opts.FirstBucketCapMB,
+		FindUnusedParameters: opts.FindUnusedParameters,
+		GradientAsBucketView: opts.GradientAsBucketView,
+		CommHook:             opts.CommHook,
+		Logger:               opts.Logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ddp: %w", err)
+	}
+	d.r = r
+	d.log.Info("ddp: model replicated", zap.Int("rank", pg.Rank()), zap.Int("world_size", pg.Size()),
+		zap.Int("params", len(d.params)), zap.Int("buffers", len(d.buffers)))
+	return d, nil
+}
+
+func checkGrad(dd desc, grad any, bucketView bool) error {
+	if grad == nil {
+		if bucketView {
+			return nil
+		}
+		return fmt.Errorf("%w: %s: nil Grad (allowed only with GradientAsBucketView)", ErrInvalidArgument, dd.label())
+	}
+	if bucketView {
+		return fmt.Errorf("%w: %s: Grad must be nil with GradientAsBucketView (read gradients with Grad32/Grad64)", ErrInvalidArgument, dd.label())
+	}
+	gdt, gn, err := procgroup.DTypeOf(grad)
+	if err != nil {
+		return fmt.Errorf("%w: %s: Grad: %w", ErrInvalidArgument, dd.label(), err)
+	}
+	if gdt != dd.dtype || gn != dd.n {
+		return fmt.Errorf("%w: %s: Grad is %v×%d but Data is %v×%d", ErrInvalidArgument, dd.label(), gdt, gn, dd.dtype, dd.n)
+	}
+	return nil
+}
+
+// tensors lists the Data of the parameters (when params is set) and of the buffers.
+func (d *DDP) tensors(params bool) []any {
+	var ts []any
+	if params {
+		for _, p := range d.params {
+			ts = append(ts, p.Data)
+		}
+	}
+	for _, b := range d.buffers {
+		ts = append(ts, b.Data)
+	}
+	return ts
+}
+
+// Rank is this process's rank; Size the world size.
+func (d *DDP) Rank() int { return d.pg.Rank() }
+
+// Size is the world size.
+func (d *DDP) Size() int { return d.pg.Size() }
+
+// Params returns the parameters as New checked them (Shape filled in). Do not modify it.
+func (d *DDP) Params() []Param { return d.params }
+
+// BeginBackward starts the backward pass of one micro-batch: synced (sync true: this pass's
+// gradients, added to those of the NoSync passes since the last synced Finalize, are
+// averaged across ranks) or not (sync false: PyTorch's no_sync; gradients only add up
+// locally). Then run backward, reporting each gradient with Hook or GradReady, and after
+// a synced pass call Finalize (after a NoSync pass Finalize is optional).
+//
+// It never blocks and returns nothing: an error (for instance a previous synced pass that
+// was never finalized, naming the parameters that got no gradient) fails the DDP and is
+// returned by the next Finalize, as are the hooks' errors.
+func (d *DDP) BeginBackward(sync bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch d.phase {
+	case phaseFailed, phaseClosed:
+		return
+	case phaseFinalizing:
+		d.failLocked(fmt.Errorf("BeginBackward during Finalize: %w", ErrPhase))
+		return
+	}
+	mode, next := reducer.Accumulate, phaseAccumulate
+	if sync {
+		mode, next = reducer.Sync, phaseSync
+	}
+	if err := d.r.BeginBackward(mode); err != nil {
+		d.failLocked(err)
+		return
+	}
+	d.phase = next
+}
+
+// GradReady reports parameter i's gradient of the current backward pass (once per pass,
+// after all its contributions are summed): it is copied (divided by the world size) into
+// its bucket, and completed buckets start their all-reduce. It never blocks; grad may be
+// reused once it returns. Its error also fails the DDP (see DDP).
+func (d *DDP) GradReady(i int, grad []float32) error {
+	if d.failed.Load() {
+		return d.Err()
+	}
+	if err := d.r.GradReady(i, grad); err != nil {
+		return d.fail(err)
+	}
+	return nil
+}
+
+// GradReady64 is GradReady for a float64 parameter.
+func (d *DDP) GradReady64(i int, grad []float64) error {
+	if d.failed.Load() {
+		return d.Err()
+	}
+	if err := d.r.GradReady64(i, grad); err != nil {
+		return d.fail(err)
+	}
+	return nil
+}
+
+// Hook is a GradHook (for Tap, or a model's hook option) that reports a gorgonia gradient
+// with GradReady, without allocating. Errors are returned by the next Finalize.
+func (d *DDP) Hook(i int, grad *tensor.Dense) {
+	if d.failed.Load() {
+		return
+	}
+	var err error
+	switch grad.Dtype() {
+	case tensor.Float32:
+		var g []float32
+		if g, err = denseFloat32s(grad); err == nil {
+			err = d.r.GradReady(i, g)
+		}
+	case tensor.Float64:
+		var g []float64
+		if g, err = denseFloat64s(grad); err == nil {
+			err = d.r.GradReady64(i, g)
+		}
+	default:
+		err = fmt.Errorf("%w: gradient of parameter %d is %v, want float32 or float64", ErrInvalidArgument, i, grad.Dtype())
+	}
+	if err != nil {
+		d.fail(err)
+	}
+}
+
+// Finalize ends the backward pass. After a synced pass it waits for every bucket's
+// all-reduce and leaves the averaged gradients in each Param.Grad (with
+// GradientAsBucketView, in Grad32/Grad64; with WrapNodes, also in the nodes' gradients);
+// after a NoSync pass it returns at once. It returns the step's first error (see DDP), or
+// ctx's error if ctx ends first (which fails the DDP too), or ErrPhase without a
+// backward pass to finalize.
+func (d *DDP) Finalize(ctx context.Context) error {
+	d.mu.Lock()
+	switch d.phase {
+	case phaseFailed:
+		defer d.mu.Unlock()
+		return d.err
+	case phaseClosed:
+		d.mu.Unlock()
+		return ErrClosed
+	case phaseIdle, phaseFinalizing:
+		d.mu.Unlock()
+		return fmt.Errorf("%w: Finalize without a backward pass (call BeginBackward first)", ErrPhase)
+	}
+	synced := d.phase == phaseSync
+	d.phase = phaseFinalizing
+	d.mu.Unlock()
+
+	err := d.r.Finalize(ctx) // without d.mu: Stats, Err and Close stay responsive
+
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch {
+	case d.phase == phaseClosed:
+		return ErrClosed
+	case d.phase == phaseFailed:
+		return d.err
+	case err != nil:
+		return d.failLocked(err)
+	}
+	if synced && d.nodes != nil {
+		if err := d.writeNodeGrads(); err != nil {
+			return d.failLocked(err)
+		}
+	}
+	d.phase = phaseIdle
+	return nil
+}
+
+// Backward runs one synced backward pass: BeginBackward(true), backward (which must report
+// every gradient, through Hook or GradReady), Finalize(ctx). An error of backward fails the
+// DDP (see DDP).
+func (d *DDP) Backward(ctx context.Context, backward func() error) error {
+	d.BeginBackward(true)
+	if err := backward(); err != nil {
+		return d.fail(fmt.Errorf("backward: %w", err))
+	}
+	return d.Finalize(ctx)
+}
+
+// NoSync runs one backward pass whose gradients only add up locally (PyTorch's no_sync):
+// the next synced pass averages the sum. It returns the DDP's error, if any; an error of
+// backward fails the DDP (see DDP).
+func (d *DDP) NoSync(backward func() error) error {
+	d.BeginBackward(false)
+	if err := backward(); err != nil {
+		return d.fail(fmt.Errorf("NoSync backward: %w", err))
+	}
+	return d.Err()
+}
+
+// Grad returns parameter i's averaged gradient after a synced Finalize: its Param.Grad, or
+// with GradientAsBucketView its slot in the bucket (valid until the next Finalize, since the
+// first synced Finalize rebuilds the buckets once: take it again after each Finalize).
+// It is a []float32 or a []float64; nil for an index out of range.
+func (d *DDP) Grad(i int) any {
+	if i < 0 || i >= len(d.params) {
+		return nil
+	}
+	if !d.opts.GradientAsBucketView {
+		return d.params[i].Grad
+	}
+	v, _ := d.r.GradView(i)
+	return v
+}
+
+// Grad32 is Grad for a float32 parameter (nil for a float64 one).
+func (d *DDP) Grad32(i int) []float32 { g, _ := d.Grad(i).([]float32); return g }
+
+// Grad64 is Grad for a float64 parameter (nil for a float32 one).
+func (d *DDP) Grad64(i int) []float64 { g, _ := d.Grad(i).([]float64); return g }
+
+// Stats returns the reducer's measurements of the last finalized backward pass (per
+// gradient and bucket timestamps, communication and overlap), or nil before the first. It
+// is reused: valid until the second BeginBackward from now (Clone it to keep it).
+func (d *DDP) Stats() *reducer.IterStats { return d.r.Stats() }
+
+// Generation counts the bucket layouts (0, then 1 after the first synced Finalize).
+func (d *DDP) Generation() int { return d.r.Generation() }
+
+// BroadcastBuffers copies rank 0's buffers (Options.Buffers) to every rank, as PyTorch does
+// before each forward with broadcast_buffers. Every rank must call it at the same point,
+// outside a backward pass.
+func (d *DDP) BroadcastBuffers(ctx context.Context) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch d.phase {
+	case phaseFailed:
+		return d.err
+	case phaseClosed:
+		return ErrClosed
+	case phaseIdle:
+	default:
+		return fmt.Errorf("%w: BroadcastBuffers during a backward pass", ErrPhase)
+	}
+	if d.pg.Size() == 1 || len(d.buffers) == 0 {
+		return nil
+	}
+	if err := broadcastAll(ctx, d.pg, d.tensors(false), chunkBytes(d.opts.BroadcastChunkMB)); err != nil {
+		return d.failLocked(fmt.Errorf("broadcast of buffers: %w", err))
+	}
+	return nil
+}
+
+// Err returns the error that failed the DDP, or nil.
+func (d *DDP) Err() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.err
+}
+
+// Close releases the DDP (not the process group, which stays the caller's). Closing during a
+// synced backward aborts the process group. It is idempotent and returns nil.
+func (d *DDP) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.phase == phaseClosed {
+		return nil
+	}
+	d.phase = phaseClosed
+	return d.r.Close()
+}
+
+func (d *DDP) fail(err error) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.failLocked(err)
+}
+
+// failLocked ends the DDP with err (the first error counts) and aborts the process group,
+// so that peers waiting on this rank's collectives fail instead of hanging. d.mu must be
+// held.
+func (d *DDP) failLocked(err error) error {
+	switch d.phase {
+	case phaseFailed:
+		return d.err
+	case phaseClosed:
+		return ErrClosed
+	}
+	err = fmt.Errorf("ddp: rank %d: %w", d.pg.Rank(), err)
+	d.phase, d.err = phaseFailed, err
+	d.failed.Store(true)
+	d.log.Error("ddp: step failed; aborting the process group", zap.Int("rank", d.pg.Rank()), zap.Error(err))
+	d.pg.Abort(err)
+	return err
+}

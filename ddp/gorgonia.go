@@ -1,0 +1,147 @@
+package ddp
+
+import (
+	"context"
+	"fmt"
+
+	"gorgonia.org/gorgonia"
+	"gorgonia.org/tensor"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+// denseFloat32s returns the elements of a contiguous float32 tensor without allocating
+// (Dense.Data boxes a new slice header on every call).
+func denseFloat32s(t *tensor.Dense) ([]float32, error) {
+	if err := contiguous(t); err != nil {
+		return nil, err
+	}
+	return t.Float32s()[:t.Shape().TotalSize()], nil
+}
+
+// denseFloat64s is denseFloat32s for float64.
+func denseFloat64s(t *tensor.Dense) ([]float64, error) {
+	if err := contiguous(t); err != nil {
+		return nil, err
+	}
+	return t.Float64s()[:t.Shape().TotalSize()], nil
+}
+
+func contiguous(t *tensor.Dense) error {
+	if t.RequiresIterator() {
+		return fmt.Errorf("%w: gradient tensor of shape %v is a non-contiguous view", ErrInvalidArgument, t.Shape())
+	}
+	return nil
+}
+
+// ParamsFromNodes describes gorgonia learnables as Params: Name is the node's name, Shape
+// its shape, Data its value's elements (shared: New's broadcast writes into the node's
+// value), Grad a new slice (nil when gradientAsBucketView). Each node must hold a
+// contiguous float32 or float64 *tensor.Dense value (create it WithValue or WithInit).
+func ParamsFromNodes(nodes []*gorgonia.Node, gradientAsBucketView bool) ([]Param, error) {
+	ps := make([]Param, len(nodes))
+	for i, n := range nodes {
+		if n == nil {
+			return nil, fmt.Errorf("%w: parameter %d: nil node", ErrInvalidArgument, i)
+		}
+		t, ok := n.Value().(*tensor.Dense)
+		if !ok {
+			return nil, fmt.Errorf("%w: parameter %d (%s): value is %T, want a *tensor.Dense (create the node WithValue or WithInit)",
+				ErrInvalidArgument, i, n.Name(), n.Value())
+		}
+		p := Param{Name: n.Name(), Shape: append([]int(nil), t.Shape()...)}
+		switch t.Dtype() {
+		case tensor.Float32:
+			data, err := denseFloat32s(t)
+			if err != nil {
+				return nil, fmt.Errorf("parameter %d (%s): %w", i, n.Name(), err)
+			}
+			p.Data = data
+			if !gradientAsBucketView {
+				p.Grad = make([]float32, len(data))
+			}
+		case tensor.Float64:
+			data, err := denseFloat64s(t)
+			if err != nil {
+				return nil, fmt.Errorf("parameter %d (%s): %w", i, n.Name(), err)
+			}
+			p.Data = data
+			if !gradientAsBucketView {
+				p.Grad = make([]float64, len(data))
+			}
+		default:
+			return nil, fmt.Errorf("%w: parameter %d (%s): element type %v, want float32 or float64", ErrInvalidArgument, i, n.Name(), t.Dtype())
+		}
+		ps[i] = p
+	}
+	return ps, nil
+}
+
+// TapNodes taps every learnable: tapped[i] = Tap(nodes[i], i, hook). Build the model on the
+// tapped nodes (every use of nodes[i] must go through tapped[i]) and take gorgonia.Grad
+// with respect to the original nodes.
+func TapNodes(nodes []*gorgonia.Node, hook GradHook) ([]*gorgonia.Node, error) {
+	tapped := make([]*gorgonia.Node, len(nodes))
+	for i, n := range nodes {
+		t, err := Tap(n, i, hook)
+		if err != nil {
+			return nil, err
+		}
+		tapped[i] = t
+	}
+	return tapped, nil
+}
+
+// WrapNodes wraps the learnables of a gorgonia graph: New over ParamsFromNodes (so every
+// node's value becomes rank 0's), then TapNodes with the DDP's Hook. Build the model on the
+// returned tapped nodes, call gorgonia.Grad with respect to learnables, and run backward
+// between BeginBackward and Finalize. After a synced Finalize the averaged gradient is in
+// Grad32/Grad64(i) and also in learnables[i].Grad(), so gorgonia's solvers see it.
+func WrapNodes(ctx context.Context, pg procgroup.ProcessGroup, learnables []*gorgonia.Node, opts Options) (*DDP, []*gorgonia.Node, error) {
+	params, err := ParamsFromNodes(learnables, opts.GradientAsBucketView)
+	if err != nil {
+		return nil, nil, err
+	}
+	d, err := New(ctx, pg, params, opts)
+	if err != nil {
+		return nil, nil, err
+	}
+	tapped, err := TapNodes(learnables, d.Hook)
+	if err != nil {
+		d.Close()
+		return nil, nil, err
+	}
+	d.nodes = append([]*gorgonia.Node(nil), learnables...)
+	return d, tapped, nil
+}
+
+// writeNodeGrads copies the averaged gradients into the learnables' gradient values (the
+// tensors the hooks received). A node without a gradient value (unused this step) is
+// skipped. d.mu must be held.
+func (d *DDP) writeNodeGrads() error {
+	for i, n := range d.nodes {
+		v, err := n.Grad()
+		if err != nil {
+			continue
+		}
+		t, ok := v.(*tensor.Dense)
+		if !ok {
+			continue
+		}
+		switch t.Dtype() {
+		case tensor.Float32:
+			dst, err := denseFloat32s(t)
+			if err != nil {
+				return fmt.Errorf("parameter %d (%s): %w", i, n.Name(), err)
+			}
+			copy(dst, d.Grad32(i))
+		case tensor.Float64:
+			dst, err := denseFloat64s(t)
+			if err != nil {
+				return fmt.Errorf("parameter %d (%s): %w", i, n.Name(), err)
+			}
+			copy(dst, d.Grad64(i))
+		}
+	}
+	return nil
+}

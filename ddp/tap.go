@@ -1,0 +1,174 @@
+package ddp
+
+import (
+	"errors"
+	"fmt"
+	"hash"
+	"hash/fnv"
+
+	"github.com/chewxy/hm"
+	"gorgonia.org/gorgonia"
+	"gorgonia.org/tensor"
+)
+
+// GradHook receives the final gradient of learnable param (its index in registration
+// order) during backward.
+//
+// Note [Grad-ready hooks]: gorgonia has no per-instruction callback, so Tap inserts a
+// copy op p' = tap(p) in front of every use of a learnable. The tap's symbolic
+// derivative wraps the incoming gradient in an identity gradReady op whose Do calls
+// the hook. gorgonia puts nodes on the tape in creation order and the gradReady node is
+// created right after the gradient it wraps, so the hook runs as soon as that
+// parameter's gradient is complete: in reverse layer order, once per step, after every
+// contribution (tied weights included) has been summed.
+//
+// The hook runs on the tape machine's goroutine in the middle of backward: it must not
+// block. grad is the gradient value gorgonia keeps for the parameter (p.Grad() returns
+// the same tensor); the hook may read it and must not keep it past the step, since the
+// machine reuses it.
+type GradHook func(param int, grad *tensor.Dense)
+
+// ErrBadTap is returned by Tap for a nil node, a nil hook or a negative index.
+var ErrBadTap = errors.New("ddp: bad tap")
+
+// Tap returns p' = tap(p), a copy of learnable p whose gradient, once complete, is
+// passed to hook with the given index. Every use of p in the graph must go through
+// the returned node (call Tap once per parameter and reuse its result); a use of p
+// itself would add a gradient contribution after the hook has fired.
+//
+// gorgonia.Grad(cost, p) still yields p's gradient: the tap is transparent to values
+// and gradients (bit for bit).
+func Tap(p *gorgonia.Node, index int, hook GradHook) (*gorgonia.Node, error) {
+	switch {
+	case p == nil:
+		return nil, fmt.Errorf("%w: nil node (param %d)", ErrBadTap, index)
+	case hook == nil:
+		return nil, fmt.Errorf("%w: nil hook (param %d)", ErrBadTap, index)
+	case index < 0:
+		return nil, fmt.Errorf("%w: negative index %d", ErrBadTap, index)
+	case p.Shape() == nil || p.Shape().IsScalar():
+		return nil, fmt.Errorf("%w: param %d (%s) is not a tensor", ErrBadTap, index, p.Name())
+	}
+	n, err := gorgonia.ApplyOp(&tapOp{index: index, hook: hook}, p)
+	if err != nil {
+		return nil, fmt.Errorf("ddp: tap param %d (%s): %w", index, p.Name(), err)
+	}
+	return n, nil
+}
+
+// identity holds what tapOp and gradReadyOp share: a shape-preserving copy of one
+// tensor input.
+type identity struct{}
+
+func (identity) Arity() int { return 1 }
+
+func (identity) Type() hm.Type {
+	a := hm.TypeVariable('a')
+	return hm.NewFnType(a, a)
+}
+
+func (identity) InferShape(in ...gorgonia.DimSizer) (tensor.Shape, error) {
+	if len(in) != 1 {
+		return nil, fmt.Errorf("ddp: tap: want 1 input, got %d", len(in))
+	}
+	s, ok := in[0].(tensor.Shape)
+	if !ok {
+		return nil, fmt.Errorf("ddp: tap: input shape is %T", in[0])
+	}
+	return s.Clone(), nil
+}
+
+func (identity) ReturnsPtr() bool     { return false }
+func (identity) CallsExtern() bool    { return false }
+func (identity) OverwritesInput() int { return -1 }
+
+// copyInto copies the single dense input into prealloc (allocated when nil or of the
+// wrong size) and returns it.
+func copyInto(prealloc gorgonia.Value, in []gorgonia.Value) (*tensor.Dense, error) {
+	if len(in) != 1 {
+		return nil, fmt.Errorf("want 1 input, got %d", len(in))
+	}
+	src, ok := in[0].(*tensor.Dense)
+	if !ok {
+		return nil, fmt.Errorf("input is %T, want *tensor.Dense", in[0])
+	}
+	dst, ok := prealloc.(*tensor.Dense)
+	if !ok || dst == nil || dst.Dtype() != src.Dtype() || !dst.Shape().Eq(src.Shape()) {
+		dst = tensor.New(tensor.Of(src.Dtype()), tensor.WithShape(src.Shape().Clone()...))
+	}
+	if err := tensor.Copy(dst, src); err != nil {
+		return nil, err
+	}
+	return dst, nil
+}
+
+// tapOp is the forward tap: a copy of the parameter.
+type tapOp struct {
+	identity
+	index int
+	hook  GradHook
+}
+
+var (
+	_ gorgonia.SDOp            = (*tapOp)(nil)
+	_ gorgonia.UsePreallocDoer = (*tapOp)(nil)
+	_ gorgonia.UsePreallocDoer = (*gradReadyOp)(nil)
+)
+
+func (op *tapOp) Do(in ...gorgonia.Value) (gorgonia.Value, error) {
+	return op.UsePreallocDo(nil, in...)
+}
+
+func (op *tapOp) UsePreallocDo(prealloc gorgonia.Value, in ...gorgonia.Value) (gorgonia.Value, error) {
+	v, err := copyInto(prealloc, in)
+	if err != nil {
+		return nil, fmt.Errorf("ddp: tap param %d: %w", op.index, err)
+	}
+	return v, nil
+}
+
+func (op *tapOp) DiffWRT(n int) []bool { return []bool{true} }
+
+func (op *tapOp) SymDiff(inputs gorgonia.Nodes, output, grad *gorgonia.Node) (gorgonia.Nodes, error) {
+	g, err := gorgonia.ApplyOp(&gradReadyOp{index: op.index, hook: op.hook}, grad)
+	if err != nil {
+		return nil, fmt.Errorf("ddp: grad-ready param %d: %w", op.index, err)
+	}
+	return gorgonia.Nodes{g}, nil
+}
+
+// The hash includes the index so that two taps never collapse into one node, and the
+// op's address so that taps of different graphs/hooks never do either.
+func (op *tapOp) WriteHash(h hash.Hash) { fmt.Fprintf(h, "ddp.tap{%d,%p}", op.index, op) }
+func (op *tapOp) Hashcode() uint32      { return hashOf(op) }
+func (op *tapOp) String() string        { return fmt.Sprintf("tap%d", op.index) }
+
+// gradReadyOp passes the gradient through (a copy) and fires the hook.
+type gradReadyOp struct {
+	identity
+	index int
+	hook  GradHook
+}
+
+func (op *gradReadyOp) Do(in ...gorgonia.Value) (gorgonia.Value, error) {
+	return op.UsePreallocDo(nil, in...)
+}
+
+func (op *gradReadyOp) UsePreallocDo(prealloc gorgonia.Value, in ...gorgonia.Value) (gorgonia.Value, error) {
+	v, err := copyInto(prealloc, in)
+	if err != nil {
+		return nil, fmt.Errorf("ddp: grad-ready param %d: %w", op.index, err)
+	}
+	op.hook(op.index, v)
+	return v, nil
+}
+
+func (op *gradReadyOp) WriteHash(h hash.Hash) { fmt.Fprintf(h, "ddp.gradReady{%d,%p}", op.index, op) }
+func (op *gradReadyOp) Hashcode() uint32      { return hashOf(op) }
+func (op *gradReadyOp) String() string        { return fmt.Sprintf("gradReady%d", op.index) }
+
+func hashOf(op interface{ WriteHash(hash.Hash) }) uint32 {
+	h := fnv.New32a()
+	op.WriteHash(h)
+	return h.Sum32()
+}
