@@ -1,0 +1,130 @@
+package nccl
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+// ErrUnavailable: NCCL, the CUDA driver or a device is missing. Errors that wrap it say
+// which, and which environment variable points the backend at a library.
+var ErrUnavailable = errors.New("nccl: unavailable")
+
+// DevicePtr is a CUDA device address (CUdeviceptr; gorgonia.org/cu's cu.DevicePtr).
+type DevicePtr uintptr
+
+// Stream is a CUDA stream handle (CUstream); 0 is the legacy default stream.
+type Stream uintptr
+
+// DeviceBuffer is a buffer in device memory that the collectives accept in place of a host
+// slice. Stream is the compute stream that produces (and will consume) its contents: a
+// collective on the buffer first makes the group's communication stream wait, on the GPU,
+// for the work queued on Stream so far (Note [Stream order]). The memory must stay
+// allocated until the collective's Work completes.
+type DeviceBuffer struct {
+	Ptr    DevicePtr
+	Type   procgroup.DType
+	Count  int
+	Stream Stream
+}
+
+// DType implements procgroup.Buffer.
+func (b DeviceBuffer) DType() procgroup.DType { return b.Type }
+
+// Len implements procgroup.Buffer.
+func (b DeviceBuffer) Len() int { return b.Count }
+
+// Bytes is the buffer's size in bytes.
+func (b DeviceBuffer) Bytes() int { return b.Count * b.Type.Size() }
+
+// Slice returns the elements [from, to) of b, on the same stream.
+func (b DeviceBuffer) Slice(from, to int) DeviceBuffer {
+	if from < 0 || to < from || to > b.Count {
+		panic(fmt.Sprintf("nccl: DeviceBuffer.Slice(%d, %d) of %d elements", from, to, b.Count))
+	}
+	return DeviceBuffer{Ptr: b.Ptr + DevicePtr(from*b.Type.Size()), Type: b.Type, Count: to - from, Stream: b.Stream}
+}
+
+var _ procgroup.Buffer = DeviceBuffer{}
+
+// Config is the backend's part of procgroup.Options (Options.Backend = *nccl.Config).
+type Config struct {
+	// NCCLLib and CUDALib are the paths (or sonames) of libnccl.so.2 and libcuda.so.1;
+	// empty means $GODDP_NCCL_LIB / $GODDP_CUDA_LIB, else the sonames, found by the
+	// dynamic loader.
+	NCCLLib, CUDALib string
+}
+
+// buffer classifies a collective's buffer: a host slice or a DeviceBuffer.
+type buffer struct {
+	dt   procgroup.DType
+	n    int
+	host any // the host slice, or nil
+	dev  DeviceBuffer
+}
+
+func classify(buf any) (buffer, error) {
+	switch b := buf.(type) {
+	case DeviceBuffer:
+		return checkDev(b)
+	case *DeviceBuffer:
+		if b == nil {
+			return buffer{}, fmt.Errorf("%w: nil *DeviceBuffer", procgroup.ErrInvalidArgument)
+		}
+		return checkDev(*b)
+	case procgroup.Buffer:
+		return buffer{}, fmt.Errorf("%w: buffer type %T is not a host slice or nccl.DeviceBuffer", procgroup.ErrInvalidArgument, buf)
+	}
+	dt, n, err := procgroup.DTypeOf(buf)
+	if err != nil {
+		return buffer{}, err
+	}
+	return buffer{dt: dt, n: n, host: buf}, nil
+}
+
+func checkDev(b DeviceBuffer) (buffer, error) {
+	if b.Type.Size() == 0 {
+		return buffer{}, fmt.Errorf("%w: DeviceBuffer of unknown dtype %v", procgroup.ErrInvalidArgument, b.Type)
+	}
+	if b.Count < 0 || (b.Count > 0 && b.Ptr == 0) {
+		return buffer{}, fmt.Errorf("%w: DeviceBuffer at %#x with %d elements", procgroup.ErrInvalidArgument, uintptr(b.Ptr), b.Count)
+	}
+	return buffer{dt: b.Type, n: b.Count, dev: b}, nil
+}
+
+// ncclType maps a dtype to ncclDataType_t.
+func ncclType(dt procgroup.DType) int {
+	switch dt {
+	case procgroup.Int32:
+		return 2
+	case procgroup.Int64:
+		return 4
+	case procgroup.Float16:
+		return 6
+	case procgroup.Float32:
+		return 7
+	case procgroup.Float64:
+		return 8
+	case procgroup.BFloat16:
+		return 9
+	}
+	return -1
+}
+
+// ncclOp maps a reduction to ncclRedOp_t.
+func ncclOp(op procgroup.ReduceOp) int {
+	switch op {
+	case procgroup.Sum:
+		return 0
+	case procgroup.Prod:
+		return 1
+	case procgroup.Max:
+		return 2
+	case procgroup.Min:
+		return 3
+	case procgroup.Avg:
+		return 4
+	}
+	return -1
+}

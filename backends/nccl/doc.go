@@ -1,0 +1,50 @@
+// Package nccl is the GPU backend of goddp: NCCL collectives on CUDA streams, registered
+// as procgroup backend "nccl".
+//
+// NCCL (libnccl.so.2) and the CUDA driver (libcuda.so.1) are loaded with dlopen when the
+// first group is created, through a small C shim whose prototypes live in shim.h: the
+// package builds with any C compiler, without CUDA headers, and on a machine without a GPU
+// New fails with an error wrapping ErrUnavailable that names the missing library or device
+// and the variable that points at it (GODDP_NCCL_LIB, GODDP_CUDA_LIB). New logs NCCL's
+// version.
+//
+// Each rank uses device Options.LocalRank (one GPU per rank: NCCL refuses two ranks on one
+// device). Rank 0 creates the ncclUniqueId and publishes it through Options.Store; the
+// communicator is created once. Collectives accept host slices (staged through pinned
+// memory and device scratch; bfloat16 and float16 reduced natively by NCCL) or
+// DeviceBuffers; Avg is ncclAvg (NCCL 2.10 or later).
+//
+// Note [Stream order]: the group has one communication stream. A collective on a
+// DeviceBuffer records an event on the buffer's Stream and makes the comm stream wait for
+// it (on the GPU, no host synchronisation), so it sees everything queued on the compute
+// stream before it was issued. Its Work completes (Wait, Done) once its end event has
+// completed; (*Work).WaitStream instead makes another stream wait for that event, without
+// blocking the host.
+//
+// A watchdog goroutine per group completes works in order, polls ncclCommGetAsyncError and
+// the collective timeout (Options.Timeout); on an error it calls ncclCommAbort and fails
+// every pending work with an error naming the rank, op and sequence number, wrapping
+// procgroup.ErrAborted (and procgroup.ErrTimeout for a timeout).
+//
+// # Usage
+//
+//	import _ "github.com/goddp/goddp/backends/nccl" // in package main
+//
+//	pg, err := procgroup.New(ctx, "nccl", procgroup.Options{Rank: rank, Size: size,
+//		LocalRank: localRank, LocalSize: localSize, Store: store})
+//	// host buffers, as with gloo:
+//	err = pg.AllReduce(ctx, grads, procgroup.Sum).Wait(ctx)
+//	// device buffers, stream-ordered:
+//	g := pg.(*nccl.Group)
+//	buf, _ := g.Alloc(procgroup.Float32, n) // or nccl.DeviceBuffer{Ptr: ..., Stream: computeStream}
+//	buf.Stream = computeStream
+//	w := g.AllReduce(ctx, buf, procgroup.Avg)
+//	_ = w.(*nccl.Work).WaitStream(computeStream) // later kernels on computeStream see the result
+//
+// With the cuda build tag, FromCU and (*Work).WaitCU accept gorgonia.org/cu's DevicePtr
+// and Stream (see scripts/cuda_headers.sh for building without a CUDA install).
+//
+// Tests run the whole backend against fake libcuda/libnccl libraries written in C
+// (testdata/fake), compiled in TestMain; scripts/gpu_check.sh runs the GPU tests on a real
+// device.
+package nccl

@@ -1,0 +1,269 @@
+// shim.c: loads libcuda.so.1 and libnccl.so.2 with dlopen and calls them through the
+// table of shim.h.
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "shim.h"
+
+// sym resolves name (trying name_v2 first when v2 is set: the driver exports the current
+// ABI of many functions under that name, cuda.h #defines the plain name to it).
+static void *sym(void *h, const char *name, int v2) {
+	if (v2) {
+		char buf[128];
+		snprintf(buf, sizeof buf, "%s_v2", name);
+		void *p = dlsym(h, buf);
+		if (p) return p;
+	}
+	return dlsym(h, name);
+}
+
+#define LOAD(h, field, v2, which_lib)                                                   \
+	do {                                                                            \
+		*(void **)(&l->field) = sym(h, #field, v2);                             \
+		if (!l->field) {                                                        \
+			snprintf(err, errlen, "symbol %s not found", #field);           \
+			*which = which_lib;                                             \
+			goto fail;                                                      \
+		}                                                                       \
+	} while (0)
+
+goddp_lib *goddp_load(const char *cuda_path, const char *nccl_path, char *err, size_t errlen, int *which) {
+	goddp_lib *l = calloc(1, sizeof *l);
+	if (!l) {
+		snprintf(err, errlen, "out of memory");
+		*which = 0;
+		return NULL;
+	}
+	// RTLD_GLOBAL for the driver: NCCL resolves the driver itself (by dlopen of
+	// libcuda.so.1 or through libcudart), and must find the same one.
+	l->cuda_handle = dlopen(cuda_path, RTLD_NOW | RTLD_GLOBAL);
+	if (!l->cuda_handle) {
+		const char *e = dlerror();
+		snprintf(err, errlen, "%s", e ? e : "dlopen failed");
+		*which = 1;
+		// Is NCCL missing too? Say so in the same error (NCCL loads the driver lazily,
+		// so it can be opened without it).
+		void *n = dlopen(nccl_path, RTLD_LAZY | RTLD_LOCAL);
+		if (n) {
+			dlclose(n);
+		} else {
+			e = dlerror();
+			size_t used = strlen(err);
+			snprintf(err + used, errlen - used, "\n%s", e ? e : "dlopen failed");
+			*which = 3;
+		}
+		goto fail;
+	}
+	LOAD(l->cuda_handle, cuInit, 0, 1);
+	LOAD(l->cuda_handle, cuDriverGetVersion, 0, 1);
+	LOAD(l->cuda_handle, cuDeviceGetCount, 0, 1);
+	LOAD(l->cuda_handle, cuDeviceGet, 0, 1);
+	LOAD(l->cuda_handle, cuDeviceGetName, 0, 1);
+	LOAD(l->cuda_handle, cuDevicePrimaryCtxRetain, 0, 1);
+	LOAD(l->cuda_handle, cuDevicePrimaryCtxRelease, 1, 1);
+	LOAD(l->cuda_handle, cuCtxSetCurrent, 0, 1);
+	LOAD(l->cuda_handle, cuStreamCreate, 0, 1);
+	LOAD(l->cuda_handle, cuStreamDestroy, 1, 1);
+	LOAD(l->cuda_handle, cuStreamSynchronize, 0, 1);
+	LOAD(l->cuda_handle, cuStreamWaitEvent, 0, 1);
+	LOAD(l->cuda_handle, cuEventCreate, 0, 1);
+	LOAD(l->cuda_handle, cuEventDestroy, 1, 1);
+	LOAD(l->cuda_handle, cuEventRecord, 0, 1);
+	LOAD(l->cuda_handle, cuEventQuery, 0, 1);
+	LOAD(l->cuda_handle, cuEventSynchronize, 0, 1);
+	LOAD(l->cuda_handle, cuMemAlloc, 1, 1);
+	LOAD(l->cuda_handle, cuMemFree, 1, 1);
+	LOAD(l->cuda_handle, cuMemHostAlloc, 0, 1);
+	LOAD(l->cuda_handle, cuMemFreeHost, 0, 1);
+	LOAD(l->cuda_handle, cuMemcpyHtoDAsync, 1, 1);
+	LOAD(l->cuda_handle, cuMemcpyDtoHAsync, 1, 1);
+	LOAD(l->cuda_handle, cuMemsetD32Async, 0, 1);
+	LOAD(l->cuda_handle, cuGetErrorString, 0, 1);
+
+	l->nccl_handle = dlopen(nccl_path, RTLD_NOW | RTLD_LOCAL);
+	if (!l->nccl_handle) {
+		const char *e = dlerror();
+		snprintf(err, errlen, "%s", e ? e : "dlopen failed");
+		*which = 2;
+		goto fail;
+	}
+	LOAD(l->nccl_handle, ncclGetVersion, 0, 2);
+	LOAD(l->nccl_handle, ncclGetUniqueId, 0, 2);
+	LOAD(l->nccl_handle, ncclCommInitRank, 0, 2);
+	LOAD(l->nccl_handle, ncclCommDestroy, 0, 2);
+	LOAD(l->nccl_handle, ncclCommAbort, 0, 2);
+	LOAD(l->nccl_handle, ncclCommGetAsyncError, 0, 2);
+	LOAD(l->nccl_handle, ncclGetErrorString, 0, 2);
+	LOAD(l->nccl_handle, ncclAllReduce, 0, 2);
+	LOAD(l->nccl_handle, ncclBroadcast, 0, 2);
+	LOAD(l->nccl_handle, ncclAllGather, 0, 2);
+	LOAD(l->nccl_handle, ncclReduceScatter, 0, 2);
+	*(void **)(&l->ncclGetLastError) = dlsym(l->nccl_handle, "ncclGetLastError"); // optional
+	return l;
+fail:
+	// The handles stay open: unloading a half-initialised CUDA driver is not safe.
+	free(l);
+	return NULL;
+}
+
+#define STEP(call, name, is_nccl)                   \
+	do {                                        \
+		int r_ = (call);                    \
+		if (r_ != 0) {                      \
+			c->failed_step = name;      \
+			c->failed_nccl = is_nccl;   \
+			return r_;                  \
+		}                                   \
+	} while (0)
+
+int goddp_issue(goddp_lib *l, goddp_call *c) {
+	c->failed_step = NULL;
+	c->failed_nccl = 0;
+	STEP(l->cuCtxSetCurrent(c->ctx), "cuCtxSetCurrent", 0);
+	if (c->wait_compute) {
+		STEP(l->cuEventRecord(c->start_event, (goddp_CUstream)c->compute_stream), "cuEventRecord (compute stream)", 0);
+		STEP(l->cuStreamWaitEvent(c->comm_stream, c->start_event, 0), "cuStreamWaitEvent", 0);
+	}
+	if (c->h2d_bytes > 0)
+		STEP(l->cuMemcpyHtoDAsync(c->dev + c->h2d_off, (char *)c->host + c->h2d_off, c->h2d_bytes, c->comm_stream),
+		     "cuMemcpyHtoDAsync", 0);
+	if (c->count > 0) {
+		switch (c->kind) {
+		case GODDP_ALLREDUCE:
+			STEP(l->ncclAllReduce((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->op, c->comm, c->comm_stream),
+			     "ncclAllReduce", 1);
+			break;
+		case GODDP_BROADCAST:
+			STEP(l->ncclBroadcast((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->root, c->comm, c->comm_stream),
+			     "ncclBroadcast", 1);
+			break;
+		case GODDP_ALLGATHER:
+			STEP(l->ncclAllGather((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->comm, c->comm_stream),
+			     "ncclAllGather", 1);
+			break;
+		case GODDP_REDUCESCATTER:
+			STEP(l->ncclReduceScatter((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->op, c->comm, c->comm_stream),
+			     "ncclReduceScatter", 1);
+			break;
+		default:
+			c->failed_step = "unknown collective";
+			c->failed_nccl = 1;
+			return 4; // ncclInvalidArgument
+		}
+	}
+	if (c->d2h_bytes > 0)
+		STEP(l->cuMemcpyDtoHAsync((char *)c->host + c->d2h_off, c->dev + c->d2h_off, c->d2h_bytes, c->comm_stream),
+		     "cuMemcpyDtoHAsync", 0);
+	STEP(l->cuEventRecord(c->end_event, c->comm_stream), "cuEventRecord (comm stream)", 0);
+	return 0;
+}
+
+goddp_CUresult goddp_event_query(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent ev) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuEventQuery(ev);
+}
+
+goddp_CUresult goddp_stream_sync(goddp_lib *l, goddp_CUcontext ctx, goddp_CUstream s) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuStreamSynchronize(s);
+}
+
+goddp_CUresult goddp_stream_wait(goddp_lib *l, goddp_CUcontext ctx, uintptr_t stream, goddp_CUevent ev) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuStreamWaitEvent((goddp_CUstream)stream, ev, 0);
+}
+
+goddp_CUresult goddp_stream_sync_handle(goddp_lib *l, goddp_CUcontext ctx, uintptr_t s) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuStreamSynchronize((goddp_CUstream)s);
+}
+
+goddp_CUresult goddp_stream_destroy_handle(goddp_lib *l, uintptr_t s) { return l->cuStreamDestroy((goddp_CUstream)s); }
+
+goddp_CUresult goddp_copy_sync(goddp_lib *l, goddp_CUcontext ctx, goddp_CUdeviceptr dev, void *host, size_t n, int h2d, uintptr_t s) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	if (r) return r;
+	r = h2d ? l->cuMemcpyHtoDAsync(dev, host, n, (goddp_CUstream)s) : l->cuMemcpyDtoHAsync(host, dev, n, (goddp_CUstream)s);
+	return r ? r : l->cuStreamSynchronize((goddp_CUstream)s);
+}
+
+goddp_CUresult goddp_memset32(goddp_lib *l, goddp_CUcontext ctx, goddp_CUdeviceptr dev, unsigned int v, size_t n, uintptr_t s) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemsetD32Async(dev, v, n, (goddp_CUstream)s);
+}
+
+goddp_ncclResult_t goddp_comm_destroy(goddp_lib *l, goddp_CUcontext ctx, goddp_ncclComm_t comm) {
+	l->cuCtxSetCurrent(ctx);
+	return l->ncclCommDestroy(comm);
+}
+
+goddp_ncclResult_t goddp_comm_abort(goddp_lib *l, goddp_CUcontext ctx, goddp_ncclComm_t comm) {
+	l->cuCtxSetCurrent(ctx);
+	return l->ncclCommAbort(comm);
+}
+
+goddp_ncclResult_t goddp_comm_init(goddp_lib *l, goddp_CUcontext ctx, goddp_ncclComm_t *comm, int nranks, const void *id, int rank) {
+	if (l->cuCtxSetCurrent(ctx) != 0) return 1; // ncclUnhandledCudaError
+	goddp_ncclUniqueId uid;
+	memcpy(&uid, id, sizeof uid);
+	return l->ncclCommInitRank(comm, nranks, uid, rank);
+}
+
+goddp_ncclResult_t goddp_get_unique_id(goddp_lib *l, void *id) {
+	goddp_ncclUniqueId uid;
+	goddp_ncclResult_t r = l->ncclGetUniqueId(&uid);
+	memcpy(id, &uid, sizeof uid);
+	return r;
+}
+
+const char *goddp_cu_error(goddp_lib *l, goddp_CUresult r) {
+	const char *s = NULL;
+	if (l->cuGetErrorString(r, &s) != 0 || !s) return "unknown CUDA error";
+	return s;
+}
+
+const char *goddp_nccl_error(goddp_lib *l, goddp_ncclResult_t r) {
+	const char *s = l->ncclGetErrorString(r);
+	return s ? s : "unknown NCCL error";
+}
+
+const char *goddp_nccl_last_error(goddp_lib *l, goddp_ncclComm_t comm) {
+	if (!l->ncclGetLastError) return "";
+	const char *s = l->ncclGetLastError(comm);
+	return s ? s : "";
+}
+
+long long goddp_fake_knob(goddp_lib *l, const char *name, long long value) {
+	long long (*f)(const char *, long long) = NULL;
+	*(void **)(&f) = dlsym(l->nccl_handle, "fake_knob");
+	if (!f) *(void **)(&f) = dlsym(l->cuda_handle, "fake_knob");
+	if (!f) return -1;
+	return f(name, value);
+}
+
+goddp_CUresult goddp_cuInit(goddp_lib *l) { return l->cuInit(0); }
+goddp_CUresult goddp_cuDriverGetVersion(goddp_lib *l, int *v) { return l->cuDriverGetVersion(v); }
+goddp_CUresult goddp_cuDeviceGetCount(goddp_lib *l, int *n) { return l->cuDeviceGetCount(n); }
+goddp_CUresult goddp_cuDeviceGet(goddp_lib *l, goddp_CUdevice *d, int o) { return l->cuDeviceGet(d, o); }
+goddp_CUresult goddp_cuDeviceGetName(goddp_lib *l, char *n, int len, goddp_CUdevice d) { return l->cuDeviceGetName(n, len, d); }
+goddp_CUresult goddp_cuDevicePrimaryCtxRetain(goddp_lib *l, goddp_CUcontext *c, goddp_CUdevice d) { return l->cuDevicePrimaryCtxRetain(c, d); }
+goddp_CUresult goddp_cuDevicePrimaryCtxRelease(goddp_lib *l, goddp_CUdevice d) { return l->cuDevicePrimaryCtxRelease(d); }
+goddp_CUresult goddp_cuCtxSetCurrent(goddp_lib *l, goddp_CUcontext c) { return l->cuCtxSetCurrent(c); }
+goddp_CUresult goddp_cuStreamCreate(goddp_lib *l, goddp_CUstream *s, unsigned int f) { return l->cuStreamCreate(s, f); }
+goddp_CUresult goddp_cuStreamDestroy(goddp_lib *l, goddp_CUstream s) { return l->cuStreamDestroy(s); }
+goddp_CUresult goddp_cuStreamWaitEvent(goddp_lib *l, goddp_CUstream s, goddp_CUevent e) { return l->cuStreamWaitEvent(s, e, 0); }
+goddp_CUresult goddp_cuEventCreate(goddp_lib *l, goddp_CUevent *e) { return l->cuEventCreate(e, GODDP_CU_EVENT_DISABLE_TIMING); }
+goddp_CUresult goddp_cuEventDestroy(goddp_lib *l, goddp_CUevent e) { return l->cuEventDestroy(e); }
+goddp_CUresult goddp_cuMemAlloc(goddp_lib *l, goddp_CUdeviceptr *p, size_t n) { return l->cuMemAlloc(p, n); }
+goddp_CUresult goddp_cuMemFree(goddp_lib *l, goddp_CUdeviceptr p) { return l->cuMemFree(p); }
+goddp_CUresult goddp_cuMemHostAlloc(goddp_lib *l, void **p, size_t n) { return l->cuMemHostAlloc(p, n, 0); }
+goddp_CUresult goddp_cuMemFreeHost(goddp_lib *l, void *p) { return l->cuMemFreeHost(p); }
+goddp_CUresult goddp_cuMemcpyHtoDAsync(goddp_lib *l, goddp_CUdeviceptr d, const void *s, size_t n, goddp_CUstream st) { return l->cuMemcpyHtoDAsync(d, s, n, st); }
+goddp_CUresult goddp_cuMemcpyDtoHAsync(goddp_lib *l, void *d, goddp_CUdeviceptr s, size_t n, goddp_CUstream st) { return l->cuMemcpyDtoHAsync(d, s, n, st); }
+goddp_CUresult goddp_cuMemsetD32Async(goddp_lib *l, goddp_CUdeviceptr d, unsigned int v, size_t n, goddp_CUstream st) { return l->cuMemsetD32Async(d, v, n, st); }
+goddp_ncclResult_t goddp_ncclGetVersion(goddp_lib *l, int *v) { return l->ncclGetVersion(v); }
+goddp_ncclResult_t goddp_ncclCommDestroy(goddp_lib *l, goddp_ncclComm_t c) { return l->ncclCommDestroy(c); }
+goddp_ncclResult_t goddp_ncclCommAbort(goddp_lib *l, goddp_ncclComm_t c) { return l->ncclCommAbort(c); }
+goddp_ncclResult_t goddp_ncclCommGetAsyncError(goddp_lib *l, goddp_ncclComm_t c, goddp_ncclResult_t *r) { return l->ncclCommGetAsyncError(c, r); }

@@ -1,0 +1,421 @@
+// fakenccl.c: a fake NCCL (libnccl.so.2) for the tests of backends/nccl. The communicators
+// of all ranks live in this process and meet in a shared rendezvous keyed by the unique id.
+// A collective is a task on the caller's stream (through the fake driver); when it runs it
+// deposits its arguments in the slot of its sequence number, and the last rank to arrive
+// performs the whole collective for everyone. Abort or destroy of any rank breaks the
+// shared communicator: collectives that need it fail and report ncclRemoteError through
+// ncclCommGetAsyncError. Knobs (fake_knob; unknown names go to the fake driver):
+// nccl_version, nccl_init_fail (result code of the next ncclCommInitRank calls, 0 = off),
+// nccl_async_error (set this result on every live communicator).
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void fakecuda_enqueue(void *stream, void (*fn)(void *), void *arg);
+long long fakecuda_knob(const char *name, long long value);
+
+typedef int ncclResult_t;
+enum { ncclSuccess, ncclUnhandledCudaError, ncclSystemError, ncclInternalError, ncclInvalidArgument, ncclInvalidUsage, ncclRemoteError, ncclInProgress };
+typedef struct { char internal[128]; } ncclUniqueId;
+enum { KIND_ALLREDUCE = 1, KIND_BROADCAST, KIND_ALLGATHER, KIND_REDUCESCATTER };
+
+#define MAXRANKS 16
+#define NSLOTS 4
+
+typedef struct {
+	int kind, dtype, op, root;
+	size_t count;
+	const void *send;
+	void *recv;
+} args;
+
+typedef struct {
+	int active, done, failed, arrived, left;
+	unsigned long long seq;
+	args a[MAXRANKS];
+} slot;
+
+typedef struct shared {
+	ncclUniqueId id;
+	int nranks, joined, broken;
+	slot slots[NSLOTS];
+	struct shared *next;
+} shared;
+
+typedef struct comm {
+	shared *sh;
+	int rank, aborted, destroyed, async_err;
+	unsigned long long seq;
+	struct comm *next;
+} comm;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static shared *shareds;
+static comm *comms; // every communicator ever created (never freed: streams may still refer to them)
+static int version = 22105;
+static int init_fail;
+static unsigned long long id_counter;
+
+long long fake_knob(const char *name, long long value) {
+	long long old = -1;
+	if (strncmp(name, "nccl_", 5)) return fakecuda_knob(name, value);
+	pthread_mutex_lock(&mu);
+	if (!strcmp(name, "nccl_version")) {
+		old = version;
+		version = (int)value;
+	} else if (!strcmp(name, "nccl_init_fail")) {
+		old = init_fail;
+		init_fail = (int)value;
+	} else if (!strcmp(name, "nccl_async_error")) {
+		old = 0;
+		for (comm *c = comms; c; c = c->next)
+			if (!c->aborted && !c->destroyed) {
+				c->async_err = (int)value;
+				c->sh->broken = 1; // the collectives in flight cannot complete either
+				old++;
+			}
+		pthread_cond_broadcast(&cv);
+	}
+	pthread_mutex_unlock(&mu);
+	return old;
+}
+
+ncclResult_t ncclGetVersion(int *v) {
+	pthread_mutex_lock(&mu);
+	*v = version;
+	pthread_mutex_unlock(&mu);
+	return ncclSuccess;
+}
+
+ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+	memset(id, 0, sizeof *id);
+	pthread_mutex_lock(&mu);
+	unsigned long long n = ++id_counter;
+	pthread_mutex_unlock(&mu);
+	snprintf(id->internal, sizeof id->internal, "fake-nccl-%p-%llu", (void *)&mu, n);
+	return ncclSuccess;
+}
+
+ncclResult_t ncclCommInitRank(comm **out, int nranks, ncclUniqueId id, int rank) {
+	if (nranks < 1 || nranks > MAXRANKS || rank < 0 || rank >= nranks) return ncclInvalidArgument;
+	pthread_mutex_lock(&mu);
+	if (init_fail) {
+		int r = init_fail;
+		pthread_mutex_unlock(&mu);
+		return r;
+	}
+	shared *sh = shareds;
+	while (sh && memcmp(&sh->id, &id, sizeof id)) sh = sh->next;
+	if (!sh) {
+		sh = calloc(1, sizeof *sh);
+		sh->id = id;
+		sh->nranks = nranks;
+		sh->next = shareds;
+		shareds = sh;
+	}
+	if (sh->nranks != nranks) {
+		pthread_mutex_unlock(&mu);
+		return ncclInvalidUsage;
+	}
+	sh->joined++;
+	pthread_cond_broadcast(&cv);
+	while (sh->joined < nranks && !sh->broken) pthread_cond_wait(&cv, &mu);
+	comm *c = calloc(1, sizeof *c);
+	c->sh = sh;
+	c->rank = rank;
+	c->next = comms;
+	comms = c;
+	pthread_mutex_unlock(&mu);
+	*out = c;
+	return ncclSuccess;
+}
+
+static void break_comm(comm *c) {
+	pthread_mutex_lock(&mu);
+	c->sh->broken = 1;
+	pthread_cond_broadcast(&cv);
+	pthread_mutex_unlock(&mu);
+}
+
+ncclResult_t ncclCommAbort(comm *c) {
+	if (!c) return ncclInvalidArgument;
+	pthread_mutex_lock(&mu);
+	c->aborted = 1;
+	pthread_mutex_unlock(&mu);
+	break_comm(c);
+	return ncclSuccess;
+}
+
+ncclResult_t ncclCommDestroy(comm *c) {
+	if (!c) return ncclInvalidArgument;
+	pthread_mutex_lock(&mu);
+	c->destroyed = 1;
+	pthread_mutex_unlock(&mu);
+	break_comm(c);
+	return ncclSuccess;
+}
+
+ncclResult_t ncclCommGetAsyncError(comm *c, ncclResult_t *r) {
+	pthread_mutex_lock(&mu);
+	*r = c->async_err;
+	pthread_mutex_unlock(&mu);
+	return ncclSuccess;
+}
+
+const char *ncclGetErrorString(ncclResult_t r) {
+	switch (r) {
+	case ncclSuccess: return "no error";
+	case ncclUnhandledCudaError: return "unhandled cuda error";
+	case ncclSystemError: return "unhandled system error";
+	case ncclInternalError: return "internal error";
+	case ncclInvalidArgument: return "invalid argument";
+	case ncclInvalidUsage: return "invalid usage";
+	case ncclRemoteError: return "remote process exited or there was a network error";
+	case ncclInProgress: return "NCCL operation in progress";
+	}
+	return "unknown result code";
+}
+
+const char *ncclGetLastError(comm *c) {
+	(void)c;
+	return "fake NCCL";
+}
+
+// ---- arithmetic ----
+
+static size_t esize(int dt) {
+	switch (dt) {
+	case 2: return 4;
+	case 4: return 8;
+	case 6: return 2;
+	case 7: return 4;
+	case 8: return 8;
+	case 9: return 2;
+	}
+	return 0;
+}
+
+static float bf16_to_f(uint16_t h) {
+	uint32_t b = (uint32_t)h << 16;
+	float f;
+	memcpy(&f, &b, 4);
+	return f;
+}
+static uint16_t f_to_bf16(float f) {
+	uint32_t b;
+	memcpy(&b, &f, 4);
+	if ((b & 0x7fffffff) > 0x7f800000) return (uint16_t)((b >> 16) | 0x40);
+	b += 0x7fff + ((b >> 16) & 1);
+	return (uint16_t)(b >> 16);
+}
+static float f16_to_f(uint16_t h) {
+	int s = h >> 15, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+	float v;
+	if (e == 0) v = ldexpf((float)m, -24);
+	else if (e == 31) v = m ? NAN : INFINITY;
+	else v = ldexpf((float)(m | 0x400), e - 25);
+	return s ? -v : v;
+}
+static uint16_t f_to_f16(float f) {
+	uint32_t b;
+	memcpy(&b, &f, 4);
+	uint16_t sign = (b >> 16) & 0x8000;
+	int exp = (b >> 23) & 0xff;
+	uint32_t man = b & 0x7fffff;
+	if (exp == 0xff) return sign | (man ? 0x7e00 : 0x7c00);
+	if (exp == 0 && man == 0) return sign;
+	int e = exp - 127 + 15;
+	if (e >= 0x1f) return sign | 0x7c00;
+	if (e <= 0) {
+		if (e < -10) return sign;
+		man |= 0x800000;
+		int shift = 14 - e;
+		uint32_t half = 1u << (shift - 1), rest = man & ((1u << shift) - 1), h = man >> shift;
+		if (rest > half || (rest == half && (h & 1))) h++;
+		return sign | (uint16_t)h;
+	}
+	uint32_t h = ((uint32_t)e << 10) | (man >> 13), rest = man & 0x1fff;
+	if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+	return sign | (uint16_t)h;
+}
+
+static double getf(const void *p, int dt, size_t i) {
+	switch (dt) {
+	case 6: return f16_to_f(((const uint16_t *)p)[i]);
+	case 7: return ((const float *)p)[i];
+	case 8: return ((const double *)p)[i];
+	case 9: return bf16_to_f(((const uint16_t *)p)[i]);
+	}
+	return 0;
+}
+static void setf(void *p, int dt, size_t i, double v) {
+	switch (dt) {
+	case 6: ((uint16_t *)p)[i] = f_to_f16((float)v); break;
+	case 7: ((float *)p)[i] = (float)v; break;
+	case 8: ((double *)p)[i] = v; break;
+	case 9: ((uint16_t *)p)[i] = f_to_bf16((float)v); break;
+	}
+}
+
+// reduce reduces n elements of every rank's send (at element offset 0) into out.
+static void reduce(slot *s, int nranks, size_t n, void *out) {
+	int dt = s->a[0].dtype, op = s->a[0].op;
+	for (size_t i = 0; i < n; i++) {
+		if (dt == 2 || dt == 4) {
+			long long acc = 0;
+			for (int r = 0; r < nranks; r++) {
+				long long v = dt == 2 ? ((const int32_t *)s->a[r].send)[i] : ((const int64_t *)s->a[r].send)[i];
+				if (r == 0) acc = v;
+				else if (op == 0 || op == 4) acc = (long long)((unsigned long long)acc + (unsigned long long)v);
+				else if (op == 1) acc = (long long)((unsigned long long)acc * (unsigned long long)v);
+				else if (op == 2) acc = v > acc ? v : acc;
+				else acc = v < acc ? v : acc;
+			}
+			if (dt == 2) {
+				int32_t a32 = (int32_t)acc; // 32-bit wrap-around, as on the device
+				if (op == 4) a32 /= nranks;
+				((int32_t *)out)[i] = a32;
+			} else {
+				if (op == 4) acc /= nranks; // truncating, like NCCL's SumPostDiv
+				((int64_t *)out)[i] = acc;
+			}
+			continue;
+		}
+		double acc = 0;
+		for (int r = 0; r < nranks; r++) {
+			double v = getf(s->a[r].send, dt, i);
+			if (r == 0) acc = v;
+			else if (op == 0 || op == 4) acc += v;
+			else if (op == 1) acc *= v;
+			else if (op == 2) acc = v > acc ? v : acc;
+			else acc = v < acc ? v : acc;
+		}
+		if (op == 4) acc /= nranks;
+		setf(out, dt, i, acc);
+	}
+}
+
+// consistent reports whether every rank called the same collective.
+static int consistent(slot *s, int nranks) {
+	for (int r = 1; r < nranks; r++) {
+		args *a = &s->a[r], *b = &s->a[0];
+		if (a->kind != b->kind || a->dtype != b->dtype || a->count != b->count || a->op != b->op || a->root != b->root) return 0;
+	}
+	return 1;
+}
+
+static void perform(slot *s, int nranks) {
+	args *a0 = &s->a[0];
+	size_t es = esize(a0->dtype), n = a0->count;
+	void *tmp;
+	switch (a0->kind) {
+	case KIND_ALLREDUCE:
+		tmp = malloc(n * es + 1);
+		reduce(s, nranks, n, tmp);
+		for (int r = 0; r < nranks; r++) memcpy(s->a[r].recv, tmp, n * es);
+		break;
+	case KIND_BROADCAST:
+		tmp = malloc(n * es + 1);
+		memcpy(tmp, s->a[a0->root].send, n * es);
+		for (int r = 0; r < nranks; r++) memcpy(s->a[r].recv, tmp, n * es);
+		break;
+	case KIND_ALLGATHER:
+		tmp = malloc(nranks * n * es + 1);
+		for (int r = 0; r < nranks; r++) memcpy((char *)tmp + r * n * es, s->a[r].send, n * es);
+		for (int r = 0; r < nranks; r++) memcpy(s->a[r].recv, tmp, nranks * n * es);
+		break;
+	default: // KIND_REDUCESCATTER
+		tmp = malloc(nranks * n * es + 1);
+		reduce(s, nranks, nranks * n, tmp);
+		for (int r = 0; r < nranks; r++) memcpy(s->a[r].recv, (char *)tmp + r * n * es, n * es);
+		break;
+	}
+	free(tmp);
+}
+
+typedef struct {
+	comm *c;
+	unsigned long long seq;
+	args a;
+} job;
+
+// run is a collective's task on its stream.
+static void run(void *p) {
+	job *j = p;
+	comm *c = j->c;
+	shared *sh = c->sh;
+	int n = sh->nranks, ok = 0;
+	pthread_mutex_lock(&mu);
+	slot *s = &sh->slots[j->seq % NSLOTS];
+	for (;;) {
+		if (sh->broken || c->aborted) goto out;
+		if (!s->active) {
+			memset(s, 0, sizeof *s);
+			s->active = 1;
+			s->seq = j->seq;
+		}
+		if (s->seq == j->seq) break;
+		pthread_cond_wait(&cv, &mu);
+	}
+	s->a[c->rank] = j->a;
+	if (++s->arrived == n) {
+		if (consistent(s, n)) {
+			perform(s, n);
+			s->done = 1;
+		} else {
+			s->failed = 1;
+		}
+		pthread_cond_broadcast(&cv);
+	}
+	while (!s->done && !s->failed && !sh->broken && !c->aborted) pthread_cond_wait(&cv, &mu);
+	ok = s->done;
+	if (s->failed && !c->async_err) c->async_err = ncclInvalidUsage;
+	if (++s->left == n) {
+		s->active = 0;
+		pthread_cond_broadcast(&cv);
+	}
+out:
+	if (!ok && !c->aborted && !c->async_err) c->async_err = ncclRemoteError;
+	pthread_mutex_unlock(&mu);
+	free(j);
+}
+
+static ncclResult_t enqueue(comm *c, int kind, const void *send, void *recv, size_t count, int dtype, int op, int root, void *stream) {
+	if (!c) return ncclInvalidArgument;
+	if (!esize(dtype) || op < 0 || op > 4) return ncclInvalidArgument;
+	if (count > 0 && (!send || !recv)) return ncclInvalidArgument;
+	pthread_mutex_lock(&mu);
+	if (c->aborted || c->destroyed) {
+		pthread_mutex_unlock(&mu);
+		return ncclInvalidUsage;
+	}
+	if (op == 4 && version < 21000) {
+		pthread_mutex_unlock(&mu);
+		return ncclInvalidArgument;
+	}
+	job *j = calloc(1, sizeof *j);
+	j->c = c;
+	j->seq = c->seq++;
+	j->a = (args){kind, dtype, op, root, count, send, recv};
+	pthread_mutex_unlock(&mu);
+	fakecuda_enqueue(stream, run, j);
+	return ncclSuccess;
+}
+
+ncclResult_t ncclAllReduce(const void *s, void *r, size_t n, int dt, int op, comm *c, void *st) {
+	return enqueue(c, KIND_ALLREDUCE, s, r, n, dt, op, 0, st);
+}
+ncclResult_t ncclBroadcast(const void *s, void *r, size_t n, int dt, int root, comm *c, void *st) {
+	if (c && (root < 0 || root >= c->sh->nranks)) return ncclInvalidArgument;
+	return enqueue(c, KIND_BROADCAST, s, r, n, dt, 0, root, st);
+}
+ncclResult_t ncclAllGather(const void *s, void *r, size_t n, int dt, comm *c, void *st) {
+	return enqueue(c, KIND_ALLGATHER, s, r, n, dt, 0, 0, st);
+}
+ncclResult_t ncclReduceScatter(const void *s, void *r, size_t n, int dt, int op, comm *c, void *st) {
+	return enqueue(c, KIND_REDUCESCATTER, s, r, n, dt, op, 0, st);
+}
