@@ -53,6 +53,7 @@ type config struct {
 	goBuildFlags string
 	stopTimeout  time.Duration
 	rdzvTimeout  time.Duration
+	traceMerge   string // Note [Trace merge]
 
 	program string   // PROGRAM as given
 	args    []string // its arguments
@@ -160,6 +161,7 @@ func newFlagSet(c *config) (fs *flag.FlagSet, aliases map[string]bool) {
 	fs.StringVar(&c.goBuildFlags, "go_build_flags", "", "extra flags for 'go build' when PROGRAM is a Go package (env GODDP_GO_TAGS adds -tags)")
 	fs.DurationVar(&c.stopTimeout, "stop_timeout", defaultStopTimeout, "grace period between SIGTERM and SIGKILL when stopping ranks")
 	fs.DurationVar(&c.rdzvTimeout, "rdzv_timeout", defaultRdzvTimeout, "how long a node other than node 0 waits for the store")
+	fs.StringVar(&c.traceMerge, "trace_merge", "", "have each rank trace its timeline (ddp.OpenTrace) and merge this node's traces into this file at the end")
 	aliases = map[string]bool{}
 	var names []string
 	fs.VisitAll(func(f *flag.Flag) { names = append(names, f.Name) })

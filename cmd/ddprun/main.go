@@ -159,6 +159,13 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 	if cfg.nproc > 1 {
 		setDefaultThreads(j, con)
 	}
+	if cfg.traceMerge != "" {
+		merge, err := j.setupTraceMerge(workDir)
+		if err != nil {
+			return err
+		}
+		defer merge() // before the work directory is removed
+	}
 
 	var coord *coordinator
 	if cfg.nnodes > 1 {
