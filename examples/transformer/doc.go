@@ -1,0 +1,40 @@
+// Command transformer trains a gorgonia Transformer encoder, the model of the seed's
+// ddp_bench.py layer for layer: Linear(h,h) → num_layers post-norm encoder layers
+// (8 heads, feed-forward 4h, ReLU, dropout 0.1) → Linear(h,h), MSE against a random
+// target, AdamW (lr 1e-4); 1,711,104 parameters at the defaults, as in PyTorch.
+// --task copy embeds random tokens and predicts them back with cross-entropy.
+//
+// # Usage
+//
+//	make run                                                      # 2 ranks under ddprun (OpenBLAS if present)
+//	ddprun --nproc_per_node 2 ./examples/transformer -- --bucket_cap_mb 25
+//	GODDP_GO_TAGS=openblas ddprun --nproc_per_node 2 ./examples/transformer -- --accum_steps 4
+//	go run ./examples/transformer --no_ddp                        # one process, pure-Go BLAS
+//	go run -tags openblas ./examples/transformer --no_ddp         # OpenBLAS (libopenblas-dev)
+//	go run ./examples/transformer --no_ddp --task copy --lr 1e-3 --bench_steps 100
+//
+// Without --no_ddp each process is one rank of the group its launcher describes (ddprun,
+// torchrun-style RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, srun, mpirun; see
+// ddp.InitProcessGroup), on --backend (gloo). ddp.New copies rank 0's parameters to every
+// rank; during backward each parameter's gradient goes into its bucket as soon as it is
+// computed and full buckets are all-reduced while backward goes on (--bucket_cap_mb,
+// --first_bucket_cap_mb); the optimizer steps on the averaged gradients. With
+// --accum_steps K the first K−1 micro-batches run under NoSync.
+//
+// Output: rank 0 prints "Model: <N> MB | bucket_cap_mb=<X>" first, the loss every
+// --log_every steps (with ddp: the mean over the ranks, i.e. the global batch's loss),
+// "bucket_cap_mb=<X>  ms/step=<Y>" (timed steps only, after --warmup_steps) and, with ddp,
+// the reducer's mean per-step figures ("overlap: buckets=… fwd_bwd_compute_ms=… comm_ms=…
+// overlapped_ms=… exposed_ms=…"). Every rank then prints its peak RSS ("rank <r>
+// peak_rss_mb=<M>", getrusage's maxrss) and last "params_crc32=<8 hex>": CRC-32 (IEEE) of
+// the final parameters' little-endian float32 bytes in registration order, the same on
+// every rank. Errors (a bad flag: exit 2; anything else, such as a lost peer: exit 1) go
+// to stderr, as do the ddp and process-group log lines (--log_level).
+//
+// Data and dropout masks depend only on (--seed, global sample index, step): micro-batch
+// m of rank r holds samples (m·world + r)·batch …, so 2 ranks with --batch_size B, or
+// --accum_steps 2, see exactly the data of one process with batch 2B.
+//
+// With --checkpoint_dir the parameters and optimizer state are saved every
+// --checkpoint_every steps and at the end; --resume continues from there, bit for bit.
+package main

@@ -1,0 +1,459 @@
+// Command transformer trains the seed's ddp_bench.py model (or a token-copy task) with
+// gorgonia, flags mirroring ddp_bench.py. See doc.go.
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"runtime/pprof"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"gorgonia.org/tensor"
+
+	_ "github.com/goddp/goddp/backends/gloo" // --backend gloo
+	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/examples/transformer/model"
+	"github.com/goddp/goddp/examples/transformer/optim"
+	"github.com/goddp/goddp/procgroup"
+	"github.com/goddp/goddp/reducer"
+)
+
+type flags struct {
+	bucketCapMB   float64
+	firstCapMB    float64
+	timeout       time.Duration
+	logLevel      string
+	numLayers     int
+	hidden        int
+	batch         int
+	seqLen        int
+	warmup        int
+	bench         int
+	noDDP         bool
+	accum         int
+	backend       string
+	seed          uint64
+	task          string
+	lr            float64
+	dropout       float64
+	logEvery      int
+	checkpointDir string
+	ckptEvery     int
+	resume        bool
+	cpuProfile    string
+
+	// onGrads, when set (by tests), sees each step's final gradients before the
+	// optimizer step. It must not keep grads.
+	onGrads func(step int, grads []float32)
+}
+
+func parseFlags(args []string, stderr io.Writer) (flags, error) {
+	var f flags
+	fs := flag.NewFlagSet("transformer", flag.ContinueOnError)
+	// The flag package prints the usage on every error; print it only for -h (with
+	// several ranks, a typo would otherwise print it once per rank).
+	var usage bytes.Buffer
+	fs.SetOutput(&usage)
+	fs.Float64Var(&f.bucketCapMB, "bucket_cap_mb", 25, "DDP bucket size cap in MB")
+	fs.Float64Var(&f.firstCapMB, "first_bucket_cap_mb", 1, "cap of the first bucket in MB (PyTorch: 1 MiB)")
+	fs.DurationVar(&f.timeout, "timeout", 0, "bound on each collective (0: the process group's default, 30m)")
+	fs.StringVar(&f.logLevel, "log_level", "warn", "level of the ddp/process-group log on stderr (debug, info, warn, error)")
+	fs.IntVar(&f.numLayers, "num_layers", 2, "encoder layers")
+	fs.IntVar(&f.hidden, "hidden_size", 256, "model width (d_model)")
+	fs.IntVar(&f.batch, "batch_size", 8, "samples per rank per micro-batch")
+	fs.IntVar(&f.seqLen, "seq_len", 64, "tokens per sample")
+	fs.IntVar(&f.warmup, "warmup_steps", 3, "untimed steps")
+	fs.IntVar(&f.bench, "bench_steps", 12, "timed steps")
+	fs.BoolVar(&f.noDDP, "no_ddp", false, "one process, same per-rank batch, no communication")
+	fs.IntVar(&f.accum, "accum_steps", 1, "micro-batches per optimizer step (all but the last under NoSync)")
+	fs.StringVar(&f.backend, "backend", "gloo", "process group backend")
+	fs.Uint64Var(&f.seed, "seed", 0, "seed of the parameters, data and dropout")
+	fs.StringVar(&f.task, "task", model.TaskMSE, "mse (ddp_bench.py's model) or copy (token copy, cross-entropy)")
+	fs.Float64Var(&f.lr, "lr", 1e-4, "AdamW learning rate")
+	fs.Float64Var(&f.dropout, "dropout", 0.1, "dropout probability")
+	fs.IntVar(&f.logEvery, "log_every", 5, "print the loss every N steps (0: never)")
+	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "directory for checkpoints (empty: none)")
+	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and at the end)")
+	fs.BoolVar(&f.resume, "resume", false, "resume from the checkpoint in --checkpoint_dir if there is one")
+	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			stderr.Write(usage.Bytes())
+			return f, err
+		}
+		return f, fmt.Errorf("%w (see --help)", err)
+	}
+	if _, err := zapcore.ParseLevel(f.logLevel); err != nil {
+		return f, fmt.Errorf("--log_level: %w", err)
+	}
+	switch {
+	case fs.NArg() > 0:
+		return f, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	case f.batch <= 0 || f.seqLen <= 0 || f.accum <= 0:
+		return f, fmt.Errorf("--batch_size %d, --seq_len %d, --accum_steps %d must be positive", f.batch, f.seqLen, f.accum)
+	case f.warmup < 0 || f.bench < 0:
+		return f, fmt.Errorf("--warmup_steps %d, --bench_steps %d must not be negative", f.warmup, f.bench)
+	case !(f.bucketCapMB > 0) || !(f.firstCapMB > 0):
+		return f, fmt.Errorf("--bucket_cap_mb %v, --first_bucket_cap_mb %v must be positive", f.bucketCapMB, f.firstCapMB)
+	case f.timeout < 0:
+		return f, fmt.Errorf("--timeout %v must not be negative", f.timeout)
+	case f.resume && f.checkpointDir == "":
+		return f, errors.New("--resume needs --checkpoint_dir")
+	}
+	return f, nil
+}
+
+// usageError is a bad command line (exit status 2; other errors exit 1).
+type usageError struct{ err error }
+
+func (e usageError) Error() string { return e.err.Error() }
+func (e usageError) Unwrap() error { return e.err }
+
+func main() {
+	err := run(context.Background(), os.Args[1:], os.Stdout, os.Stderr)
+	var ue usageError
+	switch {
+	case err == nil:
+	case errors.Is(err, flag.ErrHelp):
+		os.Exit(2)
+	case errors.As(err, &ue):
+		fmt.Fprintln(os.Stderr, "transformer:", err)
+		os.Exit(2)
+	default:
+		fmt.Fprintln(os.Stderr, "transformer:", err)
+		os.Exit(1)
+	}
+}
+
+// gradSync is the seam between the training loop and gradient synchronisation: the
+// model's grad-ready hook feeds it during backward and Finalize makes the step's
+// gradients final in the flat gradient buffer before the optimizer runs. localSync
+// (--no_ddp) accumulates locally; a ddp wrapper implements the same three methods
+// with bucketed all-reduces (pre-dividing by the world size).
+type gradSync interface {
+	// BeginBackward precedes each micro-batch's backward; sync is false for all but
+	// the last micro-batch of an optimizer step (NoSync).
+	BeginBackward(sync bool)
+	// Hook receives parameter i's gradient of the current micro-batch. It runs on the
+	// tape machine's goroutine during backward and must not block.
+	Hook(i int, grad *tensor.Dense)
+	// Finalize waits until the step's gradients are final in the flat buffer.
+	Finalize(ctx context.Context) error
+}
+
+// localSync accumulates every micro-batch's gradients into one flat buffer.
+type localSync struct {
+	params []model.Param
+	grads  []float32
+	first  bool // next micro-batch is the first of the step: overwrite, not add
+}
+
+func (s *localSync) BeginBackward(bool) {}
+
+func (s *localSync) Hook(i int, grad *tensor.Dense) {
+	p := s.params[i]
+	dst, src := s.grads[p.Offset:p.Offset+p.Size], grad.Data().([]float32)
+	if s.first {
+		copy(dst, src)
+		return
+	}
+	for k, g := range src {
+		dst[k] += g
+	}
+}
+
+func (s *localSync) Finalize(context.Context) error { return nil }
+
+// world is this process's place in the job: rank and size.
+type world struct{ rank, size int }
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	f, err := parseFlags(args, stderr)
+	if err != nil {
+		return usageError{err}
+	}
+	if f.cpuProfile != "" {
+		fh, err := os.Create(f.cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer fh.Close()
+		if err := pprof.StartCPUProfile(fh); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
+	_, err = train(ctx, f, stdout, stderr)
+	return err
+}
+
+// modelConfig is the model the flags describe.
+func modelConfig(f flags) model.Config {
+	cfg := model.DefaultConfig()
+	cfg.Task, cfg.NumLayers, cfg.Hidden, cfg.Dropout, cfg.Seed = f.task, f.numLayers, f.hidden, f.dropout, f.seed
+	return cfg
+}
+
+// newLogger writes the ddp and process-group log lines (rare: set-up, failures, the
+// watchdog) to stderr at --log_level.
+func newLogger(f flags, stderr io.Writer) *zap.Logger {
+	lvl, _ := zapcore.ParseLevel(f.logLevel) // checked by parseFlags
+	enc := zapcore.NewConsoleEncoder(zapcore.EncoderConfig{
+		TimeKey: "ts", LevelKey: "level", NameKey: "logger", MessageKey: "msg",
+		EncodeTime: zapcore.ISO8601TimeEncoder, EncodeLevel: zapcore.LowercaseLevelEncoder,
+		EncodeDuration: zapcore.StringDurationEncoder,
+	})
+	return zap.New(zapcore.NewCore(enc, zapcore.AddSync(stderr), lvl))
+}
+
+// train runs the training loop, with --no_ddp in this process alone, otherwise as one rank
+// of the process group the launcher's environment describes (ddprun, torchrun-style
+// variables, srun, mpirun), and returns the trained model.
+func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model, error) {
+	// The model first: a bad configuration fails before this rank joins the group.
+	m, err := model.New(modelConfig(f))
+	if err != nil {
+		return nil, err
+	}
+	if f.noDDP {
+		return m, trainWith(ctx, f, m, nil, zap.NewNop(), stdout)
+	}
+	log := newLogger(f, stderr)
+	pg, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
+	if err != nil {
+		return nil, err
+	}
+	err = trainWith(ctx, f, m, pg, log, stdout)
+	if err != nil {
+		// The other ranks must not wait for this one: fail their pending collectives.
+		pg.Abort(err)
+	}
+	if cerr := closePG(); cerr != nil && err == nil {
+		return nil, fmt.Errorf("rank %d: closing the process group: %w", pg.Rank(), cerr)
+	}
+	return m, err
+}
+
+// trainWith trains m (in place) as one rank of pg (nil: alone, without ddp). The process
+// group stays the caller's.
+func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.ProcessGroup, log *zap.Logger, stdout io.Writer) error {
+	w := world{rank: 0, size: 1}
+	if pg != nil {
+		w = world{rank: pg.Rank(), size: pg.Size()}
+	}
+
+	cfg := m.Config()
+	params := m.Params()
+	grads := make([]float32, m.NumParams())
+	var (
+		local *localSync
+		d     *ddp.DDP
+		sync  gradSync
+	)
+	if pg == nil {
+		local = &localSync{params: params, grads: grads}
+		sync = local
+	} else {
+		// Every parameter is a view of the model's flat buffer (which the graph reads
+		// at every run) and of the flat gradient buffer (which the optimizer reads):
+		// New overwrites the former with rank 0's values, Finalize leaves the averaged
+		// gradients in the latter.
+		dp := make([]ddp.Param, len(params))
+		for i, p := range params {
+			dp[i] = ddp.Param{Name: p.Name, Data: m.Data32()[p.Offset : p.Offset+p.Size],
+				Grad: grads[p.Offset : p.Offset+p.Size], Shape: p.Shape}
+		}
+		var err error
+		d, err = ddp.New(ctx, pg, dp, ddp.Options{BucketCapMB: f.bucketCapMB, FirstBucketCapMB: f.firstCapMB, Logger: log})
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		sync = d
+	}
+
+	g, err := m.NewGraph(model.GraphOptions{
+		Batch: f.batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
+		LossScale: 1 / float64(f.accum), Hook: sync.Hook,
+	})
+	if err != nil {
+		return err
+	}
+	defer g.Close()
+	opt, err := optim.NewAdamW(m.NumParams(), optim.AdamWOptions{LR: f.lr})
+	if err != nil {
+		return err
+	}
+
+	start := 0
+	ckpt := ""
+	if f.checkpointDir != "" {
+		ckpt = filepath.Join(f.checkpointDir, fmt.Sprintf("rank%d.ckpt", w.rank))
+		if f.resume {
+			s, err := loadCheckpoint(ckpt, m.Data32(), opt)
+			switch {
+			case errors.Is(err, os.ErrNotExist):
+			case err != nil:
+				return err
+			default:
+				start = s
+			}
+		}
+	}
+	if pg != nil {
+		// Each rank resumes from its own checkpoint: they must agree on the step.
+		se := []int64{int64(start), -int64(start)}
+		if err := pg.AllReduce(ctx, se, procgroup.Max).Wait(ctx); err != nil {
+			return fmt.Errorf("rank %d: agreeing on the start step: %w", w.rank, err)
+		}
+		if se[0] != -se[1] {
+			return fmt.Errorf("rank %d: ranks resume from different steps (%d to %d): check every rank's checkpoint in %s", w.rank, -se[1], se[0], f.checkpointDir)
+		}
+	}
+
+	if w.rank == 0 {
+		fmt.Fprintf(stdout, "Model: %.2f MB | bucket_cap_mb=%g\n", float64(m.NumParams())*4/1e6, f.bucketCapMB)
+		fmt.Fprintf(stdout, "params=%d task=%s layers=%d hidden=%d batch=%d seq=%d accum=%d world=%d blas=%s start_step=%d\n",
+			m.NumParams(), cfg.Task, cfg.NumLayers, cfg.Hidden, f.batch, f.seqLen, f.accum, w.size, blasName, start)
+	}
+
+	total := f.warmup + f.bench
+	var timed time.Duration
+	var nTimed int
+	var ov overlap
+	for step := start; step < total; step++ {
+		t0 := time.Now()
+		var loss float64
+		for mb := 0; mb < f.accum; mb++ {
+			// Global sample index: micro-batch mb of rank r holds samples
+			// (mb·world + r)·B …, so R ranks × A micro-batches × B samples see the same
+			// data as one process with batch R·A·B.
+			if err := g.Load(step, (mb*w.size+w.rank)*f.batch); err != nil {
+				return err
+			}
+			if local != nil {
+				local.first = mb == 0
+			}
+			sync.BeginBackward(mb == f.accum-1)
+			l, err := g.Run()
+			if err != nil {
+				return fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
+			}
+			loss += l
+		}
+		if err := sync.Finalize(ctx); err != nil {
+			return fmt.Errorf("step %d: %w", step, err)
+		}
+		if f.onGrads != nil {
+			f.onGrads(step, grads)
+		}
+		if err := opt.Step(m.Data32(), grads); err != nil {
+			return fmt.Errorf("step %d: %w", step, err)
+		}
+		if step >= f.warmup {
+			timed += time.Since(t0)
+			nTimed++
+			if d != nil {
+				ov.add(d.Stats())
+			}
+		}
+		if math.IsNaN(loss) || math.IsInf(loss, 0) {
+			return fmt.Errorf("rank %d: step %d: loss is %v", w.rank, step, loss)
+		}
+		if f.logEvery > 0 && (step%f.logEvery == 0 || step == total-1) {
+			// The loss over the global batch (the mean of the ranks' losses), comparable
+			// with a --no_ddp run on the global batch; collected after the step's timing.
+			if pg != nil {
+				lb := []float64{loss}
+				if err := pg.AllReduce(ctx, lb, procgroup.Sum).Wait(ctx); err != nil {
+					return fmt.Errorf("rank %d: step %d: averaging the loss: %w", w.rank, step, err)
+				}
+				loss = lb[0] / float64(w.size)
+			}
+			if w.rank == 0 {
+				fmt.Fprintf(stdout, "step %d loss %.6f\n", step, loss)
+			}
+		}
+		if ckpt != "" && ((step+1)%max(f.ckptEvery, 1) == 0 || step == total-1) {
+			if err := saveCheckpoint(ckpt, step+1, m.Data32(), opt); err != nil {
+				return err
+			}
+		}
+	}
+	if w.rank == 0 && nTimed > 0 {
+		fmt.Fprintf(stdout, "bucket_cap_mb=%g  ms/step=%.2f\n", f.bucketCapMB, float64(timed.Microseconds())/1e3/float64(nTimed))
+		if ov.n > 0 {
+			fmt.Fprintln(stdout, ov.String())
+		}
+	}
+	if pg != nil {
+		// Leave together: no rank closes its connections while a peer may still be
+		// finishing the last collective.
+		if err := pg.Barrier(ctx).Wait(ctx); err != nil {
+			return fmt.Errorf("rank %d: final barrier: %w", w.rank, err)
+		}
+	}
+	if rss, ok := peakRSS(); ok {
+		fmt.Fprintf(stdout, "rank %d peak_rss_mb=%.1f\n", w.rank, float64(rss)/(1<<20))
+	}
+	fmt.Fprintf(stdout, "params_crc32=%08x\n", paramsCRC32(m.Data32()))
+	return nil
+}
+
+// overlap sums the reducer's per-step figures over the timed steps.
+type overlap struct {
+	n                                 int
+	buckets                           int
+	compute, comm, overlapped, exposd time.Duration
+}
+
+func (o *overlap) add(s *reducer.IterStats) {
+	if s == nil {
+		return
+	}
+	o.n++
+	o.buckets = len(s.BucketBytes)
+	o.compute += s.Compute()
+	o.comm += s.Comm()
+	o.overlapped += s.Overlap()
+	o.exposd += s.Exposed()
+}
+
+// String is the mean per timed step, in milliseconds: forward and backward compute (the
+// reducer's Compute: from BeginBackward, which precedes the graph's run, to Finalize, less
+// the hooks' time), time with a bucket's all-reduce in flight (Comm), the part of it hidden
+// behind compute (Overlap) and the part the step waited for (Exposed).
+func (o *overlap) String() string {
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 / float64(o.n) }
+	return fmt.Sprintf("overlap: buckets=%d fwd_bwd_compute_ms=%.2f comm_ms=%.2f overlapped_ms=%.2f exposed_ms=%.2f (mean of %d steps)",
+		o.buckets, ms(o.compute), ms(o.comm), ms(o.overlapped), ms(o.exposd), o.n)
+}
+
+// paramsCRC32 is the CRC-32 (IEEE) of the parameters' little-endian bytes in
+// registration order.
+func paramsCRC32(p []float32) uint32 {
+	h := crc32.NewIEEE()
+	var buf [4096]byte
+	for len(p) > 0 {
+		n := min(len(p), len(buf)/4)
+		for i, v := range p[:n] {
+			binary.LittleEndian.PutUint32(buf[4*i:], math.Float32bits(v))
+		}
+		h.Write(buf[:4*n])
+		p = p[n:]
+	}
+	return h.Sum32()
+}
+
+func crc32Update(crc uint32, b []byte) uint32 { return crc32.Update(crc, crc32.IEEETable, b) }
