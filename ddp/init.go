@@ -15,8 +15,19 @@ import (
 
 // InitOptions configure InitProcessGroup. The zero value is ready to use.
 type InitOptions struct {
-	// Timeout bounds each collective (default procgroup.DefaultTimeout).
+	// Timeout bounds each collective: the group's watchdog aborts it on every rank at this
+	// timeout, naming the ranks that had not joined (procgroup.WithWatchdog). Zero means
+	// $GODDP_COLLECTIVE_TIMEOUT, else procgroup.DefaultTimeout.
 	Timeout time.Duration
+	// StallWarn is how long a collective may wait before the log names the ranks that have
+	// not joined it. Zero means $GODDP_STALL_WARN, else procgroup.DefaultStallWarn.
+	StallWarn time.Duration
+	// Debug turns on desync detection (procgroup.WithDebug): the ranks compare each
+	// collective's fingerprint before running it. GODDP_DEBUG=detail turns it on too.
+	Debug bool
+	// OnAbort, if set, is called once when the watchdog aborts the group (see
+	// procgroup.WatchdogOptions.OnAbort); it must not block.
+	OnAbort func(error)
 	// Logger receives the group's log lines, with rank and local_rank fields added; nil
 	// means zap.NewNop().
 	Logger *zap.Logger
@@ -54,6 +65,18 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 		return nil, nil, fmt.Errorf("ddp: init: %w", err) // before starting a store for nothing
 	}
 	logger = logger.With(zap.Int("rank", env.Rank), zap.Int("local_rank", env.LocalRank))
+	wdOpts := procgroup.WatchdogOptions{
+		Timeout: opts.Timeout, WarnAfter: opts.StallWarn, Logger: logger,
+		OnAbort: opts.OnAbort, LookupEnv: lookup,
+	}
+	if err := wdOpts.Validate(); err != nil {
+		return nil, nil, fmt.Errorf("ddp: init: %w", err)
+	}
+	debug, err := procgroup.DebugFromEnv(lookup)
+	if err != nil {
+		return nil, nil, fmt.Errorf("ddp: init: %w", err)
+	}
+	debug = debug || opts.Debug
 	store, release, err := procgroup.Rendezvous(ctx, env, logger)
 	if err != nil {
 		return nil, nil, fmt.Errorf("ddp: init: %w", err)
@@ -70,10 +93,16 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 		Rank: env.Rank, Size: env.WorldSize,
 		LocalRank: env.LocalRank, LocalSize: env.LocalWorldSize,
 		Store: store, Prefix: prefix, Token: token,
-		Timeout: opts.Timeout, Logger: logger, Backend: opts.Backend,
+		// The watchdog fires first, with the fuller report; the backend's own timeout
+		// (which starts later, when the collective starts there) is a backstop.
+		Timeout: 2 * wdOpts.Timeout, Logger: logger, Backend: opts.Backend,
 	})
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("ddp: init: rank %d: %s group: %w", env.Rank, backend, err), release.Close())
+	}
+	pg, err = wrapGroup(pg, procgroup.PrefixStore{Prefix: prefix + "/watchdog", Store: store}, wdOpts, debug, logger)
+	if err != nil {
+		return nil, nil, errors.Join(fmt.Errorf("ddp: init: rank %d: %w", env.Rank, err), release.Close())
 	}
 	var once sync.Once
 	var closeErr error
@@ -82,4 +111,24 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 		return closeErr
 	}
 	return pg, closeFn, nil
+}
+
+// wrapGroup puts the debug wrapper (when debug) and the watchdog around pg, the watchdog
+// outermost so that it numbers and times the caller's collectives, not the fingerprint
+// exchanges. On error pg is aborted.
+func wrapGroup(pg procgroup.ProcessGroup, store procgroup.Store, wd procgroup.WatchdogOptions, debug bool, logger *zap.Logger) (procgroup.ProcessGroup, error) {
+	if debug {
+		d, err := procgroup.WithDebug(pg, procgroup.DebugOptions{Logger: logger})
+		if err != nil {
+			pg.Abort(err)
+			return nil, err
+		}
+		pg = d
+	}
+	w, err := procgroup.WithWatchdog(pg, store, wd)
+	if err != nil {
+		pg.Abort(err)
+		return nil, err
+	}
+	return w, nil
 }
