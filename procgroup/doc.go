@@ -20,6 +20,12 @@
 //
 //	import _ "github.com/goddp/goddp/backends/gloo"
 //
+// Two wrappers work over any backend (ddp.InitProcessGroup applies both): WithWatchdog
+// numbers collectives, publishes each rank's progress through the store, warns which ranks
+// have not joined a stalled collective (GODDP_STALL_WARN) and aborts every rank at the
+// timeout (GODDP_COLLECTIVE_TIMEOUT); WithDebug (GODDP_DEBUG=detail) compares a fingerprint of
+// every collective across ranks before issuing it and fails all ranks on a mismatch.
+//
 // Note [Collective order]: collectives are matched between ranks by their position in the
 // sequence each rank issues, not by any name or tag. Every rank must therefore issue the same
 // collectives, with the same element types and counts, in the same order; a group runs its
