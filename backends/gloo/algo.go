@@ -16,6 +16,7 @@ func (g *group) run(o *op) error {
 		return err
 	}
 	n := g.size
+	g.seg = g.cfg.SegmentSize
 	if (o.kind == opAllReduce || o.kind == opReduceScatter) && n > 1 && (o.dt == procgroup.BFloat16 || o.dt == procgroup.Float16) {
 		return g.runWide(o)
 	}
@@ -25,10 +26,20 @@ func (g *group) run(o *op) error {
 			return nil
 		}
 		if g.useDirect(len(o.buf)) {
+			if g.useShmDirect(len(o.buf)) {
+				return g.shmDirectAllReduce(o)
+			}
 			return g.directAllReduce(o)
+		}
+		if g.useShmRing() {
+			return g.shmRingAllReduce(o)
+		}
+		if n == 2 {
+			return g.pairAllReduce(o)
 		}
 		es := o.dt.Size()
 		g.setChunks(len(o.buf)/es, es)
+		g.seg = g.ringSegment(len(o.buf))
 		seq := uint32(o.seq)
 		if err := g.ringReduceScatter(o, seq, o.buf, true); err != nil {
 			return err
@@ -161,7 +172,16 @@ func (g *group) scratch(n int) []byte {
 }
 
 // segLen is the length of the segment at offset a of a region of n bytes.
-func (g *group) segLen(n, a int) int { return min(g.cfg.SegmentSize, n-a) }
+func (g *group) segLen(n, a int) int { return min(g.seg, n-a) }
+
+// ringSegment is the socket all-reduce's segment for a message of n bytes: about half a
+// chunk, so that even a message of one segment per chunk is pipelined (a 1 MiB all-reduce
+// at n=2 would otherwise move 512 KiB frames with no overlap at all), but at least 256 KiB
+// (smaller frames cost more in wake-ups than they gain in overlap, measured on TCP) and at
+// most Config.SegmentSize. A multiple of 8, so segments stay aligned for every element type.
+func (g *group) ringSegment(n int) int {
+	return min(g.cfg.SegmentSize, max(256<<10, (n/g.size/2+7)&^7))
+}
 
 // Note [Ring]: rank r ends the reduce-scatter owning chunk r. At step s (0 ≤ s < n-1) it
 // sends chunk r-1-s to r+1 and receives chunk r-2-s from r-1, reducing it into its own copy;
@@ -207,6 +227,42 @@ func (g *group) ringReduceScatter(o *op, seq uint32, w []byte, forward bool) err
 			}
 			a += l
 		}
+	}
+	return nil
+}
+
+// pairAllReduce is the socket all-reduce of two ranks. There the ring's two phases move the
+// same bytes as one exchange (each rank sends its whole buffer once), but the all-gather
+// must wait for the reduce-scatter; the exchange has no such bubble. Every segment is
+// queued at once; each one received is combined with ours once ours has been written out.
+// Both ranks compute (rank 0's) op (rank 1's), operands in that order, so the bits agree
+// for every op, NaNs and signed zeros included (rank 1 combines in g.tmp, then copies).
+func (g *group) pairAllReduce(o *op) error {
+	seq, p := uint32(o.seq), g.peers[1-g.rank]
+	g.seg = g.ringSegment(len(o.buf))
+	mark := p.issued
+	for a := 0; a < len(o.buf); a += g.segLen(len(o.buf), a) {
+		p.enqueue(seq, o.buf[a:a+g.segLen(len(o.buf), a)])
+	}
+	for a, j := 0, 1; a < len(o.buf); j++ {
+		l := g.segLen(len(o.buf), a)
+		seg, tmp := o.buf[a:a+l], g.tmp[:l]
+		if err := g.recv(p, seq, tmp); err != nil {
+			return err
+		}
+		if err := g.waitDone(p, mark+j); err != nil {
+			return err
+		}
+		if g.rank == 0 {
+			kernels.Reduce(o.dt, o.rop, seg, tmp)
+		} else {
+			kernels.Reduce(o.dt, o.rop, tmp, seg)
+			copy(seg, tmp)
+		}
+		if o.rop == procgroup.Avg {
+			kernels.Divide(o.dt, seg, 2)
+		}
+		a += l
 	}
 	return nil
 }

@@ -71,8 +71,11 @@ func TestAllReduceAllocatesNothing(t *testing.T) {
 		count int
 	}{
 		{"direct-4KiB", &Config{Transport: TransportUnix}, 1 << 10},
-		{"direct-queued", &Config{Transport: TransportUnix, Algorithm: AlgoDirect, SegmentSize: 16 << 10}, 1 << 16},
+		{"direct-shm", &Config{Transport: TransportUnix, Algorithm: AlgoDirect}, 1 << 14},
+		{"direct-queued", &Config{Transport: TransportUnix, SharedMemory: ShmOff, Algorithm: AlgoDirect, SegmentSize: 16 << 10}, 1 << 16},
 		{"ring-1MiB", &Config{Transport: TransportUnix, SegmentSize: 64 << 10}, 1 << 18},
+		{"ring-shm-small-slots", &Config{Transport: TransportUnix, ShmSlotSize: 4 << 10, ShmSlots: 2}, 1 << 18},
+		{"ring-unix-sockets", &Config{Transport: TransportUnix, SharedMemory: ShmOff, SegmentSize: 64 << 10}, 1 << 18},
 		{"ring-tcp", &Config{Transport: TransportTCP, Algorithm: AlgoRing, SegmentSize: 16 << 10}, 1 << 16},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -17,6 +17,9 @@ const (
 	AlgoAuto   = "auto"   // direct below Config.DirectMaxBytes, ring above
 	AlgoRing   = "ring"   // pipelined ring: reduce-scatter then all-gather
 	AlgoDirect = "direct" // every rank exchanges its whole buffer with every other (latency-optimal)
+
+	ShmAuto = "auto" // same-host ranks joined by Unix sockets move large data through shared memory
+	ShmOff  = "off"  // data always goes over the sockets
 )
 
 // Config holds the gloo backend's options; pass a *Config as procgroup.Options.Backend.
@@ -44,6 +47,17 @@ type Config struct {
 	PollInterval time.Duration
 	// HandshakeTimeout bounds one connection's authentication (default 10 s).
 	HandshakeTimeout time.Duration
+	// SharedMemory is "auto" (default) or "off". With "auto", ranks on one host whose
+	// connection is a Unix socket share one memory region (Note [Shared memory]) through
+	// which the ring all-reduce moves its data; the socket still carries control, aborts
+	// and liveness. GODDP_GLOO_SHM overrides it.
+	SharedMemory string
+	// ShmSlotSize is the size of one shared-memory slot, the ring's pipeline segment on
+	// that path (default 256 KiB; rounded down to a multiple of 64). Only the lowest rank
+	// of a host's value counts: it lays out the region.
+	ShmSlotSize int
+	// ShmSlots is the number of slots per directed pair of ranks (default 8).
+	ShmSlots int
 	// HostID identifies this host to the other ranks (default: hostname and boot id); ranks
 	// with the same HostID use the same-host transport. Tests set it to simulate hosts.
 	HostID string
@@ -55,6 +69,29 @@ func (c *Config) validate() error {
 	}
 	if v := os.Getenv("GODDP_GLOO_ALGO"); v != "" {
 		c.Algorithm = v
+	}
+	if v := os.Getenv("GODDP_GLOO_SHM"); v != "" {
+		c.SharedMemory = v
+	}
+	switch c.SharedMemory {
+	case "":
+		c.SharedMemory = ShmAuto
+	case ShmAuto, ShmOff:
+	default:
+		return fmt.Errorf("%w: gloo: unknown shared-memory mode %q (want auto or off)", procgroup.ErrInvalidArgument, c.SharedMemory)
+	}
+	if c.ShmSlotSize == 0 {
+		c.ShmSlotSize = 256 << 10
+	}
+	c.ShmSlotSize &^= 63
+	if c.ShmSlotSize < 64 || c.ShmSlotSize > maxShmSlot {
+		return fmt.Errorf("%w: gloo: shared-memory slot size %d outside [64, %d]", procgroup.ErrInvalidArgument, c.ShmSlotSize, maxShmSlot)
+	}
+	if c.ShmSlots == 0 {
+		c.ShmSlots = 8
+	}
+	if c.ShmSlots < 1 || c.ShmSlots > maxShmSlots {
+		return fmt.Errorf("%w: gloo: %d shared-memory slots outside [1, %d]", procgroup.ErrInvalidArgument, c.ShmSlots, maxShmSlots)
 	}
 	switch c.Transport {
 	case "":

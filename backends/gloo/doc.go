@@ -1,6 +1,7 @@
 // Package gloo is goddp's pure-Go CPU backend: collectives over a full mesh of Unix domain
 // socket (same host) or TCP (between hosts) connections, set up through the rendezvous
-// store. It registers itself as "gloo".
+// store, with shared memory for the all-reduce data of same-host ranks. It registers
+// itself as "gloo".
 //
 // # Usage
 //
@@ -14,8 +15,8 @@
 //	w := pg.AllReduce(ctx, grads, procgroup.Sum)
 //	err = w.Wait(ctx)
 //
-// GODDP_GLOO_TRANSPORT (auto, tcp, unix) and GODDP_GLOO_ALGO (auto, ring, direct) override
-// the Config.
+// GODDP_GLOO_TRANSPORT (auto, tcp, unix), GODDP_GLOO_ALGO (auto, ring, direct) and
+// GODDP_GLOO_SHM (auto, off) override the Config.
 //
 // # Design
 //
@@ -27,15 +28,25 @@
 //
 // Algorithms: small messages use direct exchange (every rank sends its buffer to every
 // other and reduces all of them in rank order), written inline by the worker goroutine;
-// large ones a pipelined ring, reduce-scatter then all-gather, in segments of
-// Config.SegmentSize handed to per-peer writer goroutines (Note [Ring]). Broadcast is
-// direct or a pipelined chain; AllGather and ReduceScatter are ring or direct; Barrier is
-// an empty direct exchange. Every rank ends with bit-identical results.
+// large ones a pipelined ring, reduce-scatter then all-gather, in segments of about a
+// quarter chunk (at most Config.SegmentSize) handed to per-peer writer goroutines
+// (Note [Ring]). Broadcast is direct or a pipelined chain; AllGather and ReduceScatter are
+// ring or direct; Barrier is an empty direct exchange. Every rank ends with bit-identical
+// results.
+//
+// Shared memory (Linux): after the mesh is authenticated, each host's lowest rank creates
+// one memfd region and passes it over its Unix sockets (SCM_RIGHTS) to the same-host ranks.
+// The all-reduce then moves its data through per-pair slot rings in that region, run
+// inline by the worker with no goroutine hand-off: the sender copies a segment into a slot,
+// the receiver reduces straight out of it, and a futex doorbell wakes a rank that sleeps
+// (Note [Shared memory] in shm_linux.go). The sockets still carry the other collectives,
+// aborts and liveness, so the failure rules below are unchanged.
 //
 // Threads: one worker goroutine per group runs works in issue order and does all reads;
 // each peer has one writer goroutine (Note [Threads] on group). Reductions and copies are
-// typed loops (internal/kernels) on reused buffers: a collective allocates nothing in
-// steady state (the Work handle is the only per-call allocation).
+// typed loops (internal/kernels; AVX2 for float32/float64 sums on amd64) on reused
+// buffers: a collective allocates nothing in steady state (the Work handle is the only
+// per-call allocation).
 //
 // Failures: a read blocked longer than Config.PollInterval checks the group's abort, the
 // ctx and the timeout of the collective, and probes every peer's socket (Note [Stalls]), so

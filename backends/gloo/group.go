@@ -67,6 +67,7 @@ type group struct {
 	opts       procgroup.Options
 	log        *zap.Logger
 	hosts      []string // host names by rank, for errors
+	hostIDs    []string // Config.HostID by rank (filled by connect)
 
 	peers []*peer // by rank; nil at g.rank
 
@@ -97,6 +98,7 @@ type group struct {
 
 	// worker-only state
 	tmp     []byte // one segment, 8-aligned
+	seg     int    // the current collective's segment size (≤ Config.SegmentSize)
 	acc     []byte // direct all-reduce accumulator / reduce-scatter work buffer
 	offs    []int  // chunk offsets in bytes, len size+1
 	marks   []int  // ring: next.issued before each reduce-scatter step's sends
@@ -104,8 +106,10 @@ type group struct {
 	wideBuf []byte // runWide's float32 buffers
 	wideIn  []byte
 	sendBuf []byte // inline frame
-	timer   *time.Timer
-	cur     *op
+
+	shm   *shmRegion // nil: no shared memory (Note [Shared memory])
+	timer *time.Timer
+	cur   *op
 }
 
 var _ procgroup.ProcessGroup = (*group)(nil)
@@ -139,6 +143,7 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		opts:       opts,
 		log:        opts.Logger.With(zap.Int("rank", opts.Rank), zap.String("backend", "gloo")),
 		hosts:      make([]string, opts.Size),
+		hostIDs:    make([]string, opts.Size),
 		peers:      make([]*peer, opts.Size),
 		qwake:      make(chan struct{}, 1),
 		aborted:    make(chan struct{}),
@@ -160,6 +165,11 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 	if err := g.connect(ctx); err != nil {
 		g.shutdown()
 		return nil, fmt.Errorf("gloo: rank %d: setup: %w", g.rank, err)
+	}
+	if err := g.setupShm(ctx); err != nil {
+		g.shutdown()
+		g.releaseShm()
+		return nil, fmt.Errorf("gloo: rank %d: shared memory setup: %w", g.rank, err)
 	}
 	for _, p := range g.peers {
 		if p != nil {
@@ -378,9 +388,14 @@ func (g *group) abort(cause error) {
 		deadline := time.Now().Add(300 * time.Millisecond)
 		for _, p := range g.peers {
 			if p != nil && p.rank != lost {
-				p.sendAbort(lost, cause.Error(), deadline)
+				if p.sendAbort(lost, cause.Error(), deadline) {
+					// Note [Shared memory]: a peer that got the frame also gets
+					// the abort where it waits on shared memory.
+					g.shmAbort(p.rank, lost, cause.Error())
+				}
 			}
 		}
+		g.shmWake()
 		g.shutdown()
 	})
 }
@@ -412,6 +427,7 @@ func (g *group) Abort(cause error) {
 	}
 	g.abort(fmt.Errorf("rank %d: %w", g.rank, cause))
 	g.wg.Wait()
+	g.releaseShm()
 }
 
 // Close implements procgroup.ProcessGroup: pending works complete first.
@@ -427,6 +443,7 @@ func (g *group) Close() error {
 	<-g.workerDone
 	g.shutdown()
 	g.wg.Wait()
+	g.releaseShm()
 	return nil
 }
 

@@ -4,7 +4,9 @@
 //
 // Every function switches once on the element type and the op, then runs a plain typed loop:
 // no per-element interface call and no allocation. bfloat16 and float16 are widened to
-// float32, combined, and rounded back.
+// float32, combined, and rounded back. On amd64 with AVX2, float32 and float64 sums run an
+// assembly loop (add_amd64.s) that rounds exactly like the scalar one; build tag purego
+// turns it off.
 //
 // Byte slices handed to the typed views must be aligned for the element type; views of
 // typed slices and of buffers from Aligned are.
@@ -80,9 +82,19 @@ func Reduce(dt procgroup.DType, op procgroup.ReduceOp, dst, src []byte) {
 	}
 	switch dt {
 	case procgroup.Float32:
-		reduceNum(op, as[float32](dst), as[float32](src))
+		d, s := as[float32](dst), as[float32](src)
+		if op == procgroup.Sum {
+			k := addF32(d, s)
+			d, s = d[k:], s[k:]
+		}
+		reduceNum(op, d, s)
 	case procgroup.Float64:
-		reduceNum(op, as[float64](dst), as[float64](src))
+		d, s := as[float64](dst), as[float64](src)
+		if op == procgroup.Sum {
+			k := addF64(d, s)
+			d, s = d[k:], s[k:]
+		}
+		reduceNum(op, d, s)
 	case procgroup.Int32:
 		reduceNum(op, as[int32](dst), as[int32](src))
 	case procgroup.Int64:

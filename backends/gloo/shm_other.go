@@ -1,0 +1,24 @@
+//go:build !linux
+
+package gloo
+
+import "context"
+
+// Shared memory (Note [Shared memory] in shm_linux.go) is Linux-only; elsewhere same-host
+// data goes over the sockets.
+
+const (
+	maxShmSlot  = 64 << 20
+	maxShmSlots = 64
+)
+
+type shmRegion struct{}
+
+func (g *group) setupShm(context.Context) error         { return nil }
+func (g *group) releaseShm()                            {}
+func (g *group) shmAbort(peer, lost int, reason string) {}
+func (g *group) shmWake()                               {}
+func (g *group) useShmRing() bool                       { return false }
+func (g *group) shmRingAllReduce(o *op) error           { panic("gloo: no shared memory") }
+func (g *group) useShmDirect(int) bool                  { return false }
+func (g *group) shmDirectAllReduce(o *op) error         { panic("gloo: no shared memory") }

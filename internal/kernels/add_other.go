@@ -1,0 +1,8 @@
+//go:build !amd64 || purego
+
+package kernels
+
+var useAVX2 = false
+
+func addF32(d, s []float32) int { return 0 }
+func addF64(d, s []float64) int { return 0 }
