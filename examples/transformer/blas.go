@@ -1,5 +1,6 @@
 package main
 
-// blasName names the BLAS gorgonia uses: the pure-Go gonum one unless a build tag
-// swaps it (blas_openblas.go).
-var blasName = "gonum (pure Go)"
+import "github.com/goddp/goddp/examples/transformer/fastblas"
+
+// blasName names the BLAS gorgonia uses (package fastblas: OpenBLAS with -tags openblas).
+var blasName = fastblas.Name

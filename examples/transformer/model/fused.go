@@ -221,6 +221,7 @@ func doMatMul[T float32 | float64](o *matMulOp, vs []G.Value) (G.Value, error) {
 type colSumOp struct {
 	opBase
 	rows, n int
+	ones    any // []T of rows ones
 }
 
 func newColSum(dt tensor.Dtype, a *G.Node, rows, n int) *colSumOp {
@@ -239,8 +240,15 @@ func doColSum[T float32 | float64](o *colSumOp, vs []G.Value) (G.Value, error) {
 	if err != nil {
 		return nil, err
 	}
+	ones, ok := o.ones.([]T)
+	if !ok {
+		ones = scratch[T](&o.ones, o.rows)
+		for i := range ones {
+			ones[i] = 1
+		}
+	}
 	out := o.output()
-	colSum(in[0], o.rows, o.n, out.Data().([]T))
+	colSum(in[0], o.rows, o.n, ones, out.Data().([]T))
 	return out, nil
 }
 

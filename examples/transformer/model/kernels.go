@@ -97,15 +97,10 @@ func mul[T float32 | float64](a, b, out []T) {
 	}
 }
 
-// colSum is out[j] = Σ_r a[r, j] for a [rows, n].
-func colSum[T float32 | float64](a []T, rows, n int, out []T) {
-	copy(out, a[:n])
-	for r := 1; r < rows; r++ {
-		row := a[r*n : (r+1)*n]
-		for j, v := range row {
-			out[j] += v
-		}
-	}
+// colSum is out[j] = Σ_r a[r, j] for a [rows, n]: aᵀ·ones on the BLAS (a vectorised
+// gemv; ones holds rows ones).
+func colSum[T float32 | float64](a []T, rows, n int, ones, out []T) {
+	gemv(true, rows, n, 1, a, n, ones, 0, out)
 }
 
 // colDot is out[j] = Σ_r a[r, j]·b[r, j].

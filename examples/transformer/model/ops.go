@@ -146,3 +146,15 @@ func gemm[T float32 | float64](tA, tB bool, m, n, k int, alpha T, a []T, lda int
 		impl.Dgemm(trans(tA), trans(tB), m, n, k, float64(alpha), a, lda, any(b).([]float64), ldb, float64(beta), any(c).([]float64), ldc)
 	}
 }
+
+// gemv is y = alpha·op(A)·x + beta·y for A [m, n] row-major (op(A) = Aᵀ when tA), unit
+// strides.
+func gemv[T float32 | float64](tA bool, m, n int, alpha T, a []T, lda int, x []T, beta T, y []T) {
+	impl := G.WhichBLAS()
+	switch a := any(a).(type) {
+	case []float32:
+		impl.Sgemv(trans(tA), m, n, float32(alpha), a, lda, any(x).([]float32), 1, float32(beta), any(y).([]float32), 1)
+	case []float64:
+		impl.Dgemv(trans(tA), m, n, float64(alpha), a, lda, any(x).([]float64), 1, float64(beta), any(y).([]float64), 1)
+	}
+}

@@ -1,6 +1,6 @@
 //go:build openblas && cgo
 
-package main
+package fastblas
 
 /*
 #cgo LDFLAGS: -lopenblas
@@ -15,16 +15,17 @@ import (
 	"gorgonia.org/gorgonia"
 )
 
+// Name is the BLAS gorgonia uses in this build.
+const Name = "openblas"
+
 // With -tags openblas, gorgonia's matrix products (BatchedMatMul included) run on
-// OpenBLAS through gonum's cgo bindings: about 3.5× faster per step than the pure-Go
-// BLAS at the seed shape (DESIGN.md). One thread per rank, like ddp_bench.py's
-// --threads 1, unless OPENBLAS_NUM_THREADS says otherwise. OpenBLAS reads that
-// variable when the library loads, before main, hence the explicit call.
+// OpenBLAS through gonum's cgo bindings. One thread per rank, like ddp_bench.py's
+// --threads 1, unless OPENBLAS_NUM_THREADS says otherwise. OpenBLAS reads that variable
+// when the library loads, before main, hence the explicit call.
 func init() {
 	if os.Getenv("OPENBLAS_NUM_THREADS") == "" {
 		os.Setenv("OPENBLAS_NUM_THREADS", "1")
 		C.openblas_set_num_threads(1)
 	}
 	gorgonia.Use(netlib.Implementation{})
-	blasName = "openblas"
 }
