@@ -22,7 +22,8 @@
 // --accum_steps K the first K−1 micro-batches run under NoSync.
 //
 // Output: rank 0 prints "Model: <N> MB | bucket_cap_mb=<X>" first, the loss every
-// --log_every steps (with ddp: the mean over the ranks, i.e. the global batch's loss),
+// --log_every steps (with ddp: the mean over the ranks, i.e. the global batch's loss), the
+// overlap and straggler reports (below),
 // "bucket_cap_mb=<X>  ms/step=<Y>" (timed steps only, after --warmup_steps) and, with ddp,
 // the reducer's mean per-step figures ("overlap: buckets=… fwd_bwd_compute_ms=… comm_ms=…
 // overlapped_ms=… exposed_ms=…"). Every rank then prints its peak RSS ("rank <r>
@@ -35,6 +36,35 @@
 // m of rank r holds samples (m·world + r)·batch …, so 2 ranks with --batch_size B, or
 // --accum_steps 2, see exactly the data of one process with batch 2B.
 //
-// With --checkpoint_dir the parameters and optimizer state are saved every
-// --checkpoint_every steps and at the end; --resume continues from there, bit for bit.
+// # Checkpoints and restarts
+//
+// With --checkpoint_dir every rank saves its parameters, AdamW's state and the step (with
+// the seed, the data position) every --checkpoint_every steps and after the last one, to
+// rank<R>-step<S>.ckpt, atomically (temporary file, fsync, rename, directory fsync), keeping
+// its two newest files; it also writes rank<R>.pid there. With --resume, or by itself when
+// ddprun --max_restarts restarts the group (TORCHELASTIC_RESTART_COUNT > 0), it continues
+// from the newest step every rank has a readable checkpoint of (a corrupt newest file falls
+// back to the one before; none at all, or an empty or missing directory, is a fresh start).
+// Data and reductions are deterministic, so a run whose ranks are killed and restarted ends
+// with the same params_crc32 as an uninterrupted one (scripts/kill_test.sh): see Note
+// [Checkpoints] and Note [Resume] in checkpoint.go.
+//
+// # Seeing where the time goes
+//
+//	--trace FILE          each rank's timeline, Chrome trace JSON ("{rank}" expands, else
+//	                      FILE gets .rank<R>); ddprun --trace_merge OUT sets it and merges;
+//	                      go run ./cmd/trace-plot -in OUT -iter 5 -out step5.png draws a step
+//	--metrics_addr H:P    Prometheus metrics at http://H:P+LOCAL_RANK/metrics
+//	--report_every N      rank 0 prints the DDP overlap report ("ddp: N passes: …") every N
+//	                      steps and at the end, then the straggler report ("ddp stragglers:
+//	                      …", every rank's arrival at every bucket's all-reduce, exchanged
+//	                      every N steps)
+//	--straggle_ms R:MS    rank R sleeps MS ms per step before backward (a straggler on purpose)
+//
+// On a terminal rank 0's loss lines become one progress line redrawn in place (step, loss,
+// ms/step, ETA); otherwise (a pipe, ddprun) they stay "step N loss L", followed from the
+// second on by the ms/step since the previous line and the ETA. With the flags off the
+// tracer and the metrics are nil and cost nothing; the overlap and straggler reports cost a
+// few additions per step and one all-gather every --report_every steps.
+// scripts/trace_demo.sh shows all of it.
 package main

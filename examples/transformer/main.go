@@ -15,6 +15,9 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/pprof"
+	"strconv"
+	"strings"
+	stdsync "sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -52,7 +55,18 @@ type flags struct {
 	ckptEvery     int
 	resume        bool
 	cpuProfile    string
+	trace         string
+	metricsAddr   string
+	reportEvery   int
+	straggleRank  int           // --straggle_ms R:MS: rank R (-1: none) …
+	straggle      time.Duration // … sleeps this long per step before backward
 
+	// getenv reads the launcher's environment (TORCHELASTIC_RESTART_COUNT, LOCAL_RANK,
+	// GODDP_TRACE); os.Getenv unless a test sets it.
+	getenv func(string) string
+
+	// onServe, when set (by tests), receives the metrics server's address.
+	onServe func(addr string)
 	// onGrads, when set (by tests), sees each step's final gradients before the
 	// optimizer step. It must not keep grads.
 	onGrads func(step int, grads []float32)
@@ -87,6 +101,10 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and at the end)")
 	fs.BoolVar(&f.resume, "resume", false, "resume from the checkpoint in --checkpoint_dir if there is one")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
+	fs.StringVar(&f.trace, "trace", "", "write this rank's timeline (Chrome trace JSON) to this file ({rank}, {attempt} expand; default: $GODDP_TRACE)")
+	fs.StringVar(&f.metricsAddr, "metrics_addr", "", "serve Prometheus metrics at HOST:PORT/metrics (the rank of local rank L listens on PORT+L)")
+	fs.IntVar(&f.reportEvery, "report_every", 50, "rank 0 prints the DDP overlap report every N steps (and at the end); the ranks exchange straggler data as often")
+	straggle := fs.String("straggle_ms", "", "R:MS: rank R sleeps MS milliseconds per step before backward (a straggler on purpose, for the straggler report)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			stderr.Write(usage.Bytes())
@@ -110,7 +128,22 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--timeout %v must not be negative", f.timeout)
 	case f.resume && f.checkpointDir == "":
 		return f, errors.New("--resume needs --checkpoint_dir")
+	case f.ckptEvery <= 0:
+		return f, fmt.Errorf("--checkpoint_every %d must be positive", f.ckptEvery)
+	case f.reportEvery <= 0:
+		return f, fmt.Errorf("--report_every %d must be positive", f.reportEvery)
 	}
+	f.straggleRank = -1
+	if *straggle != "" {
+		r, ms, ok := strings.Cut(*straggle, ":")
+		rank, err1 := strconv.Atoi(r)
+		msv, err2 := strconv.ParseFloat(ms, 64)
+		if !ok || err1 != nil || err2 != nil || rank < 0 || !(msv >= 0) || msv > 1e6 {
+			return f, fmt.Errorf("--straggle_ms %q: want RANK:MILLISECONDS, e.g. 1:20", *straggle)
+		}
+		f.straggleRank, f.straggle = rank, time.Duration(msv*float64(time.Millisecond))
+	}
+	f.getenv = os.Getenv
 	return f, nil
 }
 
@@ -151,6 +184,12 @@ type gradSync interface {
 	// Finalize waits until the step's gradients are final in the flat buffer.
 	Finalize(ctx context.Context) error
 }
+
+// graphBuild serialises the building of graphs in one process (the tests run ranks as
+// goroutines): gorgonia v0.9.18 shares package-level nodes (its constants) between graphs
+// and caches their hash codes lazily, so two graphs built at once race on them (seen with
+// -race in gorgonia.Grad → ExprGraph.AddNode → Node.Hashcode).
+var graphBuild stdsync.Mutex
 
 // localSync accumulates every micro-batch's gradients into one flat buffer.
 type localSync struct {
@@ -226,10 +265,10 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 	if err != nil {
 		return nil, err
 	}
-	if f.noDDP {
-		return m, trainWith(ctx, f, m, nil, zap.NewNop(), stdout)
-	}
 	log := newLogger(f, stderr)
+	if f.noDDP {
+		return m, trainWith(ctx, f, m, nil, log, stdout)
+	}
 	pg, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
 	if err != nil {
 		return nil, err
@@ -247,7 +286,7 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 
 // trainWith trains m (in place) as one rank of pg (nil: alone, without ddp). The process
 // group stays the caller's.
-func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.ProcessGroup, log *zap.Logger, stdout io.Writer) error {
+func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.ProcessGroup, log *zap.Logger, stdout io.Writer) (err error) {
 	w := world{rank: 0, size: 1}
 	if pg != nil {
 		w = world{rank: pg.Rank(), size: pg.Size()}
@@ -283,10 +322,12 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 		sync = d
 	}
 
+	graphBuild.Lock()
 	g, err := m.NewGraph(model.GraphOptions{
 		Batch: f.batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
 		LossScale: 1 / float64(f.accum), Hook: sync.Hook,
 	})
+	graphBuild.Unlock()
 	if err != nil {
 		return err
 	}
@@ -297,28 +338,17 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 	}
 
 	start := 0
-	ckpt := ""
 	if f.checkpointDir != "" {
-		ckpt = filepath.Join(f.checkpointDir, fmt.Sprintf("rank%d.ckpt", w.rank))
-		if f.resume {
-			s, err := loadCheckpoint(ckpt, m.Data32(), opt)
-			switch {
-			case errors.Is(err, os.ErrNotExist):
-			case err != nil:
-				return err
-			default:
-				start = s
-			}
+		if start, err = restore(ctx, f, w, pg, m.Data32(), opt, log); err != nil {
+			return err
 		}
-	}
-	if pg != nil {
-		// Each rank resumes from its own checkpoint: they must agree on the step.
-		se := []int64{int64(start), -int64(start)}
-		if err := pg.AllReduce(ctx, se, procgroup.Max).Wait(ctx); err != nil {
-			return fmt.Errorf("rank %d: agreeing on the start step: %w", w.rank, err)
+		// The kill test (scripts/kill_test.sh) finds this rank's process by this file.
+		if err := os.MkdirAll(f.checkpointDir, 0o755); err != nil {
+			return fmt.Errorf("rank %d: %w", w.rank, err)
 		}
-		if se[0] != -se[1] {
-			return fmt.Errorf("rank %d: ranks resume from different steps (%d to %d): check every rank's checkpoint in %s", w.rank, -se[1], se[0], f.checkpointDir)
+		pidFile := filepath.Join(f.checkpointDir, fmt.Sprintf("rank%d.pid", w.rank))
+		if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+			return fmt.Errorf("rank %d: %w", w.rank, err)
 		}
 	}
 
@@ -329,11 +359,28 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 	}
 
 	total := f.warmup + f.bench
+	obs, err := newObserver(f, w, d, stdout, total)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if cerr := obs.close(ctx); cerr != nil && err == nil {
+			err = cerr
+		}
+	}()
+	straggle := f.straggle > 0 && f.straggleRank == w.rank
 	var timed time.Duration
 	var nTimed int
 	var ov overlap
 	for step := start; step < total; step++ {
 		t0 := time.Now()
+		obs.tr.BeginStep(step)
+		if straggle {
+			end := obs.tr.Span("straggle (--straggle_ms)")
+			time.Sleep(f.straggle)
+			end()
+		}
+		end := obs.tr.Span("forward+backward")
 		var loss float64
 		for mb := 0; mb < f.accum; mb++ {
 			// Global sample index: micro-batch mb of rank r holds samples
@@ -352,17 +399,24 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 			}
 			loss += l
 		}
+		end()
 		if err := sync.Finalize(ctx); err != nil {
+			return fmt.Errorf("step %d: %w", step, err)
+		}
+		if err := obs.afterFinalize(ctx, d); err != nil {
 			return fmt.Errorf("step %d: %w", step, err)
 		}
 		if f.onGrads != nil {
 			f.onGrads(step, grads)
 		}
+		end = obs.tr.Span("optimizer")
 		if err := opt.Step(m.Data32(), grads); err != nil {
 			return fmt.Errorf("step %d: %w", step, err)
 		}
+		end()
+		dur := time.Since(t0)
 		if step >= f.warmup {
-			timed += time.Since(t0)
+			timed += dur
 			nTimed++
 			if d != nil {
 				ov.add(d.Stats())
@@ -371,6 +425,7 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 		if math.IsNaN(loss) || math.IsInf(loss, 0) {
 			return fmt.Errorf("rank %d: step %d: loss is %v", w.rank, step, loss)
 		}
+		obs.endStep(step, dur, loss)
 		if f.logEvery > 0 && (step%f.logEvery == 0 || step == total-1) {
 			// The loss over the global batch (the mean of the ranks' losses), comparable
 			// with a --no_ddp run on the global batch; collected after the step's timing.
@@ -381,15 +436,18 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 				}
 				loss = lb[0] / float64(w.size)
 			}
-			if w.rank == 0 {
-				fmt.Fprintf(stdout, "step %d loss %.6f\n", step, loss)
-			}
+			obs.showLoss(step, loss)
 		}
-		if ckpt != "" && ((step+1)%max(f.ckptEvery, 1) == 0 || step == total-1) {
-			if err := saveCheckpoint(ckpt, step+1, m.Data32(), opt); err != nil {
+		if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
+			end := obs.tr.Span("checkpoint")
+			if err := saveCheckpoint(f, w, step+1, m.Data32(), opt); err != nil {
 				return err
 			}
+			end()
 		}
+	}
+	if err := obs.finish(ctx); err != nil {
+		return err
 	}
 	if w.rank == 0 && nTimed > 0 {
 		fmt.Fprintf(stdout, "bucket_cap_mb=%g  ms/step=%.2f\n", f.bucketCapMB, float64(timed.Microseconds())/1e3/float64(nTimed))
