@@ -266,7 +266,7 @@ func TestDDPRunEndToEnd(t *testing.T) {
 	steps := " --warmup_steps 1 --bench_steps 3"
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, ddprun, append([]string{"--nproc_per_node", "2", exe, "--"},
+	cmd := exec.CommandContext(ctx, ddprun, append([]string{"--standalone", "--nproc_per_node", "2", exe, "--"},
 		strings.Fields(tinyDDPFlags+" --batch_size 2 --bucket_cap_mb 0.002 --first_bucket_cap_mb 0.002 --checkpoint_dir "+ckpt+steps)...)...)
 	cmd.Env = append(os.Environ(), asMainEnv+"=1")
 	var stdout, stderr bytes.Buffer

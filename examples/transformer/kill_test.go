@@ -51,7 +51,7 @@ func TestKillRestart(t *testing.T) {
 			ckpt := filepath.Join(dir, fmt.Sprintf("r%d_s%d", c.rank, c.step))
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
-			cmd := exec.CommandContext(ctx, ddprun, append([]string{"--nproc_per_node", "2", "--max_restarts", "1", exe, "--"},
+			cmd := exec.CommandContext(ctx, ddprun, append([]string{"--standalone", "--nproc_per_node", "2", "--max_restarts", "1", exe, "--"},
 				strings.Fields(args+" --checkpoint_dir "+ckpt)...)...)
 			cmd.Env = append(os.Environ(), asMainEnv+"=1")
 			var stderr bytes.Buffer
