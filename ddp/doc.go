@@ -12,7 +12,8 @@
 //
 // Create the group from the launcher's environment (ddprun, torchrun-style variables, srun,
 // mpirun), wrap the model, then train. With a gorgonia model whose graph takes a grad hook
-// (Tap every learnable with it, or let WrapNodes do it):
+// (Tap each learnable right where it is consumed, Note [Tap placement], or let WrapNodes
+// hand out Taps that do so):
 //
 //	pg, closePG, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{Logger: log})
 //	if err != nil { ... }

@@ -77,9 +77,11 @@ func ParamsFromNodes(nodes []*gorgonia.Node, gradientAsBucketView bool) ([]Param
 	return ps, nil
 }
 
-// TapNodes taps every learnable: tapped[i] = Tap(nodes[i], i, hook). Build the model on the
-// tapped nodes (every use of nodes[i] must go through tapped[i]) and take gorgonia.Grad
-// with respect to the original nodes.
+// TapNodes taps every learnable at once: tapped[i] = Tap(nodes[i], i, hook). Build the
+// model on the tapped nodes (every use of nodes[i] must go through tapped[i]) and take
+// gorgonia.Grad with respect to the original nodes. The gradients are right, but taps made
+// before the whole model fire their hooks only after the whole backward (Note [Tap
+// placement]), so nothing overlaps: prefer Taps, which places each tap at its first use.
 func TapNodes(nodes []*gorgonia.Node, hook GradHook) ([]*gorgonia.Node, error) {
 	tapped := make([]*gorgonia.Node, len(nodes))
 	for i, n := range nodes {
@@ -92,12 +94,50 @@ func TapNodes(nodes []*gorgonia.Node, hook GradHook) ([]*gorgonia.Node, error) {
 	return tapped, nil
 }
 
+// Taps hands out each learnable's tapped node, creating the tap at the first Use.
+//
+// Note [Tap placement]: gorgonia puts nodes on the tape in creation order and backprop
+// creates the gradient nodes in reverse creation order, so a tap created right before the
+// op that consumes it gets its grad-ready node created, and run, right after that op's
+// backward: the hook fires as soon as the gradient is complete and the bucket can be
+// all-reduced while backward goes on. Taps created up front, before the first layer, are
+// visited last, and every hook fires after the whole backward. So call Use(i) where
+// parameter i is consumed, not all at the start.
+type Taps struct {
+	nodes  []*gorgonia.Node
+	hook   GradHook
+	tapped []*gorgonia.Node
+}
+
+// NewTaps returns the taps of nodes, none created yet; hook receives gradient i as
+// parameter i.
+func NewTaps(nodes []*gorgonia.Node, hook GradHook) *Taps {
+	return &Taps{nodes: nodes, hook: hook, tapped: make([]*gorgonia.Node, len(nodes))}
+}
+
+// Use returns parameter i's tapped node, creating the tap on the first call; later calls
+// return the same node, so a parameter used twice (tied weights) is tapped once.
+func (t *Taps) Use(i int) (*gorgonia.Node, error) {
+	if i < 0 || i >= len(t.nodes) {
+		return nil, fmt.Errorf("%w: parameter %d of %d", ErrInvalidArgument, i, len(t.nodes))
+	}
+	if t.tapped[i] == nil {
+		n, err := Tap(t.nodes[i], i, t.hook)
+		if err != nil {
+			return nil, err
+		}
+		t.tapped[i] = n
+	}
+	return t.tapped[i], nil
+}
+
 // WrapNodes wraps the learnables of a gorgonia graph: New over ParamsFromNodes (so every
-// node's value becomes rank 0's), then TapNodes with the DDP's Hook. Build the model on the
-// returned tapped nodes, call gorgonia.Grad with respect to learnables, and run backward
-// between BeginBackward and Finalize. After a synced Finalize the averaged gradient is in
-// Grad32/Grad64(i) and also in learnables[i].Grad(), so gorgonia's solvers see it.
-func WrapNodes(ctx context.Context, pg procgroup.ProcessGroup, learnables []*gorgonia.Node, opts Options) (*DDP, []*gorgonia.Node, error) {
+// node's value becomes rank 0's), and the Taps that feed the DDP's Hook. Build the model
+// with taps.Use(i) at each place learnable i is consumed, call gorgonia.Grad with respect to
+// learnables, and run backward between BeginBackward and Finalize. After a synced Finalize
+// the averaged gradient is in Grad32/Grad64(i) and also in learnables[i].Grad(), so
+// gorgonia's solvers see it.
+func WrapNodes(ctx context.Context, pg procgroup.ProcessGroup, learnables []*gorgonia.Node, opts Options) (*DDP, *Taps, error) {
 	params, err := ParamsFromNodes(learnables, opts.GradientAsBucketView)
 	if err != nil {
 		return nil, nil, err
@@ -106,13 +146,8 @@ func WrapNodes(ctx context.Context, pg procgroup.ProcessGroup, learnables []*gor
 	if err != nil {
 		return nil, nil, err
 	}
-	tapped, err := TapNodes(learnables, d.Hook)
-	if err != nil {
-		d.Close()
-		return nil, nil, err
-	}
 	d.nodes = append([]*gorgonia.Node(nil), learnables...)
-	return d, tapped, nil
+	return d, NewTaps(learnables, d.Hook), nil
 }
 
 // writeNodeGrads copies the averaged gradients into the learnables' gradient values (the

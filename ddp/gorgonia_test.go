@@ -2,6 +2,7 @@ package ddp
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"slices"
@@ -36,16 +37,16 @@ func newLearnables(g *gorgonia.ExprGraph, seed uint64) gorgonia.Nodes {
 }
 
 // build finishes the graph over learnables (use: the nodes the model reads, tapped or not).
-func (m *mlp) build(t *testing.T, use gorgonia.Nodes, batch int, scale float32) {
+func (m *mlp) build(t *testing.T, use func(i int) *gorgonia.Node, batch int, scale float32) {
 	t.Helper()
 	m.x = tensor.New(tensor.Of(tensor.Float32), tensor.WithShape(batch, 3))
 	m.t = tensor.New(tensor.Of(tensor.Float32), tensor.WithShape(batch, 2))
 	x := gorgonia.NewTensor(m.g, tensor.Float32, 2, gorgonia.WithShape(batch, 3), gorgonia.WithValue(m.x), gorgonia.WithName("x"))
 	tg := gorgonia.NewTensor(m.g, tensor.Float32, 2, gorgonia.WithShape(batch, 2), gorgonia.WithValue(m.t), gorgonia.WithName("t"))
-	h := gorgonia.Must(gorgonia.Mul(x, use[0]))
-	h = gorgonia.Must(gorgonia.BroadcastAdd(h, use[1], nil, []byte{0}))
+	h := gorgonia.Must(gorgonia.Mul(x, use(0)))
+	h = gorgonia.Must(gorgonia.BroadcastAdd(h, use(1), nil, []byte{0}))
 	h = gorgonia.Must(gorgonia.Tanh(h))
-	o := gorgonia.Must(gorgonia.Mul(h, use[2]))
+	o := gorgonia.Must(gorgonia.Mul(h, use(2)))
 	d := gorgonia.Must(gorgonia.Sub(o, tg))
 	loss := gorgonia.Must(gorgonia.Sum(gorgonia.Must(gorgonia.Square(d))))
 	loss = gorgonia.Must(gorgonia.Mul(loss, gorgonia.NewConstant(scale)))
@@ -88,7 +89,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 
 	ref := &mlp{g: gorgonia.NewGraph()}
 	ref.learnables = newLearnables(ref.g, 0)
-	ref.build(t, ref.learnables, N, 1.0/N)
+	ref.build(t, func(i int) *gorgonia.Node { return ref.learnables[i] }, N, 1.0/N)
 	defer ref.vm.Close()
 	refG := make([][][]float64, steps)
 	for s := 0; s < steps; s++ {
@@ -109,13 +110,13 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 		m := &mlp{g: gorgonia.NewGraph()}
 		m.learnables = newLearnables(m.g, uint64(rank))
-		d, tapped, err := WrapNodes(context.Background(), pg, m.learnables, Options{BucketCapMB: 50.0 / (1 << 20), FirstBucketCapMB: 50.0 / (1 << 20)})
+		d, taps, err := WrapNodes(context.Background(), pg, m.learnables, Options{BucketCapMB: 50.0 / (1 << 20), FirstBucketCapMB: 50.0 / (1 << 20)})
 		if err != nil {
 			return err
 		}
 		defer d.Close()
 		buildMu.Lock()
-		m.build(t, tapped, M, 1.0/(A*M))
+		m.build(t, func(i int) *gorgonia.Node { return gorgonia.Must(taps.Use(i)) }, M, 1.0/(A*M))
 		buildMu.Unlock()
 		defer m.vm.Close()
 		for s := 0; s < steps; s++ {
@@ -182,5 +183,27 @@ func TestHookAllocs(t *testing.T) {
 	d.Hook(0, tensor.New(tensor.WithShape(32), tensor.WithBacking(make([]float64, 32))))
 	if err := d.Finalize(context.Background()); err == nil {
 		t.Fatal("wrong gradient type accepted")
+	}
+}
+
+// Taps.Use creates a tap once, at first use, and rejects an index out of range.
+func TestTapsUse(t *testing.T) {
+	g := gorgonia.NewGraph()
+	ls := newLearnables(g, 0)
+	taps := NewTaps(ls, func(int, *tensor.Dense) {})
+	a, err := taps.Use(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := taps.Use(1); err != nil || b != a {
+		t.Fatalf("second Use(1) = %v, %v; want the same node as the first", b, err)
+	}
+	if a == ls[1] {
+		t.Fatal("Use(1) returned the learnable itself, not its tap")
+	}
+	for _, i := range []int{-1, len(ls)} {
+		if _, err := taps.Use(i); !errors.Is(err, ErrInvalidArgument) {
+			t.Errorf("Use(%d) = %v, want ErrInvalidArgument", i, err)
+		}
 	}
 }

@@ -22,6 +22,8 @@ import (
 // parameter's gradient is complete: in reverse layer order, once per step, after every
 // contribution (tied weights included) has been summed.
 //
+// Where the tap is created matters for overlap: see Note [Tap placement] (Taps).
+//
 // The hook runs on the tape machine's goroutine in the middle of backward: it must not
 // block. grad is the gradient value gorgonia keeps for the parameter (p.Grad() returns
 // the same tensor); the hook may read it and must not keep it past the step, since the
