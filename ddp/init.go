@@ -2,6 +2,7 @@ package ddp
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"os"
@@ -48,6 +49,10 @@ const RunIDEnv = "GODDP_RUN_ID"
 // instance with a blank import of backends/gloo). It blocks until every rank has joined or
 // ctx ends. The returned close func closes the group, then releases the store; call it
 // after the last collective (later calls return the first call's result).
+//
+// With GODDP_TLS_CERT, GODDP_TLS_KEY and GODDP_TLS_CA set (and GODDP_TLS_MTLS=1 for mutual
+// TLS; see procgroup.TLSFromEnv) the store and the data plane's connections between hosts
+// use TLS (procgroup.RendezvousTLS, procgroup.Options.TLS).
 func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (procgroup.ProcessGroup, func() error, error) {
 	lookup := opts.LookupEnv
 	if lookup == nil {
@@ -77,7 +82,16 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 		return nil, nil, fmt.Errorf("ddp: init: %w", err)
 	}
 	debug = debug || opts.Debug
-	store, release, err := procgroup.Rendezvous(ctx, env, logger)
+	// GODDP_TLS_*: the store's connections and the data plane's between hosts.
+	tlsFiles, err := procgroup.TLSFromEnv(lookup)
+	if err != nil {
+		return nil, nil, fmt.Errorf("ddp: init: %w", err)
+	}
+	peerTLS, err := dataPlaneTLS(tlsFiles)
+	if err != nil {
+		return nil, nil, fmt.Errorf("ddp: init: rank %d: %w", env.Rank, err)
+	}
+	store, release, err := procgroup.RendezvousTLS(ctx, env, tlsFiles, logger)
 	if err != nil {
 		return nil, nil, fmt.Errorf("ddp: init: %w", err)
 	}
@@ -95,7 +109,7 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 		Store: store, Prefix: prefix, Token: token,
 		// The watchdog fires first, with the fuller report; the backend's own timeout
 		// (which starts later, when the collective starts there) is a backstop.
-		Timeout: 2 * wdOpts.Timeout, Logger: logger, Backend: opts.Backend,
+		Timeout: 2 * wdOpts.Timeout, Logger: logger, Backend: opts.Backend, TLS: peerTLS,
 	})
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("ddp: init: rank %d: %s group: %w", env.Rank, backend, err), release.Close())
@@ -131,4 +145,12 @@ func wrapGroup(pg procgroup.ProcessGroup, store procgroup.Store, wd procgroup.Wa
 		return nil, err
 	}
 	return w, nil
+}
+
+// dataPlaneTLS is the data plane's TLS configuration for files (nil when TLS is off).
+func dataPlaneTLS(files procgroup.TLSFiles) (*tls.Config, error) {
+	if !files.Enabled() {
+		return nil, nil
+	}
+	return files.PeerConfig()
 }

@@ -121,7 +121,7 @@ func StartStoreServer(opts StoreServerOptions) (*StoreServer, error) {
 		grpc.WaitForHandlers(true),
 	}
 	if opts.TLS != nil {
-		sopts = append(sopts, grpc.Creds(credentials.NewTLS(opts.TLS)))
+		sopts = append(sopts, grpc.Creds(newLoggedCreds(opts.TLS, opts.Logger))) // logs refused handshakes (tls.go)
 	}
 	s.srv = grpc.NewServer(sopts...)
 	storepb.RegisterStoreServer(s.srv, s)

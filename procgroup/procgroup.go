@@ -2,6 +2,7 @@ package procgroup
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"sync"
@@ -161,6 +162,11 @@ type Options struct {
 	// Backend holds backend-specific options (for instance *gloo.Config); nil means the
 	// backend's defaults.
 	Backend any
+	// TLS, when set, secures the data plane's connections between hosts (gloo's TCP
+	// transport; a backend-specific setting such as gloo.Config.TLS takes precedence). It
+	// serves both roles, as TLSFiles.PeerConfig builds it; nil means plain connections,
+	// still authenticated with Token.
+	TLS *tls.Config
 }
 
 // DefaultTimeout is the collective timeout when Options.Timeout is zero.

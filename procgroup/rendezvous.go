@@ -40,7 +40,17 @@ var rendezvousCloseTimeout = 10 * time.Second
 // rank has called its closer (counted in the store), or rendezvousCloseTimeout has passed,
 // so that no rank loses the store while it still needs it. Call it once the process group
 // built on the store is closed.
+//
+// The store's TLS comes from GODDP_TLS_* (TLSFromEnv); RendezvousTLS takes it explicitly.
 func Rendezvous(ctx context.Context, env Env, logger *zap.Logger) (Store, io.Closer, error) {
+	files, err := TLSFromEnv(nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
+	}
+	return rendezvous(ctx, env, files, logger)
+}
+
+func rendezvous(ctx context.Context, env Env, files TLSFiles, logger *zap.Logger) (Store, io.Closer, error) {
 	if logger == nil {
 		logger = zap.NewNop()
 	}
@@ -49,7 +59,11 @@ func Rendezvous(ctx context.Context, env Env, logger *zap.Logger) (Store, io.Clo
 		token = DevToken
 		logger.Warn("rendezvous: no GODDP_TOKEN or GODDP_TOKEN_FILE; using the public development token")
 	}
-	dopts := DialOptions{Logger: logger}
+	srvTLS, cliTLS, err := storeTLS(files, env.StoreAddr == "" && env.Rank == 0)
+	if err != nil {
+		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
+	}
+	dopts := DialOptions{Logger: logger, TLS: cliTLS}
 	if env.StoreAddr != "" {
 		st, err := DialStore(ctx, env.StoreAddr, token, dopts)
 		if err != nil {
@@ -69,7 +83,7 @@ func Rendezvous(ctx context.Context, env Env, logger *zap.Logger) (Store, io.Clo
 			bind = net.JoinHostPort(env.MasterAddr, port)
 		}
 		var err error
-		srv, err = StartStoreServer(StoreServerOptions{Addr: bind, Token: token, Logger: logger})
+		srv, err = StartStoreServer(StoreServerOptions{Addr: bind, Token: token, Logger: logger, TLS: srvTLS})
 		if err != nil {
 			return nil, nil, fmt.Errorf("procgroup: rendezvous rank 0: %w", err)
 		}

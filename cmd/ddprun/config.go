@@ -10,6 +10,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/goddp/goddp/procgroup"
 )
 
 // usageError is an error in the command line: run prints it with a usage hint and exits 2.
@@ -54,6 +56,9 @@ type config struct {
 	stopTimeout  time.Duration
 	rdzvTimeout  time.Duration
 	traceMerge   string // Note [Trace merge]
+
+	tlsFlags procgroup.TLSFiles // --tls_cert, --tls_key, --tls_ca, --tls_mtls
+	tls      jobTLS             // loaded by loadTLS (tls.go)
 
 	program string   // PROGRAM as given
 	args    []string // its arguments
@@ -162,6 +167,7 @@ func newFlagSet(c *config) (fs *flag.FlagSet, aliases map[string]bool) {
 	fs.DurationVar(&c.stopTimeout, "stop_timeout", defaultStopTimeout, "grace period between SIGTERM and SIGKILL when stopping ranks")
 	fs.DurationVar(&c.rdzvTimeout, "rdzv_timeout", defaultRdzvTimeout, "how long a node other than node 0 waits for the store")
 	fs.StringVar(&c.traceMerge, "trace_merge", "", "have each rank trace its timeline (ddp.OpenTrace) and merge this node's traces into this file at the end")
+	tlsFlags(fs, &c.tlsFlags) // tls.go
 	aliases = map[string]bool{}
 	var names []string
 	fs.VisitAll(func(f *flag.Flag) { names = append(names, f.Name) })
@@ -291,7 +297,7 @@ func (c *config) validate() error {
 	if c.nnodes > 1 && c.storePort == 0 {
 		return errors.New("a multi-node job needs a fixed store port (--master_port or --rdzv_endpoint HOST:PORT)")
 	}
-	return nil
+	return c.validateTLS() // tls.go
 }
 
 // splitEndpoint splits HOST[:PORT]; a missing port is defPort.

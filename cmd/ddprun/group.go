@@ -115,6 +115,8 @@ func (j *job) rankEnv(p *rankProc, attempt int) []string {
 		{"GODDP_TOKEN_FILE", j.tokenFile},
 		{"GODDP_RUN_ID", fmt.Sprintf("%s-attempt%d", j.runID, attempt)},
 	}
+	// GODDP_TLS_* (tls.go)
+	set = append(set, j.cfg.tls.env()...)
 	drop := map[string]bool{"GODDP_TOKEN": true} // the token travels only in the file
 	for _, kv := range set {
 		drop[kv[0]] = true

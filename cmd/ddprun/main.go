@@ -139,6 +139,9 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 		}
 	}
 
+	if err := cfg.loadTLS(env); err != nil { // tls.go
+		return err
+	}
 	j := &job{cfg: cfg, exe: exe, baseEnv: env, tokenFile: tokenFile, runID: runID, host: host, con: con}
 	if cfg.isStoreHost() {
 		srv, addr, err := hostStore(cfg, token, storeLogger(con))
@@ -149,7 +152,7 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 		j.storeAddr = addr
 	} else {
 		j.storeAddr = net.JoinHostPort(cfg.storeHost, strconv.Itoa(cfg.storePort))
-		if err := awaitStore(ctx, j.storeAddr, token, cfg.rdzvTimeout, con); err != nil {
+		if err := awaitStore(ctx, j.storeAddr, token, cfg.tls.client, cfg.rdzvTimeout, con); err != nil {
 			if ctx.Err() != nil {
 				return &exitError{interruptCode(ctx)}
 			}
@@ -169,7 +172,7 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 
 	var coord *coordinator
 	if cfg.nnodes > 1 {
-		st, err := procgroup.DialStore(ctx, j.storeAddr, token, procgroup.DialOptions{})
+		st, err := procgroup.DialStore(ctx, j.storeAddr, token, procgroup.DialOptions{TLS: cfg.tls.client})
 		if err != nil {
 			return fmt.Errorf("rendezvous store: %w", err)
 		}

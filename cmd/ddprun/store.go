@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
+	"crypto/tls"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -87,7 +88,7 @@ func hostStore(c *config, token string, log *zap.Logger) (*procgroup.StoreServer
 	if c.nnodes > 1 {
 		listen = net.JoinHostPort("", strconv.Itoa(c.storePort))
 	}
-	srv, err := procgroup.StartStoreServer(procgroup.StoreServerOptions{Addr: listen, Token: token, Logger: log})
+	srv, err := procgroup.StartStoreServer(procgroup.StoreServerOptions{Addr: listen, Token: token, Logger: log, TLS: c.tls.server})
 	if err != nil {
 		return nil, "", fmt.Errorf("rendezvous store on %s: %w", listen, err)
 	}
@@ -102,11 +103,11 @@ func hostStore(c *config, token string, log *zap.Logger) (*procgroup.StoreServer
 // awaitStore waits, for up to timeout, until the store at addr answers an authenticated
 // call with token. It is how the nodes other than node 0 wait for node 0's ddprun, and it
 // catches a wrong token before any rank starts.
-func awaitStore(ctx context.Context, addr, token string, timeout time.Duration, con *console) error {
+func awaitStore(ctx context.Context, addr, token string, tlsCfg *tls.Config, timeout time.Duration, con *console) error {
 	con.msg(fmt.Sprintf("ddprun: waiting for the rendezvous store at %s (up to %v)\n", addr, timeout))
 	dctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	st, err := procgroup.DialStore(dctx, addr, token, procgroup.DialOptions{})
+	st, err := procgroup.DialStore(dctx, addr, token, procgroup.DialOptions{TLS: tlsCfg})
 	if err != nil {
 		if ctx.Err() == nil && dctx.Err() != nil {
 			return fmt.Errorf("rendezvous store at %s not reachable within %v (is node 0's ddprun running?)", addr, timeout)
