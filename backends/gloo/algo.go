@@ -35,6 +35,9 @@ func (g *group) run(o *op) error {
 			return g.shmRingAllReduce(o)
 		}
 		if n == 2 {
+			if g.inlinePair() {
+				return g.inlinePairAllReduce(o)
+			}
 			return g.pairAllReduce(o)
 		}
 		es := o.dt.Size()
@@ -236,7 +239,7 @@ func (g *group) ringReduceScatter(o *op, seq uint32, w []byte, forward bool) err
 // must wait for the reduce-scatter; the exchange has no such bubble. Every segment is
 // queued at once; each one received is combined with ours once ours has been written out.
 // Both ranks compute (rank 0's) op (rank 1's), operands in that order, so the bits agree
-// for every op, NaNs and signed zeros included (rank 1 combines in g.tmp, then copies).
+// for every op, NaNs and signed zeros included (rank 1 uses kernels.ReduceInto).
 func (g *group) pairAllReduce(o *op) error {
 	seq, p := uint32(o.seq), g.peers[1-g.rank]
 	g.seg = g.ringSegment(len(o.buf))
@@ -256,8 +259,7 @@ func (g *group) pairAllReduce(o *op) error {
 		if g.rank == 0 {
 			kernels.Reduce(o.dt, o.rop, seg, tmp)
 		} else {
-			kernels.Reduce(o.dt, o.rop, tmp, seg)
-			copy(seg, tmp)
+			kernels.ReduceInto(o.dt, o.rop, seg, tmp, seg)
 		}
 		if o.rop == procgroup.Avg {
 			kernels.Divide(o.dt, seg, 2)
@@ -511,23 +513,10 @@ func (g *group) recv(p *peer, seq uint32, dst []byte) error {
 		return fmt.Errorf("from rank %d: %w", p.rank, err)
 	}
 	if h.kind == kindAbort {
-		ab := p.abortBuf[:h.len]
-		got := copy(ab, b[frameHeaderLen:n])
-		if _, err := g.readAtLeast(p, ab[got:], len(ab)-got); err != nil {
-			return err
-		}
-		lost, reason, err := parseAbort(ab, g.size)
-		if err != nil {
-			return fmt.Errorf("from rank %d: %w", p.rank, err)
-		}
-		if lost >= 0 {
-			return &PeerLostError{Rank: lost, Host: g.hosts[lost], Reporter: p.rank, Err: errors.New(reason)}
-		}
-		return fmt.Errorf("%w by rank %d: %s", procgroup.ErrAborted, p.rank, reason)
+		return g.abortFrame(p, h, copy(p.abortBuf[:h.len], b[frameHeaderLen:n]))
 	}
 	if h.seq != seq || h.len != uint64(len(dst)) {
-		return fmt.Errorf("%w: rank %d sent %d bytes for collective #%d, this rank expects %d bytes for #%d (ranks issued different collectives?)",
-			procgroup.ErrInvalidArgument, p.rank, h.len, h.seq, len(dst), seq)
+		return mismatchErr(p.rank, h, len(dst), seq)
 	}
 	if !small {
 		_, err := g.readAtLeast(p, dst, len(dst))
@@ -538,6 +527,34 @@ func (g *group) recv(p *peer, seq uint32, dst []byte) error {
 	}
 	copy(dst, b[frameHeaderLen:])
 	return nil
+}
+
+// abortFrame reads the rest of an abort frame with header h, whose first got payload bytes
+// are already in p.abortBuf, and returns the error it carries.
+func (g *group) abortFrame(p *peer, h frameHeader, got int) error {
+	ab := p.abortBuf[:h.len]
+	if got < len(ab) { // the inline paths leave an old read deadline behind
+		p.deadline = time.Now().Add(g.cfg.PollInterval)
+		p.conn.SetReadDeadline(p.deadline)
+	}
+	if _, err := g.readAtLeast(p, ab[got:], len(ab)-got); err != nil {
+		return err
+	}
+	lost, reason, err := parseAbort(ab, g.size)
+	if err != nil {
+		return fmt.Errorf("from rank %d: %w", p.rank, err)
+	}
+	if lost >= 0 {
+		return &PeerLostError{Rank: lost, Host: g.hosts[lost], Reporter: p.rank, Err: errors.New(reason)}
+	}
+	return fmt.Errorf("%w by rank %d: %s", procgroup.ErrAborted, p.rank, reason)
+}
+
+// mismatchErr reports a data frame from rank whose header h does not match the want
+// bytes of collective seq this rank expects.
+func mismatchErr(rank int, h frameHeader, want int, seq uint32) error {
+	return fmt.Errorf("%w: rank %d sent %d bytes for collective #%d, this rank expects %d bytes for #%d (ranks issued different collectives?)",
+		procgroup.ErrInvalidArgument, rank, h.len, h.seq, want, seq)
 }
 
 // readAtLeast reads from p into b until at least min bytes have come, and returns how

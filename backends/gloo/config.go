@@ -1,6 +1,7 @@
 package gloo
 
 import (
+	"crypto/tls"
 	"fmt"
 	"os"
 	"time"
@@ -33,7 +34,8 @@ type Config struct {
 	// ListenAddr is the host (or host:port) of the TCP listener; default 127.0.0.1.
 	ListenAddr string
 	// SegmentSize is the ring's pipeline segment and the largest data frame, in bytes
-	// (default 1 MiB; rounded down to a multiple of 8).
+	// (default 1 MiB; rounded down to a multiple of 8); the two-rank socket exchange
+	// sends frames of this size and stages two of them (Note [Inline exchange]).
 	SegmentSize int
 	// DirectMaxBytes is the largest message the "auto" algorithm sends with direct exchange
 	// (default 64 KiB).
@@ -61,6 +63,9 @@ type Config struct {
 	// HostID identifies this host to the other ranks (default: hostname and boot id); ranks
 	// with the same HostID use the same-host transport. Tests set it to simulate hosts.
 	HostID string
+	// TLS, when set, secures every TCP connection between ranks (Note [Data-plane TLS]);
+	// nil means procgroup.Options.TLS, and both nil plain TCP (authenticated by the token).
+	TLS *tls.Config
 }
 
 func (c *Config) validate() error {

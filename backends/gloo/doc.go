@@ -30,9 +30,11 @@
 // other and reduces all of them in rank order), written inline by the worker goroutine;
 // large ones a pipelined ring, reduce-scatter then all-gather, in segments of about a
 // quarter chunk (at most Config.SegmentSize) handed to per-peer writer goroutines
-// (Note [Ring]). Broadcast is direct or a pipelined chain; AllGather and ReduceScatter are
-// ring or direct; Barrier is an empty direct exchange. Every rank ends with bit-identical
-// results.
+// (Note [Ring]). Two ranks joined by a socket (TCP, or Unix without shared memory) instead
+// exchange their whole buffers, run inline by the worker with non-blocking sendmsg/recvmsg
+// and poll(2), no goroutine hand-off (Note [Inline exchange], Linux). Broadcast is direct
+// or a pipelined chain; AllGather and ReduceScatter are ring or direct; Barrier is an
+// empty direct exchange. Every rank ends with bit-identical results.
 //
 // Shared memory (Linux): after the mesh is authenticated, each host's lowest rank creates
 // one memfd region and passes it over its Unix sockets (SCM_RIGHTS) to the same-host ranks.
@@ -43,7 +45,8 @@
 // aborts and liveness, so the failure rules below are unchanged.
 //
 // Threads: one worker goroutine per group runs works in issue order and does all reads;
-// each peer has one writer goroutine (Note [Threads] on group). Reductions and copies are
+// each peer has one writer goroutine (Note [Threads] on group), idle on the inline paths
+// (small direct messages, the two-rank exchange, shared memory). Reductions and copies are
 // typed loops (internal/kernels; AVX2 for float32/float64 sums on amd64) on reused
 // buffers: a collective allocates nothing in steady state (the Work handle is the only
 // per-call allocation).

@@ -107,7 +107,8 @@ type group struct {
 	wideIn  []byte
 	sendBuf []byte // inline frame
 
-	shm   *shmRegion // nil: no shared memory (Note [Shared memory])
+	shm   *shmRegion  // nil: no shared memory (Note [Shared memory])
+	inl   inlineState // Note [Inline exchange]
 	timer *time.Timer
 	cur   *op
 }
@@ -409,7 +410,7 @@ func (g *group) shutdown() {
 	g.meshMu.Lock()
 	for _, p := range g.peers {
 		if p != nil {
-			p.conn.Close()
+			closeConn(p)
 		}
 	}
 	g.meshMu.Unlock()

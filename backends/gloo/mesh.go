@@ -33,7 +33,8 @@ type peer struct {
 	conn net.Conn
 	raw  syscall.RawConn
 
-	wmu sync.Mutex // held while one frame is written (writer goroutine, inline write, abort)
+	wmu  sync.Mutex // held while one frame is written (writer goroutine, inline write, abort)
+	torn bool       // guarded by wmu: a frame was cut short, write nothing more (Note [Torn frames])
 
 	mu       sync.Mutex // guards the fields below
 	q        []sendReq
@@ -198,7 +199,9 @@ func (g *group) dial(ctx context.Context, j int, pi addrInfo, hs *handshaker) (n
 		c, err := d.DialContext(ctx, network, addr)
 		if err == nil {
 			c.SetDeadline(time.Now().Add(g.cfg.HandshakeTimeout))
-			err = hs.dial(c, j)
+			if c, err = g.secureDial(c, network, addr); err == nil { // Note [Data-plane TLS]
+				err = hs.dial(c, j)
+			}
 			if err == nil {
 				c.SetDeadline(time.Time{})
 				return c, nil
@@ -282,7 +285,11 @@ func (g *group) handshake(c net.Conn, hs *handshaker) {
 	}()
 	remote := c.RemoteAddr().String()
 	c.SetDeadline(time.Now().Add(g.cfg.HandshakeTimeout))
-	rank, err := hs.accept(c)
+	conn, err := g.secureAccept(c) // Note [Data-plane TLS]; c itself without TLS
+	var rank int
+	if err == nil {
+		rank, err = hs.accept(conn)
+	}
 	if err != nil {
 		g.log.Warn("gloo: refused connection", zap.String("remote", remote), zap.Error(err))
 		return
@@ -299,13 +306,13 @@ func (g *group) handshake(c net.Conn, hs *handshaker) {
 		return
 	default:
 	}
-	if err := confirm(c); err != nil {
+	if err := confirm(conn); err != nil {
 		g.meshMu.Unlock()
 		g.log.Warn("gloo: handshake confirm", zap.Int("peer", rank), zap.Error(err))
 		return
 	}
 	c.SetDeadline(time.Time{})
-	g.peers[rank] = g.newPeer(rank, c)
+	g.peers[rank] = g.newPeer(rank, conn)
 	keep = true
 	g.meshMu.Unlock()
 	select {
@@ -403,6 +410,9 @@ func (p *peer) sendAbort(lost int, reason string, deadline time.Time) bool {
 		time.Sleep(time.Millisecond)
 	}
 	defer p.wmu.Unlock()
+	if p.torn {
+		return false
+	}
 	var b [frameHeaderLen + maxAbortLen]byte
 	n := abortPayload(b[frameHeaderLen:], lost, reason)
 	putHeader(b[:], kindAbort, 0, n)

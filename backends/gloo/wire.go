@@ -20,7 +20,8 @@ import (
 // A receiver always knows how many bytes the collective expects next, so a data frame
 // whose length or sequence number differs is a protocol error, never a reason to allocate.
 // An abort frame's payload is the 4-byte rank whose loss caused the abort (or 0xFFFFFFFF)
-// followed by a short UTF-8 reason.
+// followed by a short UTF-8 reason. In the two-rank exchange (Note [Inline exchange]) the
+// first data frame's payload starts with the message's length in bytes (8, little endian).
 
 const (
 	frameHeaderLen = 16

@@ -252,7 +252,7 @@ func runRank(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
 	out.header()
 	failed := false
 	err = bench(ctx, pg, cfg, func(r row) {
-		if r.Wrong != 0 {
+		if r.Wrong > 0 { // -1: unchecked (-c 0)
 			failed = true
 		}
 		out.row(r)

@@ -376,6 +376,12 @@ func TestCommandEndToEnd(t *testing.T) {
 					t.Errorf("line %d: %+v", i, r)
 				}
 			}
+
+			// -c 0 checks nothing: it must not report a failure.
+			stdout, stderr, code = runCommand(t, bin, nil, "--nproc", "2", "-b", "4K", "-e", "8K", "-n", "1", "-w", "0", "-c", "0", "--backend", backend)
+			if code != 0 || !strings.Contains(stdout, "not checked") {
+				t.Errorf("-c 0: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+			}
 		})
 	}
 }

@@ -36,3 +36,30 @@ func addF64(d, s []float64) int {
 	addF64AVX2(&d[0], &s[0], n)
 	return n
 }
+
+//go:noescape
+func addF32AVX2To(dst, a, b *float32, n int)
+
+//go:noescape
+func addF64AVX2To(dst, a, b *float64, n int)
+
+// addF32To sets a prefix of d to a + b with AVX2 and returns its length (0 without AVX2).
+func addF32To(d, a, b []float32) int {
+	n := len(d) &^ 31
+	if !useAVX2 || n == 0 {
+		return 0
+	}
+	_, _ = a[n-1], b[n-1]
+	addF32AVX2To(&d[0], &a[0], &b[0], n)
+	return n
+}
+
+func addF64To(d, a, b []float64) int {
+	n := len(d) &^ 15
+	if !useAVX2 || n == 0 {
+		return 0
+	}
+	_, _ = a[n-1], b[n-1]
+	addF64AVX2To(&d[0], &a[0], &b[0], n)
+	return n
+}
