@@ -226,3 +226,23 @@ func ParseReduceOp(s string) (ReduceOp, error) {
 	}
 	return 0, fmt.Errorf("procgroup: unknown reduce op %q (want sum, avg, min, max or prod)", s)
 }
+
+// NewBuffer returns a zeroed host buffer of n elements of type dt (the slice type DTypeOf
+// maps back to dt). It panics on an unknown dt, a programmer error.
+func NewBuffer(dt DType, n int) any {
+	switch dt {
+	case Float32:
+		return make([]float32, n)
+	case Float64:
+		return make([]float64, n)
+	case Int32:
+		return make([]int32, n)
+	case Int64:
+		return make([]int64, n)
+	case BFloat16:
+		return make([]BF16, n)
+	case Float16:
+		return make([]F16, n)
+	}
+	panic(fmt.Sprintf("procgroup: NewBuffer of unknown %v", dt))
+}

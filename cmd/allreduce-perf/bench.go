@@ -34,9 +34,9 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 	for size := cfg.minBytes; size <= cfg.maxBytes; size *= cfg.factor {
 		count := int(size / esize)
 		bytes := int64(count) * esize
-		src := newBuf(cfg.dtype, count)
+		src := procgroup.NewBuffer(cfg.dtype, count)
 		fill(src, newGen(rank, world, bytes, cfg.dtype, cfg.op))
-		buf := newBuf(cfg.dtype, count)
+		buf := procgroup.NewBuffer(cfg.dtype, count)
 
 		for range cfg.warmup {
 			copyBuf(buf, src)
@@ -138,24 +138,6 @@ func (g *gen) next() float64 {
 		return float64(procgroup.F16FromFloat32(float32(x)).Float32())
 	}
 	return x
-}
-
-func newBuf(dt procgroup.DType, n int) any {
-	switch dt {
-	case procgroup.Float32:
-		return make([]float32, n)
-	case procgroup.Float64:
-		return make([]float64, n)
-	case procgroup.Int32:
-		return make([]int32, n)
-	case procgroup.Int64:
-		return make([]int64, n)
-	case procgroup.BFloat16:
-		return make([]procgroup.BF16, n)
-	case procgroup.Float16:
-		return make([]procgroup.F16, n)
-	}
-	panic(fmt.Sprintf("allreduce-perf: no buffer for %v", dt))
 }
 
 func copyBuf(dst, src any) {

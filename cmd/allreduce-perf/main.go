@@ -35,6 +35,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/goddp/goddp/internal/spawn"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -202,7 +203,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if cfg.nproc > 0 && os.Getenv(childEnv) == "" {
-		return launch(ctx, cfg, args, stdout, stderr)
+		return spawn.Local(ctx, spawn.Options{Name: "allreduce-perf", N: cfg.nproc, Args: args, ChildEnv: childEnv,
+			Logger: newLogger(stderr, -1), Stdout: stdout, Stderr: stderr})
 	}
 	return runRank(ctx, cfg, stdout, stderr)
 }

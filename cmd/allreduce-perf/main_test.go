@@ -165,7 +165,7 @@ func TestVerifyDetectsCorruption(t *testing.T) {
 			bufs := make([]any, world)
 			var wg sync.WaitGroup
 			for r := range world {
-				bufs[r] = newBuf(dt, count)
+				bufs[r] = procgroup.NewBuffer(dt, count)
 				fill(bufs[r], newGen(r, world, bytes, dt, op))
 				wg.Add(1)
 				go func() {

@@ -81,7 +81,7 @@ func (g *storeGroup) AllReduce(ctx context.Context, buf any, op procgroup.Reduce
 			if err != nil {
 				return err
 			}
-			other := newBuf(dt, n)
+			other := procgroup.NewBuffer(dt, n)
 			if _, err := binary.Decode(raw, binary.LittleEndian, other); err != nil {
 				return fmt.Errorf("rank %d's buffer: %w", r, err)
 			}

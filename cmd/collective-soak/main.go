@@ -34,6 +34,7 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	_ "github.com/goddp/goddp/backends/gloo"
+	"github.com/goddp/goddp/internal/spawn"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -105,7 +106,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	if cfg.nproc > 0 && os.Getenv(childEnv) == "" {
-		return launch(ctx, cfg.nproc, args, stdout, stderr)
+		return spawn.Local(ctx, spawn.Options{Name: "collective-soak", N: cfg.nproc, Args: args, ChildEnv: childEnv,
+			Logger: newLogger(stderr, -1), Stdout: stdout, Stderr: stderr})
 	}
 	return runRank(ctx, cfg, stdout, stderr)
 }

@@ -75,24 +75,6 @@ func value(s spec, rank, i int) float64 {
 	return float64(int(h%17) - 8)
 }
 
-func newBuf(dt procgroup.DType, n int) any {
-	switch dt {
-	case procgroup.Float32:
-		return make([]float32, n)
-	case procgroup.Float64:
-		return make([]float64, n)
-	case procgroup.Int32:
-		return make([]int32, n)
-	case procgroup.Int64:
-		return make([]int64, n)
-	case procgroup.BFloat16:
-		return make([]procgroup.BF16, n)
-	case procgroup.Float16:
-		return make([]procgroup.F16, n)
-	}
-	panic(fmt.Sprintf("collective-soak: element type %v", dt))
-}
-
 // fill sets buf[i] = f(i).
 func fill(buf any, f func(i int) float64) {
 	switch b := buf.(type) {
@@ -202,19 +184,19 @@ func issue(ctx context.Context, pg procgroup.ProcessGroup, s spec) *job {
 	j := &job{s: s}
 	switch s.kind {
 	case procgroup.OpAllReduce:
-		j.out = newBuf(s.dt, s.count)
+		j.out = procgroup.NewBuffer(s.dt, s.count)
 		fill(j.out, func(i int) float64 { return value(s, rank, i) })
 		j.work = pg.AllReduce(ctx, j.out, s.op)
 	case procgroup.OpBroadcast:
-		j.out = newBuf(s.dt, s.count)
+		j.out = procgroup.NewBuffer(s.dt, s.count)
 		fill(j.out, func(i int) float64 { return value(s, rank, i) })
 		j.work = pg.Broadcast(ctx, j.out, s.root)
 	case procgroup.OpAllGather:
-		j.in, j.out = newBuf(s.dt, s.count), newBuf(s.dt, n*s.count)
+		j.in, j.out = procgroup.NewBuffer(s.dt, s.count), procgroup.NewBuffer(s.dt, n*s.count)
 		fill(j.in, func(i int) float64 { return value(s, rank, i) })
 		j.work = pg.AllGather(ctx, j.out, j.in)
 	case procgroup.OpReduceScatter:
-		j.in, j.out = newBuf(s.dt, n*s.count), newBuf(s.dt, s.count)
+		j.in, j.out = procgroup.NewBuffer(s.dt, n*s.count), procgroup.NewBuffer(s.dt, s.count)
 		fill(j.in, func(i int) float64 { return value(s, rank, i) })
 		j.work = pg.ReduceScatter(ctx, j.out, j.in, s.op)
 	case procgroup.OpBarrier:

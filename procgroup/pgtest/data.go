@@ -14,25 +14,6 @@ import (
 
 func isInt(dt procgroup.DType) bool { return dt == procgroup.Int32 || dt == procgroup.Int64 }
 
-// newBuf returns a zeroed host buffer of n elements of type dt.
-func newBuf(dt procgroup.DType, n int) any {
-	switch dt {
-	case procgroup.Float32:
-		return make([]float32, n)
-	case procgroup.Float64:
-		return make([]float64, n)
-	case procgroup.Int32:
-		return make([]int32, n)
-	case procgroup.Int64:
-		return make([]int64, n)
-	case procgroup.BFloat16:
-		return make([]procgroup.BF16, n)
-	case procgroup.Float16:
-		return make([]procgroup.F16, n)
-	}
-	panic(fmt.Sprintf("pgtest: no buffer for %v", dt))
-}
-
 // setF stores v (rounded to the buffer's type) at b[i].
 func setF(b any, i int, v float64) {
 	switch b := b.(type) {
@@ -139,7 +120,7 @@ func bits(b any) []uint64 {
 // (or small integers), Sum and Avg values of one sign-mixed magnitude, Min and Max a wide
 // range. The buffer is never all zero.
 func fill(rng *rand.Rand, dt procgroup.DType, op procgroup.ReduceOp, n int) any {
-	b := newBuf(dt, n)
+	b := procgroup.NewBuffer(dt, n)
 	nonZero := false
 	for i := range n {
 		if isInt(dt) {
@@ -196,7 +177,7 @@ func bufLen(b any) int {
 // garbage returns a buffer of n elements of type dt, all set to one non-zero pattern, for
 // outputs that a collective must overwrite.
 func garbage(dt procgroup.DType, n int) any {
-	b := newBuf(dt, n)
+	b := procgroup.NewBuffer(dt, n)
 	switch b := b.(type) {
 	case []float32:
 		for i := range b {

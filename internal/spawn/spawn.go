@@ -1,4 +1,13 @@
-package main
+// Package spawn starts a job's ranks as local processes, for the commands that can run a
+// whole job on one machine by themselves (allreduce-perf --nproc, collective-soak --nproc).
+//
+// # Usage
+//
+//	if os.Getenv(childEnv) == "" && nproc > 0 {
+//		os.Exit(spawn.Local(ctx, spawn.Options{Name: "tool", N: nproc, Args: os.Args[1:],
+//			ChildEnv: childEnv, Logger: log, Stdout: os.Stdout, Stderr: os.Stderr}))
+//	}
+package spawn
 
 import (
 	"context"
@@ -10,26 +19,41 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
+
+	"go.uber.org/zap"
 
 	"github.com/goddp/goddp/procgroup"
 )
 
-// rankVars are the variables launch sets for each rank; inherited values are dropped.
+// rankVars are the variables Local sets for each rank; inherited values are dropped.
 var rankVars = []string{
 	"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-	"MASTER_PORT", "GODDP_STORE_ADDR", "GODDP_TOKEN", "GODDP_TOKEN_FILE", childEnv,
+	"MASTER_PORT", "GODDP_STORE_ADDR", "GODDP_TOKEN", "GODDP_TOKEN_FILE",
 }
 
-// launch hosts a store on 127.0.0.1, runs cfg.nproc copies of this program as ranks
-// 0..nproc-1 (torchrun variables, the store's address and a fresh token in their
-// environment; their output goes straight to ours), and waits for them. The first rank to
-// fail makes launch kill the others; so does ctx ending (SIGINT, SIGTERM). It returns the
-// exit status: 0 if every rank succeeded, else the first failed rank's status (at least 1).
-func launch(ctx context.Context, cfg config, args []string, stdout, stderr io.Writer) int {
+// Options describe the local ranks to start.
+type Options struct {
+	Name     string   // the command's name, for messages
+	N        int      // how many ranks
+	Args     []string // the ranks' arguments (the program is this executable)
+	ChildEnv string   // set to 1 in each rank's environment, so it knows it is one
+	Logger   *zap.Logger
+	Stdout   io.Writer
+	Stderr   io.Writer
+}
+
+// Local hosts a store on 127.0.0.1 and runs o.N copies of this program (with o.Args) as
+// ranks 0..N-1, with torchrun variables, the store's address and a fresh token in their
+// environment, and their output going straight to o.Stdout and o.Stderr. The first rank to
+// fail, or ctx ending, makes it kill the others. It returns 0 if every rank succeeded, else
+// the first failed rank's exit status (at least 1).
+func Local(ctx context.Context, o Options) int {
+	n, args, stdout, stderr := o.N, o.Args, o.Stdout, o.Stderr
 	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "allreduce-perf: "+format+"\n", a...)
+		fmt.Fprintf(stderr, o.Name+": "+format+"\n", a...)
 		return 1
 	}
 	exe, err := os.Executable()
@@ -42,7 +66,7 @@ func launch(ctx context.Context, cfg config, args []string, stdout, stderr io.Wr
 	}
 	token := hex.EncodeToString(secret[:])
 	srv, err := procgroup.StartStoreServer(procgroup.StoreServerOptions{
-		Addr: "127.0.0.1:0", Token: token, Logger: newLogger(stderr, -1),
+		Addr: "127.0.0.1:0", Token: token, Logger: o.Logger,
 	})
 	if err != nil {
 		return fail("%v", err)
@@ -52,15 +76,13 @@ func launch(ctx context.Context, cfg config, args []string, stdout, stderr io.Wr
 	if err != nil {
 		return fail("store address %q: %v", srv.Addr(), err)
 	}
-
-	base := make([]string, 0, len(os.Environ()))
+	var base []string
 	for _, kv := range os.Environ() {
 		name, _, _ := strings.Cut(kv, "=")
-		if !slicesContains(rankVars, name) {
+		if !slices.Contains(rankVars, name) && name != o.ChildEnv {
 			base = append(base, kv)
 		}
 	}
-	n := cfg.nproc
 	type exit struct {
 		rank int
 		err  error
@@ -69,11 +91,11 @@ func launch(ctx context.Context, cfg config, args []string, stdout, stderr io.Wr
 	cmds := make([]*exec.Cmd, 0, n)
 	for r := range n {
 		cmd := exec.Command(exe, args...)
-		cmd.Env = append(append([]string(nil), base...),
+		cmd.Env = append(slices.Clone(base),
 			"RANK="+strconv.Itoa(r), "WORLD_SIZE="+strconv.Itoa(n),
 			"LOCAL_RANK="+strconv.Itoa(r), "LOCAL_WORLD_SIZE="+strconv.Itoa(n), "GROUP_RANK=0",
 			"MASTER_ADDR=127.0.0.1", "MASTER_PORT="+port,
-			"GODDP_STORE_ADDR="+srv.Addr(), "GODDP_TOKEN="+token, childEnv+"=1")
+			"GODDP_STORE_ADDR="+srv.Addr(), "GODDP_TOKEN="+token, o.ChildEnv+"=1")
 		cmd.Stdout, cmd.Stderr = stdout, stderr
 		setDeathSignal(cmd)
 		if err := cmd.Start(); err != nil {
@@ -86,7 +108,6 @@ func launch(ctx context.Context, cfg config, args []string, stdout, stderr io.Wr
 		cmds = append(cmds, cmd)
 		go func() { exits <- exit{r, cmd.Wait()} }()
 	}
-
 	status, killed := 0, false
 	for remaining := n; remaining > 0; {
 		select {
@@ -100,12 +121,12 @@ func launch(ctx context.Context, cfg config, args []string, stdout, stderr io.Wr
 			if errors.As(e.err, &ee) && ee.ExitCode() > 0 {
 				status = ee.ExitCode()
 			}
-			fmt.Fprintf(stderr, "allreduce-perf: rank %d failed (%v); stopping the other ranks\n", e.rank, e.err)
+			fmt.Fprintf(stderr, o.Name+": rank %d failed (%v); stopping the other ranks\n", e.rank, e.err)
 			killed = true
 			killAll(cmds)
 		case <-ctx.Done():
 			if !killed {
-				fmt.Fprintf(stderr, "allreduce-perf: %v; stopping the ranks\n", context.Cause(ctx))
+				fmt.Fprintf(stderr, o.Name+": %v; stopping the ranks\n", context.Cause(ctx))
 				killed, status = true, 1
 				killAll(cmds)
 			}
@@ -120,13 +141,4 @@ func killAll(cmds []*exec.Cmd) {
 	for _, c := range cmds {
 		c.Process.Kill()
 	}
-}
-
-func slicesContains(s []string, v string) bool {
-	for _, x := range s {
-		if x == v {
-			return true
-		}
-	}
-	return false
 }

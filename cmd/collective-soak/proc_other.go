@@ -1,9 +1,0 @@
-//go:build !linux
-
-package main
-
-import "os/exec"
-
-// setDeathSignal: only Linux can tie a child's life to its parent's; elsewhere the ranks
-// are killed by launch when it notices a failure or a signal.
-func setDeathSignal(*exec.Cmd) {}
