@@ -216,7 +216,9 @@ func drawPlot(all map[string]*series, systems []string, caps []float64, out stri
 	p.Y.Label.Text = "ms/step (median)"
 	p.X.Scale = plot.LogScale{}
 	p.X.Tick.Marker = capTicks(caps)
-	p.Legend.Top = true
+	p.Legend.Top = false // the curves sit high above the zero baseline: keep the legend below them
+	p.Legend.XOffs = -vg.Points(10)
+	p.Legend.YOffs = vg.Points(10)
 	for i, name := range systems {
 		s := all[name]
 		var pts plotter.XYs
