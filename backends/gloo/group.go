@@ -138,11 +138,13 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		return nil, err
 	}
 	g := &group{
-		rank:       opts.Rank,
-		size:       opts.Size,
-		cfg:        cfg,
-		opts:       opts,
-		log:        opts.Logger.With(zap.Int("rank", opts.Rank), zap.String("backend", "gloo")),
+		rank: opts.Rank,
+		size: opts.Size,
+		cfg:  cfg,
+		opts: opts,
+		// The caller's logger carries the rank (ddp.InitProcessGroup and the commands add
+		// it); adding it again here would print it twice.
+		log:        opts.Logger.With(zap.String("backend", "gloo")),
 		hosts:      make([]string, opts.Size),
 		hostIDs:    make([]string, opts.Size),
 		peers:      make([]*peer, opts.Size),
