@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"time"
@@ -60,11 +61,19 @@ func (r StragglerReport) String() string {
 	return b.String()
 }
 
+// maxSkewSamples bounds the skews a stragglerStats keeps: up to it the percentiles are
+// exact; past it they come from a uniform sample of that many (reservoir sampling), so a
+// long run's memory stays fixed (512 KiB).
+const maxSkewSamples = 1 << 16
+
 // stragglerStats accumulates arrivals.
 type stragglerStats struct {
-	last  []int
-	lag   []time.Duration
-	skews []time.Duration
+	last    []int
+	lag     []time.Duration
+	n       int             // collectives seen
+	skewMax time.Duration   // exact, whatever the sample holds
+	skews   []time.Duration // all skews, or a uniform sample of maxSkewSamples of them
+	rng     *rand.Rand      // fixed seed: every rank keeps the same sample of the same data
 }
 
 func (s *stragglerStats) add(at []time.Duration) {
@@ -81,7 +90,18 @@ func (s *stragglerStats) add(at []time.Duration) {
 		s.lag = append(s.lag, make([]time.Duration, len(at)-len(s.lag))...)
 	}
 	lo, hi := slices.Min(at), slices.Max(at)
-	s.skews = append(s.skews, hi-lo)
+	s.n++
+	s.skewMax = max(s.skewMax, hi-lo)
+	if len(s.skews) < maxSkewSamples {
+		s.skews = append(s.skews, hi-lo)
+	} else {
+		if s.rng == nil {
+			s.rng = rand.New(rand.NewPCG(1, 2))
+		}
+		if k := s.rng.IntN(s.n); k < maxSkewSamples {
+			s.skews[k] = hi - lo
+		}
+	}
 	if hi > lo {
 		if r := slices.Index(at, hi); slices.Index(at[r+1:], hi) < 0 { // a unique latest arrival
 			s.last[r]++
@@ -93,7 +113,7 @@ func (s *stragglerStats) add(at []time.Duration) {
 }
 
 func (s *stragglerStats) report() StragglerReport {
-	n := len(s.skews)
+	n := s.n
 	r := StragglerReport{Collectives: n, LastCount: slices.Clone(s.last), MeanLag: make([]time.Duration, len(s.lag)), Straggler: -1}
 	if n == 0 {
 		return r
@@ -109,8 +129,8 @@ func (s *stragglerStats) report() StragglerReport {
 	}
 	sk := slices.Clone(s.skews)
 	slices.Sort(sk)
-	pct := func(p float64) time.Duration { return sk[max(int(math.Ceil(p*float64(n)))-1, 0)] }
-	r.SkewP50, r.SkewP90, r.SkewMax = pct(0.5), pct(0.9), sk[n-1]
+	pct := func(p float64) time.Duration { return sk[max(int(math.Ceil(p*float64(len(sk))))-1, 0)] }
+	r.SkewP50, r.SkewP90, r.SkewMax = pct(0.5), pct(0.9), s.skewMax
 	return r
 }
 

@@ -181,3 +181,23 @@ func TestStragglerMonitorNamesSlowRank(t *testing.T) {
 		t.Error("nil DDP accepted")
 	}
 }
+
+// Past maxSkewSamples collectives the straggler statistics keep a fixed-size uniform sample:
+// the count and the maximum stay exact and the median stays close.
+func TestStragglerStatsBounded(t *testing.T) {
+	var s stragglerStats
+	n := maxSkewSamples + maxSkewSamples/2
+	for i := range n {
+		s.add([]time.Duration{0, time.Duration(i + 1)}) // rank 1 last, skew i+1
+	}
+	if len(s.skews) != maxSkewSamples {
+		t.Fatalf("kept %d skews, want %d", len(s.skews), maxSkewSamples)
+	}
+	r := s.report()
+	if r.Collectives != n || r.SkewMax != time.Duration(n) || r.Straggler != 1 || r.LastCount[1] != n {
+		t.Fatalf("report %+v; want %d collectives, max %d, rank 1 last every time", r, n, n)
+	}
+	if mid := time.Duration(n / 2); r.SkewP50 < mid*97/100 || r.SkewP50 > mid*103/100 {
+		t.Errorf("p50 %d, want within 3%% of %d", r.SkewP50, mid)
+	}
+}
