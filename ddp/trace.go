@@ -11,6 +11,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/reducer"
 )
 
@@ -66,7 +67,7 @@ const (
 
 // TraceEnvVar names the environment variable OpenTrace falls back to; ddprun --trace_merge
 // sets it for every rank.
-const TraceEnvVar = "GODDP_TRACE"
+const TraceEnvVar = tracefile.EnvVar
 
 // TraceOptions configure a Tracer.
 type TraceOptions struct {

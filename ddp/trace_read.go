@@ -1,180 +1,38 @@
 package ddp
 
 import (
-	"bytes"
-	"encoding/json"
-	"errors"
-	"fmt"
 	"io"
-	"os"
-	"slices"
+
+	"github.com/goddp/goddp/ddp/tracefile"
 )
 
-// TraceEvent is one event of a Chrome trace event file, as ReadTrace decodes it.
-type TraceEvent struct {
-	Name string         `json:"name"`
-	Cat  string         `json:"cat,omitempty"`
-	Ph   string         `json:"ph"`
-	TS   float64        `json:"ts"`            // µs since the file's epoch
-	Dur  float64        `json:"dur,omitempty"` // µs, for "X" events
-	PID  int            `json:"pid"`
-	TID  int            `json:"tid"`
-	S    string         `json:"s,omitempty"`
-	Args map[string]any `json:"args,omitempty"`
-}
+// The trace file types and functions live in package tracefile (which needs neither ddp nor
+// gorgonia, so ddprun and trace-plot stay small); these names keep them at hand for trainers.
 
-// Arg returns the integer argument key of e, and whether e has it.
-func (e *TraceEvent) Arg(key string) (int64, bool) {
-	switch v := e.Args[key].(type) {
-	case float64:
-		return int64(v), true
-	case json.Number:
-		n, err := v.Int64()
-		return n, err == nil
-	}
-	return 0, false
-}
+// TraceEvent is one event of a Chrome trace event file (tracefile.Event).
+type TraceEvent = tracefile.Event
 
-// End is the end of a complete event (TS for others).
-func (e *TraceEvent) End() float64 { return e.TS + e.Dur }
+// TraceMeta is the otherData of a goddp trace (tracefile.Meta).
+type TraceMeta = tracefile.Meta
 
-// TraceMeta is the otherData of a goddp trace.
-type TraceMeta struct {
-	// EpochUnixMicro is the wall-clock instant of ts 0, in µs since the Unix epoch.
-	EpochUnixMicro int64 `json:"goddp_epoch_unix_us"`
-	// Clock says how the ranks' clocks were aligned ("wall").
-	Clock string `json:"goddp_clock,omitempty"`
-	// Ranks lists the ranks whose events the file holds.
-	Ranks     []int `json:"goddp_ranks"`
-	WorldSize int   `json:"goddp_world_size,omitempty"`
-	// Offsets (merged files) is the shift applied to each input file's timestamps, in µs,
-	// one per input file in the order given to MergeTraces.
-	Offsets []float64 `json:"goddp_offsets_us,omitempty"`
-}
+// TraceFile is a whole trace: a Tracer's output, or MergeTraces's (tracefile.File).
+type TraceFile = tracefile.File
 
-// TraceFile is a whole trace: a Tracer's output, or MergeTraces's.
-type TraceFile struct {
-	DisplayTimeUnit string       `json:"displayTimeUnit,omitempty"`
-	OtherData       TraceMeta    `json:"otherData"`
-	TraceEvents     []TraceEvent `json:"traceEvents"`
-}
+// ReadTrace decodes a trace, repairing the file of a rank that died while writing it
+// (tracefile.Read).
+func ReadTrace(r io.Reader) (*TraceFile, error) { return tracefile.Read(r) }
 
-// ReadTrace decodes a trace. The file of a rank that died while writing lacks its end: it
-// is repaired by dropping the last, partial event.
-func ReadTrace(r io.Reader) (*TraceFile, error) {
-	data, err := io.ReadAll(r)
-	if err != nil {
-		return nil, fmt.Errorf("ddp: read trace: %w", err)
-	}
-	var tf TraceFile
-	err = json.Unmarshal(data, &tf)
-	if err == nil {
-		return &tf, nil
-	}
-	var syn *json.SyntaxError
-	if !errors.As(err, &syn) && !errors.Is(err, io.ErrUnexpectedEOF) {
-		return nil, fmt.Errorf("ddp: read trace: %w", err)
-	}
-	// A truncated file: events are written one per line, so the complete ones end before
-	// the last newline.
-	trimmed := bytes.TrimRight(data, " \n\r\t")
-	for _, cut := range [][]byte{trimmed, trimmed[:max(bytes.LastIndexByte(trimmed, '\n'), 0)]} {
-		fixed := append(bytes.TrimSuffix(bytes.TrimRight(cut, " \n"), []byte(",")), "\n]}"...)
-		var tf2 TraceFile
-		if json.Unmarshal(fixed, &tf2) == nil {
-			return &tf2, nil
-		}
-	}
-	return nil, fmt.Errorf("ddp: read trace: %w", err)
-}
+// ReadTraceFile reads the trace in file path (tracefile.ReadFile).
+func ReadTraceFile(path string) (*TraceFile, error) { return tracefile.ReadFile(path) }
 
-// ReadTraceFile reads the trace in file path.
-func ReadTraceFile(path string) (*TraceFile, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, fmt.Errorf("ddp: %w", err)
-	}
-	defer f.Close()
-	tf, err := ReadTrace(f)
-	if err != nil {
-		return nil, fmt.Errorf("%w (%s)", err, path)
-	}
-	return tf, nil
-}
+// MergeTraces merges the traces of several ranks into one on the earliest file's epoch
+// (tracefile.Merge); an empty list or a rank in two files is an error wrapping
+// tracefile.ErrInvalidArgument.
+func MergeTraces(files ...*TraceFile) (*TraceFile, error) { return tracefile.Merge(files...) }
 
-// MergeTraces merges the traces of several ranks into one, on the earliest file's epoch:
-// each file's timestamps are shifted by the difference of its epoch from that one (Note
-// [Trace format]). The ranks must differ between files.
-func MergeTraces(files ...*TraceFile) (*TraceFile, error) {
-	if len(files) == 0 {
-		return nil, fmt.Errorf("%w: MergeTraces: no traces", ErrInvalidArgument)
-	}
-	epoch := files[0].OtherData.EpochUnixMicro
-	for _, f := range files {
-		epoch = min(epoch, f.OtherData.EpochUnixMicro)
-	}
-	out := &TraceFile{DisplayTimeUnit: "ms", OtherData: TraceMeta{EpochUnixMicro: epoch, Clock: "wall"}}
-	seen := map[int]int{}
-	n := 0
-	for _, f := range files {
-		n += len(f.TraceEvents)
-	}
-	out.TraceEvents = make([]TraceEvent, 0, n)
-	for k, f := range files {
-		for _, r := range f.OtherData.Ranks {
-			if j, dup := seen[r]; dup {
-				return nil, fmt.Errorf("%w: MergeTraces: rank %d is in traces %d and %d", ErrInvalidArgument, r, j, k)
-			}
-			seen[r] = k
-			out.OtherData.Ranks = append(out.OtherData.Ranks, r)
-		}
-		out.OtherData.WorldSize = max(out.OtherData.WorldSize, f.OtherData.WorldSize)
-		shift := float64(f.OtherData.EpochUnixMicro - epoch)
-		out.OtherData.Offsets = append(out.OtherData.Offsets, shift)
-		for _, e := range f.TraceEvents {
-			if e.Ph != "M" {
-				e.TS += shift
-			}
-			out.TraceEvents = append(out.TraceEvents, e)
-		}
-	}
-	slices.Sort(out.OtherData.Ranks)
-	return out, nil
-}
+// WriteTrace encodes tf to w (tracefile.Write).
+func WriteTrace(w io.Writer, tf *TraceFile) error { return tracefile.Write(w, tf) }
 
-// WriteTrace encodes tf (for instance a merged trace) to w.
-func WriteTrace(w io.Writer, tf *TraceFile) error {
-	enc := json.NewEncoder(w)
-	if err := enc.Encode(tf); err != nil {
-		return fmt.Errorf("ddp: write trace: %w", err)
-	}
-	return nil
-}
-
-// MergeTraceFiles reads the traces in paths, merges them and writes the result to out.
-func MergeTraceFiles(out string, paths ...string) error {
-	files := make([]*TraceFile, 0, len(paths))
-	for _, p := range paths {
-		tf, err := ReadTraceFile(p)
-		if err != nil {
-			return err
-		}
-		files = append(files, tf)
-	}
-	m, err := MergeTraces(files...)
-	if err != nil {
-		return err
-	}
-	f, err := os.Create(out)
-	if err != nil {
-		return fmt.Errorf("ddp: %w", err)
-	}
-	if err := WriteTrace(f, m); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("ddp: %w", err)
-	}
-	return nil
-}
+// MergeTraceFiles reads the traces in paths, merges them and writes the result to out
+// (tracefile.MergeFiles).
+func MergeTraceFiles(out string, paths ...string) error { return tracefile.MergeFiles(out, paths...) }

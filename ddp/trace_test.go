@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
 	"github.com/goddp/goddp/reducer"
@@ -153,7 +154,7 @@ func TestTraceMatchesStats(t *testing.T) {
 			}
 		}
 	}
-	if _, err := MergeTraces(files[0], files[0]); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := MergeTraces(files[0], files[0]); !errors.Is(err, tracefile.ErrInvalidArgument) {
 		t.Errorf("merging a rank twice: %v", err)
 	}
 }

@@ -8,14 +8,14 @@ import (
 	"slices"
 	"strconv"
 
-	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/tracefile"
 )
 
 // Note [Trace merge]: with --trace_merge OUT, every rank gets GODDP_TRACE naming its own
 // file, LOG_DIR/trace/trace.rank{rank}.a{attempt}.json (under ddprun's work directory
 // without --log_dir); a trainer that calls ddp.OpenTrace with an empty path (its --trace
 // flag unset) writes its timeline there. When the job ends, ddprun merges the files of the
-// last attempt that wrote any into OUT, aligned on the wall clock (ddp.MergeTraces). Only
+// last attempt that wrote any into OUT, aligned on the wall clock (tracefile.Merge). Only
 // this node's ranks are merged; with several nodes each node writes its own OUT.
 
 var traceFileRE = regexp.MustCompile(`^trace\.rank(\d+)\.a(\d+)\.json$`)
@@ -31,7 +31,7 @@ func (j *job) setupTraceMerge(workDir string) (merge func(), err error) {
 		return nil, fmt.Errorf("--trace_merge: %w", err)
 	}
 	j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)],
-		ddp.TraceEnvVar+"="+filepath.Join(dir, "trace.rank{rank}.a{attempt}.json"))
+		tracefile.EnvVar+"="+filepath.Join(dir, "trace.rank{rank}.a{attempt}.json"))
 	return func() {
 		n, err := mergeTraceDir(dir, j.cfg.traceMerge)
 		switch {
@@ -68,7 +68,7 @@ func mergeTraceDir(dir, out string) (int, error) {
 	}
 	files := byAttempt[last]
 	slices.Sort(files)
-	if err := ddp.MergeTraceFiles(out, files...); err != nil {
+	if err := tracefile.MergeFiles(out, files...); err != nil {
 		return 0, err
 	}
 	return len(files), nil
