@@ -18,7 +18,15 @@ import (
 // 127.0.0.1:port.
 func rendezvousAll(t *testing.T, n int, token string, logger *zap.Logger) ([]Store, []io.Closer) {
 	t.Helper()
-	port := freePort(t)
+	return meetAll(t, n, freePort(t), token, func(ctx context.Context, env Env) (Store, io.Closer, error) {
+		return Rendezvous(ctx, env, logger)
+	})
+}
+
+// meetAll runs join for every rank of a world of n, concurrently, with rank 0's store on
+// 127.0.0.1:port, and fails the test if any rank fails.
+func meetAll(t *testing.T, n, port int, token string, join func(context.Context, Env) (Store, io.Closer, error)) ([]Store, []io.Closer) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	stores := make([]Store, n)
@@ -31,13 +39,13 @@ func rendezvousAll(t *testing.T, n int, token string, logger *zap.Logger) ([]Sto
 			defer wg.Done()
 			env := Env{Rank: r, WorldSize: n, LocalRank: r, LocalWorldSize: n,
 				MasterAddr: "127.0.0.1", MasterPort: port, Token: token, Source: "torchrun"}
-			stores[r], closers[r], errs[r] = Rendezvous(ctx, env, logger)
+			stores[r], closers[r], errs[r] = join(ctx, env)
 		}()
 	}
 	wg.Wait()
 	for r, err := range errs {
 		if err != nil {
-			t.Fatalf("rank %d: Rendezvous: %v", r, err)
+			t.Fatalf("rank %d: %v", r, err)
 		}
 	}
 	return stores, closers

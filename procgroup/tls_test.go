@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -212,25 +211,9 @@ func TestRendezvousTLSWorld(t *testing.T) {
 	port := freePort(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	stores := make([]Store, n)
-	closers := make([]io.Closer, n)
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for r := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			env := Env{Rank: r, WorldSize: n, LocalRank: r, LocalWorldSize: n,
-				MasterAddr: "127.0.0.1", MasterPort: port, Token: testToken, Source: "torchrun"}
-			stores[r], closers[r], errs[r] = RendezvousTLS(ctx, env, job, nil)
-		}()
-	}
-	wg.Wait()
-	for r, err := range errs {
-		if err != nil {
-			t.Fatalf("rank %d: RendezvousTLS: %v", r, err)
-		}
-	}
+	stores, closers := meetAll(t, n, port, testToken, func(ctx context.Context, env Env) (Store, io.Closer, error) {
+		return RendezvousTLS(ctx, env, job, nil)
+	})
 	for r, st := range stores {
 		if _, err := st.Add(ctx, "count", int64(r+1)); err != nil {
 			t.Fatal(err)
