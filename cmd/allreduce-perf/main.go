@@ -32,9 +32,6 @@ import (
 	"syscall"
 	"time"
 
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-
 	"github.com/goddp/goddp/internal/spawn"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -204,15 +201,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	defer stop()
 	if cfg.nproc > 0 && os.Getenv(childEnv) == "" {
 		return spawn.Local(ctx, spawn.Options{Name: "allreduce-perf", N: cfg.nproc, Args: args, ChildEnv: childEnv,
-			Logger: newLogger(stderr, -1), Stdout: stdout, Stderr: stderr})
+			Logger: spawn.Logger(stderr, -1), Stdout: stdout, Stderr: stderr})
 	}
 	return runRank(ctx, cfg, stdout, stderr)
-}
-
-func newLogger(stderr io.Writer, rank int) *zap.Logger {
-	enc := zap.NewDevelopmentEncoderConfig()
-	core := zapcore.NewCore(zapcore.NewConsoleEncoder(enc), zapcore.AddSync(stderr), zapcore.WarnLevel)
-	return zap.New(core).With(zap.Int("rank", rank))
 }
 
 // runRank runs this process as one rank of the job its environment describes.
@@ -222,7 +213,7 @@ func runRank(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "allreduce-perf: %v (or use --nproc N to start N local ranks)\n", err)
 		return 2
 	}
-	logger := newLogger(stderr, env.Rank)
+	logger := spawn.Logger(stderr, env.Rank)
 	fail := func(err error) int {
 		fmt.Fprintf(stderr, "allreduce-perf: rank %d: %v\n", env.Rank, err)
 		return 1

@@ -31,7 +31,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	_ "github.com/goddp/goddp/backends/gloo"
 	"github.com/goddp/goddp/internal/spawn"
@@ -107,15 +106,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	defer stop()
 	if cfg.nproc > 0 && os.Getenv(childEnv) == "" {
 		return spawn.Local(ctx, spawn.Options{Name: "collective-soak", N: cfg.nproc, Args: args, ChildEnv: childEnv,
-			Logger: newLogger(stderr, -1), Stdout: stdout, Stderr: stderr})
+			Logger: spawn.Logger(stderr, -1), Stdout: stdout, Stderr: stderr})
 	}
 	return runRank(ctx, cfg, stdout, stderr)
-}
-
-func newLogger(stderr io.Writer, rank int) *zap.Logger {
-	enc := zap.NewDevelopmentEncoderConfig()
-	core := zapcore.NewCore(zapcore.NewConsoleEncoder(enc), zapcore.AddSync(stderr), zapcore.WarnLevel)
-	return zap.New(core).With(zap.Int("rank", rank))
 }
 
 // sample is a rank's resource use at one moment.
@@ -140,7 +133,7 @@ func runRank(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "collective-soak: %v (or use --nproc N to start N local ranks)\n", err)
 		return 2
 	}
-	logger := newLogger(stderr, env.Rank)
+	logger := spawn.Logger(stderr, env.Rank)
 	fail := func(err error) int {
 		fmt.Fprintf(stderr, "collective-soak: rank %d: %v\n", env.Rank, err)
 		return 1

@@ -24,6 +24,7 @@ import (
 	"strings"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 
 	"github.com/goddp/goddp/procgroup"
 )
@@ -141,4 +142,11 @@ func killAll(cmds []*exec.Cmd) {
 	for _, c := range cmds {
 		c.Process.Kill()
 	}
+}
+
+// Logger is the console logger of a command that runs its own ranks: warnings and errors
+// to w, each line tagged with rank (-1 for the launching process).
+func Logger(w io.Writer, rank int) *zap.Logger {
+	core := zapcore.NewCore(zapcore.NewConsoleEncoder(zap.NewDevelopmentEncoderConfig()), zapcore.AddSync(w), zapcore.WarnLevel)
+	return zap.New(core).With(zap.Int("rank", rank))
 }
