@@ -95,9 +95,13 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 	if err != nil {
 		return nil, nil, fmt.Errorf("ddp: init: %w", err)
 	}
-	token := env.Token
-	if token == "" {
-		token = procgroup.DevToken // what Rendezvous used for the store
+	token, err := procgroup.JobToken(env, env.StoreAddress(), tlsFiles.Enabled(), nil) // Rendezvous checked and logged it
+	if err != nil {
+		return nil, nil, errors.Join(fmt.Errorf("ddp: init: %w", err), release.Close())
+	}
+	connectTimeout, err := procgroup.ConnectTimeoutFrom(lookup)
+	if err != nil {
+		return nil, nil, errors.Join(fmt.Errorf("ddp: init: %w", err), release.Close())
 	}
 	prefix, _ := lookup(RunIDEnv)
 	if prefix != "" {
@@ -110,6 +114,7 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 		// The watchdog fires first, with the fuller report; the backend's own timeout
 		// (which starts later, when the collective starts there) is a backstop.
 		Timeout: 2 * wdOpts.Timeout, Logger: logger, Backend: opts.Backend, TLS: peerTLS,
+		StoreAddr: env.StoreAddress(), ConnectTimeout: connectTimeout, LookupEnv: lookup,
 	})
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("ddp: init: rank %d: %s group: %w", env.Rank, backend, err), release.Close())

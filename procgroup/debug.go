@@ -233,6 +233,9 @@ type debugGroup struct {
 
 var _ ProcessGroup = (*debugGroup)(nil)
 
+// Unwrap returns the group the debug wrapper wraps.
+func (d *debugGroup) Unwrap() ProcessGroup { return d.inner }
+
 func (d *debugGroup) Rank() int { return d.rank }
 func (d *debugGroup) Size() int { return d.size }
 

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"time"
 
@@ -167,6 +168,17 @@ type Options struct {
 	// serves both roles, as TLSFiles.PeerConfig builds it; nil means plain connections,
 	// still authenticated with Token.
 	TLS *tls.Config
+	// StoreAddr is the rendezvous store's "host:port" as this rank dialed it, when known. A
+	// backend that picks its own listen address takes the local end of the route to it
+	// (ChooseListenAddr).
+	StoreAddr string
+	// ConnectTimeout bounds each step of the set-up: waiting for a peer's address, each
+	// dial, each handshake (default DefaultConnectTimeout; ddp.InitProcessGroup reads
+	// GODDP_CONNECT_TIMEOUT).
+	ConnectTimeout time.Duration
+	// LookupEnv reads the environment for backend settings (GODDP_SOCKET_IFNAME and the
+	// like); nil means os.LookupEnv.
+	LookupEnv func(string) (string, bool)
 }
 
 // DefaultTimeout is the collective timeout when Options.Timeout is zero.
@@ -191,6 +203,12 @@ func (o *Options) Validate() error {
 	}
 	if o.Timeout <= 0 {
 		o.Timeout = DefaultTimeout
+	}
+	if o.ConnectTimeout <= 0 {
+		o.ConnectTimeout = DefaultConnectTimeout
+	}
+	if o.LookupEnv == nil {
+		o.LookupEnv = os.LookupEnv
 	}
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
@@ -255,4 +273,28 @@ func New(ctx context.Context, backend string, opts Options) (ProcessGroup, error
 		return nil, err
 	}
 	return f(ctx, opts)
+}
+
+// TransportReporter is implemented by groups that can say how they reach each peer.
+type TransportReporter interface {
+	// Transports returns one entry per rank: "self" for the caller, else the backend's
+	// name for the path to that rank (gloo: "shm", "unix" or "tcp HOST:PORT").
+	Transports() []string
+}
+
+// Transports is pg's TransportReporter answer, looking through wrappers that have an
+// Unwrap() ProcessGroup method (the watchdog and debug wrappers do); nil when no layer
+// reports.
+func Transports(pg ProcessGroup) []string {
+	for pg != nil {
+		if t, ok := pg.(TransportReporter); ok {
+			return t.Transports()
+		}
+		u, ok := pg.(interface{ Unwrap() ProcessGroup })
+		if !ok {
+			return nil
+		}
+		pg = u.Unwrap()
+	}
+	return nil
 }

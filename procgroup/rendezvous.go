@@ -13,9 +13,71 @@ import (
 	"go.uber.org/zap"
 )
 
-// DevToken is the token Rendezvous uses when the environment sets none. It is public, so it
-// protects nothing: it keeps development runs on one machine simple.
+// DevToken is the token a job on one host uses when the environment sets none (JobToken).
+// It is public, so it protects nothing: it keeps development runs on one machine simple.
 const DevToken = "goddp-dev-token"
+
+// ErrNoToken is wrapped by JobToken's refusal to run a job that spans hosts without a secret.
+var ErrNoToken = errors.New("no job token")
+
+// JobToken is the secret the job's store and data plane authenticate with: env.Token when
+// the environment sets one. Without one, a job whose ranks all run on this host and whose
+// store is on loopback gets DevToken (with a warning in the log), and any other job (ranks on
+// several hosts, or a store that other hosts can reach) is refused with ErrNoToken, unless
+// tlsOn (TLS guards the store; the data plane then authenticates by TLS too).
+func JobToken(env Env, storeAddr string, tlsOn bool, logger *zap.Logger) (string, error) {
+	if env.Token != "" {
+		return env.Token, nil
+	}
+	multiHost := env.LocalWorldSize > 0 && env.LocalWorldSize < env.WorldSize
+	host, _, _ := net.SplitHostPort(storeAddr)
+	public := storeAddr != "" && !resolvesToLoopback(host)
+	if (multiHost || public) && !tlsOn {
+		why := fmt.Sprintf("this job spans hosts (WORLD_SIZE=%d, LOCAL_WORLD_SIZE=%d)", env.WorldSize, env.LocalWorldSize)
+		if !multiHost {
+			why = fmt.Sprintf("its rendezvous store at %s is reachable from other hosts", storeAddr)
+		}
+		return "", fmt.Errorf("%w: %s, and without a secret anyone on the network could join it or read its traffic: "+
+			"set GODDP_TOKEN (or GODDP_TOKEN_FILE, a 0600 file) to the same secret on every host, for instance "+
+			"export GODDP_TOKEN=$(openssl rand -hex 32), or enable TLS (GODDP_TLS_CERT, GODDP_TLS_KEY, GODDP_TLS_CA)", ErrNoToken, why)
+	}
+	if logger != nil && !tlsOn {
+		logger.Warn("rendezvous: no GODDP_TOKEN or GODDP_TOKEN_FILE; using the public development token (fine on one host only)")
+	}
+	return DevToken, nil
+}
+
+// resolvesToLoopback reports whether host is a loopback address or a name whose every
+// address is one.
+func resolvesToLoopback(host string) bool {
+	if isLoopback(host) {
+		return true
+	}
+	if net.ParseIP(host) != nil {
+		return false
+	}
+	ips, err := net.LookupIP(host)
+	if err != nil || len(ips) == 0 {
+		return false
+	}
+	for _, ip := range ips {
+		if !ip.IsLoopback() {
+			return false
+		}
+	}
+	return true
+}
+
+// StoreAddress is the "host:port" every rank dials for the store env describes.
+func (e Env) StoreAddress() string {
+	if e.StoreAddr != "" {
+		return e.StoreAddr
+	}
+	if e.MasterAddr == "" {
+		return ""
+	}
+	return net.JoinHostPort(e.MasterAddr, strconv.Itoa(e.MasterPort))
+}
 
 // Keys Rendezvous uses in the store to count the ranks that have released it.
 const (
@@ -54,26 +116,29 @@ func rendezvous(ctx context.Context, env Env, files TLSFiles, logger *zap.Logger
 	if logger == nil {
 		logger = zap.NewNop()
 	}
-	token := env.Token
-	if token == "" {
-		token = DevToken
-		logger.Warn("rendezvous: no GODDP_TOKEN or GODDP_TOKEN_FILE; using the public development token")
+	timeout, err := ConnectTimeoutFrom(nil)
+	if err != nil {
+		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
 	}
 	srvTLS, cliTLS, err := storeTLS(files, env.StoreAddr == "" && env.Rank == 0)
 	if err != nil {
 		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
 	}
+	if env.StoreAddr == "" && (env.MasterAddr == "" || env.MasterPort < 1 || env.MasterPort > 65535) {
+		return nil, nil, fmt.Errorf("%w: rendezvous: no store address (MASTER_ADDR %q, MASTER_PORT %d)",
+			ErrInvalidArgument, env.MasterAddr, env.MasterPort)
+	}
+	token, err := JobToken(env, env.StoreAddress(), files.Enabled(), logger)
+	if err != nil {
+		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
+	}
 	dopts := DialOptions{Logger: logger, TLS: cliTLS}
 	if env.StoreAddr != "" {
-		st, err := DialStore(ctx, env.StoreAddr, token, dopts)
+		st, err := dialStoreBounded(ctx, env, env.StoreAddr, token, dopts, timeout)
 		if err != nil {
 			return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
 		}
 		return st, st, nil
-	}
-	if env.MasterAddr == "" || env.MasterPort < 1 || env.MasterPort > 65535 {
-		return nil, nil, fmt.Errorf("%w: rendezvous: no store address (MASTER_ADDR %q, MASTER_PORT %d)",
-			ErrInvalidArgument, env.MasterAddr, env.MasterPort)
 	}
 	port := strconv.Itoa(env.MasterPort)
 	var srv *StoreServer
@@ -88,7 +153,7 @@ func rendezvous(ctx context.Context, env Env, files TLSFiles, logger *zap.Logger
 			return nil, nil, fmt.Errorf("procgroup: rendezvous rank 0: %w", err)
 		}
 	}
-	st, err := DialStore(ctx, net.JoinHostPort(env.MasterAddr, port), token, dopts)
+	st, err := dialStoreBounded(ctx, env, net.JoinHostPort(env.MasterAddr, port), token, dopts, timeout)
 	if err != nil {
 		if srv != nil {
 			srv.Close()
@@ -96,6 +161,25 @@ func rendezvous(ctx context.Context, env Env, files TLSFiles, logger *zap.Logger
 		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
 	}
 	return st, &rdzvCloser{env: env, store: st, srv: srv, logger: logger}, nil
+}
+
+// dialStoreBounded dials the store within timeout, warning every ConnectWarnInterval while
+// it does not answer.
+func dialStoreBounded(ctx context.Context, env Env, addr, token string, dopts DialOptions, timeout time.Duration) (Store, error) {
+	hint := fmt.Sprintf("check that rank 0's host (or the launcher's store) is up and that this host reaches %s; "+
+		"MASTER_ADDR and MASTER_PORT (ddprun: --master_addr, --master_port) must name it as other hosts see it", addr)
+	wctx, done := BoundedWait(ctx, timeout, 0, func(waited time.Duration) {
+		dopts.Logger.Warn("rendezvous: still waiting for the store", zap.String("addr", addr),
+			zap.Duration("waited", waited), zap.Duration("bound", timeout), zap.String("hint", hint))
+	})
+	st, err := DialStore(wctx, addr, token, dopts)
+	timedOut := TimedOut(ctx, wctx)
+	done()
+	if err != nil && timedOut {
+		return nil, fmt.Errorf("%w: the rendezvous store at %s did not answer within %v (%s): %s",
+			ErrConnectTimeout, addr, timeout, ConnectTimeoutEnv, hint)
+	}
+	return st, err
 }
 
 func isLoopback(host string) bool {

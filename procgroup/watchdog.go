@@ -296,6 +296,10 @@ type watchdog struct {
 
 var _ ProcessGroup = (*watchdog)(nil)
 
+// Unwrap returns the group the watchdog wraps, for type assertions on the backend's own
+// group (procgroup.Transports, nccl's stream-ordered waits).
+func (w *watchdog) Unwrap() ProcessGroup { return w.inner }
+
 func (w *watchdog) Rank() int { return w.rank }
 func (w *watchdog) Size() int { return w.size }
 

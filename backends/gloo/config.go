@@ -31,7 +31,10 @@ type Config struct {
 	Transport string
 	// Algorithm is "auto" (default), "ring" or "direct".
 	Algorithm string
-	// ListenAddr is the host (or host:port) of the TCP listener; default 127.0.0.1.
+	// ListenAddr is the host (or host:port) of the TCP listener, which is also the address
+	// published to the peers. Empty (the default) picks it with procgroup.ChooseListenAddr:
+	// the interface GODDP_SOCKET_IFNAME or GLOO_SOCKET_IFNAME names, else the local end of
+	// the route to the rendezvous store, else the hostname's address.
 	ListenAddr string
 	// SegmentSize is the ring's pipeline segment and the largest data frame, in bytes
 	// (default 1 MiB; rounded down to a multiple of 8); the two-rank socket exchange
@@ -60,8 +63,9 @@ type Config struct {
 	ShmSlotSize int
 	// ShmSlots is the number of slots per directed pair of ranks (default 8).
 	ShmSlots int
-	// HostID identifies this host to the other ranks (default: hostname and boot id); ranks
-	// with the same HostID use the same-host transport. Tests set it to simulate hosts.
+	// HostID identifies this host to the other ranks (default procgroup.HostIdentity: the
+	// boot id and the network namespace, never the hostname alone); ranks with the same
+	// HostID use Unix sockets and shared memory. Tests set it to simulate hosts.
 	HostID string
 	// TLS, when set, secures every TCP connection between ranks (Note [Data-plane TLS]);
 	// nil means procgroup.Options.TLS, and both nil plain TCP (authenticated by the token).
@@ -112,9 +116,6 @@ func (c *Config) validate() error {
 	default:
 		return fmt.Errorf("%w: gloo: unknown algorithm %q (want auto, ring or direct)", procgroup.ErrInvalidArgument, c.Algorithm)
 	}
-	if c.ListenAddr == "" {
-		c.ListenAddr = "127.0.0.1"
-	}
 	if c.SegmentSize == 0 {
 		c.SegmentSize = 1 << 20
 	}
@@ -138,13 +139,7 @@ func (c *Config) validate() error {
 		c.HandshakeTimeout = 10 * time.Second
 	}
 	if c.HostID == "" {
-		c.HostID = defaultHostID()
+		c.HostID = procgroup.HostIdentity()
 	}
 	return nil
-}
-
-func defaultHostID() string {
-	h, _ := os.Hostname()
-	b, _ := os.ReadFile("/proc/sys/kernel/random/boot_id")
-	return h + "/" + string(b)
 }

@@ -462,3 +462,28 @@ func randomBytes(n int) []byte {
 	}
 	return b
 }
+
+// Transports reports, for each rank, how this rank exchanges data with it: "self", "shm"
+// (shared memory, a Unix socket for control), "unix", or "tcp HOST:PORT" with the peer's
+// address (procgroup.TransportReporter).
+func (g *group) Transports() []string {
+	out := make([]string, g.size)
+	for j := range g.size {
+		switch {
+		case j == g.rank:
+			out[j] = "self"
+		case g.peers[j] == nil:
+			out[j] = "none"
+		case g.shm != nil && g.shm.has(j):
+			out[j] = "shm"
+		default:
+			switch c := g.peers[j].conn.(type) {
+			case *net.UnixConn:
+				out[j] = "unix"
+			default:
+				out[j] = "tcp " + c.RemoteAddr().String()
+			}
+		}
+	}
+	return out
+}

@@ -10,6 +10,7 @@ import (
 	"net"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -20,10 +21,11 @@ import (
 
 // addrInfo is what each rank publishes under "gloo/<rank>" in the group's store prefix.
 type addrInfo struct {
-	Host   string `json:"host"`    // host name, for messages
-	HostID string `json:"host_id"` // same HostID: same-host transport
-	TCP    string `json:"tcp,omitempty"`
-	Unix   string `json:"unix,omitempty"`
+	Host    string `json:"host"`    // host name, for messages
+	HostID  string `json:"host_id"` // same HostID: same-host transport (Config.HostID)
+	Machine string `json:"machine"` // procgroup.HostIdentity, which tests cannot override
+	TCP     string `json:"tcp,omitempty"`
+	Unix    string `json:"unix,omitempty"`
 }
 
 // peer is one connection of the mesh.
@@ -83,10 +85,12 @@ func (g *group) newPeer(rank int, c net.Conn) *peer {
 }
 
 // connect sets up the mesh: rank r accepts from every higher rank and dials every lower one.
+// Every wait in it is bounded by Options.ConnectTimeout and says what it waits for every
+// procgroup.ConnectWarnInterval (Note [Set-up waits]).
 func (g *group) connect(ctx context.Context) error {
 	store := procgroup.PrefixStore{Prefix: g.opts.Prefix + "/gloo", Store: g.opts.Store}
 	hs := &handshaker{key: groupKey(g.opts.Token, g.opts.Prefix), rank: g.rank, size: g.size, rand: rand.Reader}
-	info := addrInfo{Host: hostname(), HostID: g.cfg.HostID}
+	info := addrInfo{Host: hostname(), HostID: g.cfg.HostID, Machine: procgroup.HostIdentity()}
 	g.hosts[g.rank] = info.Host
 	g.hostIDs[g.rank] = info.HostID
 	if g.size == 1 {
@@ -94,16 +98,17 @@ func (g *group) connect(ctx context.Context) error {
 	}
 	accepts := g.rank < g.size-1 // the highest rank only dials
 	if accepts && g.cfg.Transport != TransportUnix {
-		addr := g.cfg.ListenAddr
-		if _, _, err := net.SplitHostPort(addr); err != nil {
-			addr = net.JoinHostPort(addr, "0")
+		addr, reason, err := g.listenAddr()
+		if err != nil {
+			return err
 		}
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {
-			return fmt.Errorf("listen tcp: %w", err)
+			return fmt.Errorf("listen tcp %s (%s): %w", addr, reason, err)
 		}
 		g.listeners = append(g.listeners, ln)
 		info.TCP = ln.Addr().String()
+		g.log.Info("gloo: listening for peers", zap.String("addr", info.TCP), zap.String("reason", reason))
 	}
 	if accepts && g.cfg.Transport != TransportTCP {
 		name := "@goddp-gloo-" + hex.EncodeToString(randomBytes(12))
@@ -126,17 +131,15 @@ func (g *group) connect(ctx context.Context) error {
 	if err := store.Set(ctx, strconv.Itoa(g.rank), b); err != nil {
 		return fmt.Errorf("publish address: %w", err)
 	}
+	infos, err := g.gatherAddrs(ctx, store, info)
+	if err != nil {
+		return err
+	}
+	if err := g.checkReachable(infos); err != nil {
+		return err
+	}
 	for j := 0; j < g.rank; j++ {
-		raw, err := store.Get(ctx, strconv.Itoa(j))
-		if err != nil {
-			return fmt.Errorf("address of rank %d: %w", j, err)
-		}
-		var pi addrInfo
-		if err := json.Unmarshal(raw, &pi); err != nil {
-			return fmt.Errorf("address of rank %d: %w", j, err)
-		}
-		g.hosts[j], g.hostIDs[j] = pi.Host, pi.HostID
-		c, err := g.dial(ctx, j, pi, hs)
+		c, err := g.dial(ctx, j, infos[j], hs)
 		if err != nil {
 			return err
 		}
@@ -144,45 +147,121 @@ func (g *group) connect(ctx context.Context) error {
 		g.peers[j] = g.newPeer(j, c)
 		g.meshMu.Unlock()
 	}
-	// Wait for every higher rank to dial in.
-	for {
-		g.meshMu.Lock()
-		missing := -1
-		for j := g.rank + 1; j < g.size; j++ {
-			if g.peers[j] == nil {
-				missing = j
-				break
-			}
+	return g.awaitDialers(ctx, infos[g.rank])
+}
+
+// Note [Set-up waits]
+// A rank waits at three points of the set-up: for each peer's address in the store, for
+// each dial (retried with backoff while the peer's listener is not up yet), and for the
+// higher ranks to dial in. Each wait is bounded by Options.ConnectTimeout, and while it
+// lasts a warning names the peer, its address and transport, the time waited, the last
+// error and the likely fix; the final error says the same. A wrong address therefore shows
+// in the first seconds of a job, not as silence until the collective timeout.
+
+// listenAddr is the TCP listener's host:port and why it was chosen.
+func (g *group) listenAddr() (addr, reason string, err error) {
+	if a := g.cfg.ListenAddr; a != "" {
+		if _, _, err := net.SplitHostPort(a); err != nil {
+			a = net.JoinHostPort(a, "0")
 		}
-		g.meshMu.Unlock()
-		if missing < 0 {
-			break
-		}
-		select {
-		case <-g.meshCh:
-		case <-ctx.Done():
-			return fmt.Errorf("waiting for rank %d to connect: %w", missing, ctx.Err())
-		}
+		return a, "gloo.Config.ListenAddr", nil
 	}
-	for j := g.rank + 1; j < g.size; j++ {
-		if raw, err := store.Get(ctx, strconv.Itoa(j)); err == nil {
-			var pi addrInfo
-			if json.Unmarshal(raw, &pi) == nil {
-				g.hosts[j], g.hostIDs[j] = pi.Host, pi.HostID
+	la, err := procgroup.ChooseListenAddr(g.opts.LookupEnv, g.opts.StoreAddr)
+	if err != nil {
+		return "", "", err
+	}
+	return net.JoinHostPort(la.IP.String(), "0"), la.Reason, nil
+}
+
+// gatherAddrs reads every other rank's published addresses, waiting for each in turn.
+func (g *group) gatherAddrs(ctx context.Context, store procgroup.Store, mine addrInfo) ([]addrInfo, error) {
+	infos := make([]addrInfo, g.size)
+	infos[g.rank] = mine
+	for j := range g.size {
+		if j == g.rank {
+			continue
+		}
+		wctx, done := procgroup.BoundedWait(ctx, g.opts.ConnectTimeout, 0, func(waited time.Duration) {
+			g.log.Warn("gloo: still waiting for a peer to publish its address",
+				zap.Int("peer", j), zap.Duration("waited", waited), zap.Duration("bound", g.opts.ConnectTimeout),
+				zap.String("hint", g.absentHint(j)))
+		})
+		raw, err := store.Get(wctx, strconv.Itoa(j))
+		timedOut := procgroup.TimedOut(ctx, wctx)
+		done()
+		if err != nil {
+			if timedOut {
+				return nil, fmt.Errorf("%w: rank %d did not publish its address within %v (%s): %s",
+					procgroup.ErrConnectTimeout, j, g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv, g.absentHint(j))
 			}
+			return nil, fmt.Errorf("address of rank %d: %w", j, err)
+		}
+		if err := json.Unmarshal(raw, &infos[j]); err != nil {
+			return nil, fmt.Errorf("address of rank %d: %w", j, err)
+		}
+		g.hosts[j], g.hostIDs[j] = infos[j].Host, infos[j].HostID
+	}
+	return infos, nil
+}
+
+func (g *group) absentHint(j int) string {
+	where := "the rendezvous store"
+	if g.opts.StoreAddr != "" {
+		where += " at " + g.opts.StoreAddr
+	}
+	return fmt.Sprintf("rank %d has not joined the group; check that its process started and that its host can reach %s", j, where)
+}
+
+// checkReachable fails at once where a rank published a loopback address that a rank on
+// another machine would have to dial: the dial could only reach the dialer's own loopback.
+func (g *group) checkReachable(infos []addrInfo) error {
+	me := infos[g.rank]
+	for j, pi := range infos {
+		if j == g.rank || pi.Machine == me.Machine {
+			continue
+		}
+		if j > g.rank && me.TCP != "" && isLoopbackAddr(me.TCP) {
+			return fmt.Errorf("%w: rank %d would publish the loopback address %s, but rank %d runs on another host (%s), "+
+				"which cannot reach it there; set GODDP_SOCKET_IFNAME (or GLOO_SOCKET_IFNAME) to the interface that joins the hosts, "+
+				"or point the launcher at this host's routable address (--master_addr, MASTER_ADDR) rather than at localhost",
+				procgroup.ErrInvalidArgument, g.rank, me.TCP, j, pi.describe())
+		}
+		if j < g.rank && pi.TCP != "" && isLoopbackAddr(pi.TCP) {
+			return fmt.Errorf("%w: rank %d published the loopback address %s, but it runs on another host (%s) than rank %d; "+
+				"set GODDP_SOCKET_IFNAME (or GLOO_SOCKET_IFNAME) to the interface that joins the hosts on rank %d's host, "+
+				"or point the launcher at a routable address (--master_addr, MASTER_ADDR) rather than at localhost",
+				procgroup.ErrInvalidArgument, j, pi.TCP, pi.describe(), g.rank, j)
 		}
 	}
 	return nil
 }
 
-// dial connects to rank j, retrying until ctx ends, and authenticates.
+func isLoopbackAddr(hostport string) bool {
+	host, _, err := net.SplitHostPort(hostport)
+	if err != nil {
+		return false
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// describe names the host of a published address for messages.
+func (pi addrInfo) describe() string {
+	if host, _, err := net.SplitHostPort(pi.TCP); err == nil {
+		return pi.Host + " " + host
+	}
+	return pi.Host
+}
+
+// dial connects to rank j, retrying until the connect bound or ctx ends, and authenticates.
+// A failed Unix dial falls back to TCP at once.
 func (g *group) dial(ctx context.Context, j int, pi addrInfo, hs *handshaker) (net.Conn, error) {
 	network, addr := "tcp", pi.TCP
 	sameHost := pi.HostID == g.cfg.HostID && pi.Unix != ""
 	switch g.cfg.Transport {
 	case TransportUnix:
 		if !sameHost {
-			return nil, fmt.Errorf("%w: transport unix, but rank %d is on another host (%s)", procgroup.ErrInvalidArgument, j, pi.Host)
+			return nil, fmt.Errorf("%w: transport unix, but rank %d is on another host (%s)", procgroup.ErrInvalidArgument, j, pi.describe())
 		}
 		network, addr = "unix", pi.Unix
 	case TransportAuto:
@@ -193,10 +272,23 @@ func (g *group) dial(ctx context.Context, j int, pi addrInfo, hs *handshaker) (n
 	if addr == "" {
 		return nil, fmt.Errorf("rank %d published no %s address", j, network)
 	}
-	var d net.Dialer
+	var last procgroup.LastError
+	var target atomicString
+	target.Store(network + " " + addr)
+	hint := func() string {
+		return fmt.Sprintf("check that this host can reach %s (routing, firewall), or set GODDP_SOCKET_IFNAME on rank %d's host "+
+			"to the interface that joins the hosts", pi.describe(), j)
+	}
+	wctx, done := procgroup.BoundedWait(ctx, g.opts.ConnectTimeout, 0, func(waited time.Duration) {
+		g.log.Warn("gloo: still connecting to a peer", zap.Int("peer", j), zap.String("host", pi.Host),
+			zap.String("addr", target.Load()), zap.Duration("waited", waited), zap.Duration("bound", g.opts.ConnectTimeout),
+			zap.String("last_error", last.String()), zap.String("hint", hint()))
+	})
+	defer done()
+	d := net.Dialer{Timeout: min(g.opts.ConnectTimeout, 30*time.Second)}
 	backoff := 10 * time.Millisecond
 	for {
-		c, err := d.DialContext(ctx, network, addr)
+		c, err := d.DialContext(wctx, network, addr)
 		if err == nil {
 			c.SetDeadline(time.Now().Add(g.cfg.HandshakeTimeout))
 			if c, err = g.secureDial(c, network, addr); err == nil { // Note [Data-plane TLS]
@@ -211,19 +303,71 @@ func (g *group) dial(ctx context.Context, j int, pi addrInfo, hs *handshaker) (n
 				return nil, fmt.Errorf("connect to rank %d at %s %s: %w", j, network, addr, err)
 			}
 		}
+		last.Set(err)
 		if network == "unix" && g.cfg.Transport == TransportAuto && pi.TCP != "" {
-			g.log.Warn("gloo: unix socket dial failed, falling back to TCP", zap.Int("peer", j), zap.Error(err))
+			g.log.Info("gloo: unix socket dial failed, using TCP", zap.Int("peer", j), zap.Error(err))
 			network, addr = "tcp", pi.TCP
+			target.Store(network + " " + addr)
 			continue
 		}
 		select {
-		case <-ctx.Done():
+		case <-wctx.Done():
+			if procgroup.TimedOut(ctx, wctx) {
+				return nil, fmt.Errorf("%w: could not connect to rank %d (%s) at %s %s within %v (%s); last error: %v; %s",
+					procgroup.ErrConnectTimeout, j, pi.Host, network, addr, g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv, err, hint())
+			}
 			return nil, fmt.Errorf("connect to rank %d at %s %s: %w (last error: %v)", j, network, addr, ctx.Err(), err)
 		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, time.Second)
 	}
 }
+
+// awaitDialers waits, within the connect bound, until every higher rank has dialed in.
+func (g *group) awaitDialers(ctx context.Context, me addrInfo) error {
+	missing := func() int {
+		g.meshMu.Lock()
+		defer g.meshMu.Unlock()
+		for j := g.rank + 1; j < g.size; j++ {
+			if g.peers[j] == nil {
+				return j
+			}
+		}
+		return -1
+	}
+	hint := func(j int) string {
+		return fmt.Sprintf("rank %d (%s) has not connected to this rank's listener at %s; check that its host can reach this address, "+
+			"or set GODDP_SOCKET_IFNAME on this host to the interface that joins the hosts", j, g.hosts[j], me.TCP)
+	}
+	wctx, done := procgroup.BoundedWait(ctx, g.opts.ConnectTimeout, 0, func(waited time.Duration) {
+		if j := missing(); j >= 0 {
+			g.log.Warn("gloo: still waiting for a peer to connect", zap.Int("peer", j), zap.String("listen", me.TCP),
+				zap.Duration("waited", waited), zap.Duration("bound", g.opts.ConnectTimeout), zap.String("hint", hint(j)))
+		}
+	})
+	defer done()
+	for {
+		j := missing()
+		if j < 0 {
+			return nil
+		}
+		select {
+		case <-g.meshCh:
+		case <-wctx.Done():
+			if procgroup.TimedOut(ctx, wctx) {
+				return fmt.Errorf("%w: rank %d did not connect within %v (%s): %s",
+					procgroup.ErrConnectTimeout, j, g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv, hint(j))
+			}
+			return fmt.Errorf("waiting for rank %d to connect: %w", j, ctx.Err())
+		}
+	}
+}
+
+// atomicString is a string read by a warning goroutine while the dialer changes it.
+type atomicString struct{ v atomic.Value }
+
+func (a *atomicString) Store(s string) { a.v.Store(s) }
+func (a *atomicString) Load() string   { s, _ := a.v.Load().(string); return s }
 
 // acceptLoop accepts connections until the listener closes; each one is authenticated on
 // its own goroutine (at most cap(hsSem) at once), so a slow stranger blocks nobody.

@@ -668,3 +668,6 @@ func (g *group) shmDirectAllReduce(o *op) error {
 	}
 	return nil
 }
+
+// has reports whether rank j is in the region.
+func (r *shmRegion) has(j int) bool { return j >= 0 && j < len(r.local) && r.local[j] >= 0 }

@@ -225,14 +225,15 @@ func runRank(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
 		return fail(err)
 	}
 	defer closer.Close()
-	token := env.Token
-	if token == "" {
-		token = procgroup.DevToken
+	token, err := procgroup.JobToken(env, env.StoreAddress(), tlsOn(), nil) // Rendezvous checked it
+	if err != nil {
+		cancel()
+		return fail(err)
 	}
 	pg, err := procgroup.New(rctx, cfg.backend, procgroup.Options{
 		Rank: env.Rank, Size: env.WorldSize, LocalRank: env.LocalRank, LocalSize: env.LocalWorldSize,
 		Store: procgroup.PrefixStore{Prefix: "allreduce-perf", Store: store}, Token: token,
-		Timeout: cfg.timeout, Logger: logger,
+		Timeout: cfg.timeout, Logger: logger, StoreAddr: env.StoreAddress(),
 	})
 	cancel()
 	if err != nil {
@@ -356,4 +357,10 @@ func (t *tableReporter) footer() {
 	if t.rows > 0 {
 		fmt.Fprintf(t.w, "# Avg bus bandwidth    : %.3f\n", t.sumBus/float64(t.rows))
 	}
+}
+
+// tlsOn reports whether GODDP_TLS_* turn TLS on (Rendezvous then accepts a job without a token).
+func tlsOn() bool {
+	f, err := procgroup.TLSFromEnv(nil)
+	return err == nil && f.Enabled()
 }

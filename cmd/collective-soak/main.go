@@ -202,13 +202,14 @@ func setup(ctx context.Context, cfg config, env procgroup.Env, logger *zap.Logge
 	if err != nil {
 		return nil, nil, err
 	}
-	token := env.Token
-	if token == "" {
-		token = procgroup.DevToken
+	token, err := procgroup.JobToken(env, env.StoreAddress(), tlsOn(), nil) // Rendezvous checked it
+	if err != nil {
+		return nil, nil, errors.Join(err, closer.Close())
 	}
 	pg, err := procgroup.New(rctx, cfg.backend, procgroup.Options{
 		Rank: env.Rank, Size: env.WorldSize, LocalRank: env.LocalRank, LocalSize: env.LocalWorldSize,
 		Store: store, Prefix: "soak", Token: token, Timeout: 2 * cfg.timeout, Logger: logger,
+		StoreAddr: env.StoreAddress(),
 	})
 	if err != nil {
 		closer.Close()
@@ -237,4 +238,10 @@ func setup(ctx context.Context, cfg config, env procgroup.Env, logger *zap.Logge
 		}
 		closer.Close()
 	}, nil
+}
+
+// tlsOn reports whether GODDP_TLS_* turn TLS on (Rendezvous then accepts a job without a token).
+func tlsOn() bool {
+	f, err := procgroup.TLSFromEnv(nil)
+	return err == nil && f.Enabled()
 }

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -34,6 +33,8 @@ type coordinator struct {
 	nnodes  int
 	node    int
 	timeout time.Duration // bound of every wait for the other nodes
+	host    string        // this node's host name, for the others' messages
+	warn    func(string)  // prints a waiting notice (nil: none)
 }
 
 func (c *coordinator) key(attempt int, name string) string {
@@ -41,26 +42,58 @@ func (c *coordinator) key(attempt int, name string) string {
 }
 
 // barrier adds 1 to counter and waits until every node has, using done as the flag the last
-// one sets.
+// one sets. Each node also leaves "<counter>/node<N>" with its host name, so that a wait that
+// lasts names the nodes that have not arrived: every procgroup.ConnectWarnInterval in a
+// warning, and at the bound in the error.
 func (c *coordinator) barrier(ctx context.Context, attempt int, counter, done string) error {
-	ctx, cancel := context.WithTimeout(ctx, c.timeout)
-	defer cancel()
-	n, err := c.st.Add(ctx, c.key(attempt, counter), 1)
+	wctx, stop := procgroup.BoundedWait(ctx, c.timeout, 0, func(waited time.Duration) {
+		if c.warn != nil {
+			c.warn(fmt.Sprintf("ddprun: attempt %d: still waiting for %s after %v (bound %v, --rdzv_timeout)",
+				attempt, c.missing(ctx, attempt, counter), waited, c.timeout))
+		}
+	})
+	defer stop()
+	if err := c.st.Set(wctx, c.key(attempt, counter+"/node"+strconv.Itoa(c.node)), []byte(c.host)); err != nil {
+		return fmt.Errorf("attempt %d %s: %w", attempt, counter, err)
+	}
+	n, err := c.st.Add(wctx, c.key(attempt, counter), 1)
 	if err != nil {
 		return fmt.Errorf("attempt %d %s: %w", attempt, counter, err)
 	}
 	if n == int64(c.nnodes) {
-		if err := c.st.Set(ctx, c.key(attempt, done), nil); err != nil {
+		if err := c.st.Set(wctx, c.key(attempt, done), nil); err != nil {
 			return fmt.Errorf("attempt %d %s: %w", attempt, done, err)
 		}
 	}
-	if err := c.st.Wait(ctx, c.key(attempt, done)); err != nil {
-		if errors.Is(err, context.DeadlineExceeded) {
-			return fmt.Errorf("attempt %d: %d of %d nodes arrived within %v", attempt, n, c.nnodes, c.timeout)
+	if err := c.st.Wait(wctx, c.key(attempt, done)); err != nil {
+		if procgroup.TimedOut(ctx, wctx) {
+			return fmt.Errorf("attempt %d: %s within %v (--rdzv_timeout); check that its ddprun was started "+
+				"with the same --nnodes, --master_addr and --master_port and that its host reaches this one", attempt,
+				c.missing(ctx, attempt, counter)+" did not arrive", c.timeout)
 		}
 		return fmt.Errorf("attempt %d %s: %w", attempt, done, err)
 	}
 	return nil
+}
+
+// missing names the nodes that have not left their "<counter>/node<N>" key.
+func (c *coordinator) missing(ctx context.Context, attempt int, counter string) string {
+	var nodes []string
+	for i := range c.nnodes {
+		pctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+		_, err := c.st.Get(pctx, c.key(attempt, counter+"/node"+strconv.Itoa(i)))
+		cancel()
+		if err != nil {
+			nodes = append(nodes, strconv.Itoa(i))
+		}
+	}
+	if len(nodes) == 0 {
+		return "the last node to arrive"
+	}
+	if len(nodes) == 1 {
+		return "node " + nodes[0]
+	}
+	return "nodes " + strings.Join(nodes, ", ")
 }
 
 // join waits until every node is ready to run attempt.

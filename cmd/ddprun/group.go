@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/goddp/goddp/procgroup"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -114,6 +115,10 @@ func (j *job) rankEnv(p *rankProc, attempt int) []string {
 		{"GODDP_STORE_ADDR", j.storeAddr},
 		{"GODDP_TOKEN_FILE", j.tokenFile},
 		{"GODDP_RUN_ID", fmt.Sprintf("%s-attempt%d", j.runID, attempt)},
+	}
+	// The ranks' set-up bound follows --rdzv_timeout unless the environment sets its own.
+	if !hasEnv(j.baseEnv, procgroup.ConnectTimeoutEnv) {
+		set = append(set, [2]string{procgroup.ConnectTimeoutEnv, c.rdzvTimeout.String()})
 	}
 	// GODDP_TLS_* (tls.go)
 	set = append(set, j.cfg.tls.env()...)
@@ -343,4 +348,14 @@ func splitHostPortLoose(addr string) (string, string) {
 		return addr, ""
 	}
 	return strings.Trim(addr[:i], "[]"), addr[i+1:]
+}
+
+// hasEnv reports whether env (KEY=VALUE entries) sets key.
+func hasEnv(env []string, key string) bool {
+	for _, kv := range env {
+		if k, _, _ := strings.Cut(kv, "="); k == key {
+			return true
+		}
+	}
+	return false
 }

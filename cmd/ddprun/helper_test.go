@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
@@ -147,11 +148,23 @@ func helperMain(args []string) int {
 	case "grandchild":
 		self, _ := os.Executable()
 		cmd := exec.Command(self, "orphan")
-		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
-		if err := cmd.Start(); err != nil {
+		cmd.Stderr = os.Stderr
+		out, err := cmd.StdoutPipe()
+		if err == nil {
+			err = cmd.Start()
+		}
+		if err != nil {
 			fmt.Fprintln(os.Stderr, "helper:", err)
 			return 1
 		}
+		// Relay the grandchild's own pid line before exiting: once this rank exits, ddprun
+		// stops its process group, and a grandchild still starting up would print nothing.
+		line, err := bufio.NewReader(out).ReadString('\n')
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "helper: grandchild:", err)
+			return 1
+		}
+		fmt.Print(line)
 		fmt.Printf("grandchild=%d\n", cmd.Process.Pid)
 		return 0
 	case "orphan":

@@ -177,7 +177,8 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 			return fmt.Errorf("rendezvous store: %w", err)
 		}
 		defer st.Close()
-		coord = &coordinator{st: st, prefix: runID + "/ddprun", nnodes: cfg.nnodes, node: cfg.nodeRank, timeout: cfg.rdzvTimeout}
+		coord = &coordinator{st: st, prefix: runID + "/ddprun", nnodes: cfg.nnodes, node: cfg.nodeRank, timeout: cfg.rdzvTimeout,
+			host: host, warn: func(m string) { con.msg(m + "\n") }}
 	}
 
 	for attempt := 0; ; attempt++ {

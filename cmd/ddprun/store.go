@@ -105,12 +105,15 @@ func hostStore(c *config, token string, log *zap.Logger) (*procgroup.StoreServer
 // catches a wrong token before any rank starts.
 func awaitStore(ctx context.Context, addr, token string, tlsCfg *tls.Config, timeout time.Duration, con *console) error {
 	con.msg(fmt.Sprintf("ddprun: waiting for the rendezvous store at %s (up to %v)\n", addr, timeout))
-	dctx, cancel := context.WithTimeout(ctx, timeout)
+	dctx, cancel := procgroup.BoundedWait(ctx, timeout, 0, func(waited time.Duration) {
+		con.msg(fmt.Sprintf("ddprun: still waiting for the rendezvous store at %s after %v (bound %v, --rdzv_timeout)\n", addr, waited, timeout))
+	})
 	defer cancel()
 	st, err := procgroup.DialStore(dctx, addr, token, procgroup.DialOptions{TLS: tlsCfg})
 	if err != nil {
-		if ctx.Err() == nil && dctx.Err() != nil {
-			return fmt.Errorf("rendezvous store at %s not reachable within %v (is node 0's ddprun running?)", addr, timeout)
+		if procgroup.TimedOut(ctx, dctx) {
+			return fmt.Errorf("rendezvous store at %s not reachable within %v (--rdzv_timeout): check that node 0's ddprun is running "+
+				"and that this host reaches %s (--master_addr must be node 0's address as this host sees it, not localhost)", addr, timeout, addr)
 		}
 		return fmt.Errorf("rendezvous store: %w", err)
 	}

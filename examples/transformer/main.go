@@ -273,6 +273,15 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 	if err != nil {
 		return nil, err
 	}
+	if t := procgroup.Transports(pg); t != nil {
+		// How this rank reaches each peer, as the backend connected it (shared memory, Unix
+		// socket or TCP with the peer's address): the first thing to look at on several hosts.
+		parts := make([]string, len(t))
+		for i, v := range t {
+			parts[i] = strconv.Itoa(i) + "=" + v
+		}
+		fmt.Fprintf(stderr, "transports: rank %d: %s\n", pg.Rank(), strings.Join(parts, " "))
+	}
 	err = trainWith(ctx, f, m, pg, log, stdout)
 	if err != nil {
 		// The other ranks must not wait for this one: fail their pending collectives.
