@@ -21,9 +21,10 @@ import (
 
 // addrInfo is what each rank publishes under "gloo/<rank>" in the group's store prefix.
 type addrInfo struct {
-	Host    string `json:"host"`    // host name, for messages
-	HostID  string `json:"host_id"` // same HostID: same-host transport (Config.HostID)
-	Machine string `json:"machine"` // procgroup.HostIdentity, which tests cannot override
+	Host    string `json:"host"`         // host name, for messages
+	HostID  string `json:"host_id"`      // same HostID: same-host transport (Config.HostID)
+	Machine string `json:"machine"`      // procgroup.HostIdentity, which tests cannot override
+	IP      string `json:"ip,omitempty"` // the address peers reach it at, for messages
 	TCP     string `json:"tcp,omitempty"`
 	Unix    string `json:"unix,omitempty"`
 }
@@ -97,11 +98,15 @@ func (g *group) connect(ctx context.Context) error {
 		return nil
 	}
 	accepts := g.rank < g.size-1 // the highest rank only dials
-	if accepts && g.cfg.Transport != TransportUnix {
-		addr, reason, err := g.listenAddr()
-		if err != nil {
+	addr, reason := "", ""
+	if g.cfg.Transport != TransportUnix {
+		var err error
+		if addr, reason, err = g.listenAddr(); err != nil {
 			return err
 		}
+		info.IP, _, _ = net.SplitHostPort(addr)
+	}
+	if accepts && g.cfg.Transport != TransportUnix {
 		ln, err := net.Listen("tcp", addr)
 		if err != nil {
 			return fmt.Errorf("listen tcp %s (%s): %w", addr, reason, err)
@@ -200,6 +205,9 @@ func (g *group) gatherAddrs(ctx context.Context, store procgroup.Store, mine add
 			return nil, fmt.Errorf("address of rank %d: %w", j, err)
 		}
 		g.hosts[j], g.hostIDs[j] = infos[j].Host, infos[j].HostID
+		if infos[j].Machine != mine.Machine {
+			g.hosts[j] = infos[j].describe() // one hostname can stand for several hosts
+		}
 	}
 	return infos, nil
 }
@@ -245,10 +253,10 @@ func isLoopbackAddr(hostport string) bool {
 	return ip != nil && ip.IsLoopback()
 }
 
-// describe names the host of a published address for messages.
+// describe names the host of a published address for messages: its name and address.
 func (pi addrInfo) describe() string {
-	if host, _, err := net.SplitHostPort(pi.TCP); err == nil {
-		return pi.Host + " " + host
+	if pi.IP != "" {
+		return pi.Host + " " + pi.IP
 	}
 	return pi.Host
 }
