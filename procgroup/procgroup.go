@@ -86,7 +86,8 @@ type Work interface {
 type Future struct {
 	once sync.Once
 	done chan struct{}
-	err  error // written once, before done is closed
+	err  error     // written once, before done is closed
+	at   time.Time // when it completed, written with err
 }
 
 // NewFuture returns a pending Future.
@@ -105,6 +106,7 @@ func (f *Future) Complete(err error) bool {
 	fired := false
 	f.once.Do(func() {
 		f.err = err
+		f.at = time.Now()
 		close(f.done)
 		fired = true
 	})
@@ -297,4 +299,32 @@ func Transports(pg ProcessGroup) []string {
 		pg = u.Unwrap()
 	}
 	return nil
+}
+
+// CompletedAt is when f completed (the zero time before).
+func (f *Future) CompletedAt() time.Time {
+	select {
+	case <-f.done:
+		return f.at
+	default:
+		return time.Time{}
+	}
+}
+
+// CompletedAt returns when w completed, where w, or a Work it wraps (through an
+// Unwrap() Work method, as the watchdog's works have), records it; ok is false otherwise or
+// before completion. The reducer uses it for exact bucket finish times.
+func CompletedAt(w Work) (t time.Time, ok bool) {
+	for w != nil {
+		if c, is := w.(interface{ CompletedAt() time.Time }); is {
+			t = c.CompletedAt()
+			return t, !t.IsZero()
+		}
+		u, is := w.(interface{ Unwrap() Work })
+		if !is {
+			return time.Time{}, false
+		}
+		w = u.Unwrap()
+	}
+	return time.Time{}, false
 }

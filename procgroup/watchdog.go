@@ -572,6 +572,9 @@ type wdWork struct {
 	err  error
 }
 
+// Unwrap returns the backend's own Work.
+func (x *wdWork) Unwrap() Work { return x.Work }
+
 func (x *wdWork) result() error {
 	x.once.Do(func() {
 		err := x.Work.Err()

@@ -402,6 +402,15 @@ func (r *Reducer) launch(b int, now time.Time) time.Time {
 	return t
 }
 
+// finishedAt is when w completed, if it records that (procgroup.CompletedAt), else seen: the
+// moment its completion was noticed, an upper bound.
+func finishedAt(w procgroup.Work, seen time.Time) time.Time {
+	if t, ok := procgroup.CompletedAt(w); ok && t.Before(seen) {
+		return t
+	}
+	return seen
+}
+
 // poll records the finish time of the launched buckets seen complete at now, in order.
 // r.mu must be held.
 func (r *Reducer) poll(now time.Time) {
@@ -416,7 +425,7 @@ func (r *Reducer) poll(now time.Time) {
 		default:
 			return
 		}
-		st.BucketFinished[r.polled] = now.Sub(st.Start)
+		st.BucketFinished[r.polled] = finishedAt(s.work, now).Sub(st.Start)
 		s.seen = true
 		r.polled++
 	}
@@ -483,7 +492,7 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 			return r.failLocked(fmt.Errorf("reducer: backward %d: Finalize: waiting for bucket %d: %w", r.m.Iter(), b, werr))
 		}
 		if !s.seen {
-			st.BucketFinished[b] = time.Since(st.Start)
+			st.BucketFinished[b] = finishedAt(s.work, time.Now()).Sub(st.Start)
 			s.seen = true
 			r.polled = b + 1
 		}

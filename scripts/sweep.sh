@@ -9,6 +9,14 @@
 #   make sweep                                   # caps 1 5 10 25 50 100 200, 3 repeats
 #   CAPS="1 25 200" REPEATS=1 STEPS=5 make sweep # quick look
 #   TORCH=0 make sweep                           # goddp only
+#   TESTBED_RATE=1gbit make sweep                # over a real link: 2 hosts x 1 rank (root)
+#
+# With TESTBED_RATE (tc syntax: 1gbit, 10gbit) every DDP point runs on a fresh two-host
+# testbed (cmd/testbed: network namespaces joined by a bridge, each link shaped to the rate),
+# one rank per host, launched as on two machines: goddp with ddprun --nnodes 2, PyTorch with
+# its env:// variables and GLOO_SOCKET_IFNAME=eth0. Each rank uses one BLAS thread, as the two
+# hosts share this machine's cores. goddp's runs also give util.csv: the link's use while
+# buckets are in flight, from the reducer's bytes per pass and in-flight time (Comm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CAPS=${CAPS:-1 5 10 25 50 100 200}
@@ -25,7 +33,14 @@ if [ "$TORCH" = auto ]; then
   if [ -f "$TORCH_DIR/ddp_bench.py" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then TORCH=1; else TORCH=0; fi
 fi
 GO=${GO:-go}
+TESTBED_RATE=${TESTBED_RATE:-}
 mkdir -p "$OUT/logs" bin
+if [ -n "$TESTBED_RATE" ]; then
+  "$GO" build -o bin/testbed ./cmd/testbed
+  GODDP_TOKEN=${GODDP_TOKEN:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
+  export GODDP_TOKEN
+  echo "system,bucket_cap_mb,repeat,comm_ms,reduced_mib,link_util" > "$OUT/util.csv"
+fi
 "$GO" build -o bin/ddprun ./cmd/ddprun
 "$GO" build -tags "$TAGS" -o bin/transformer ./examples/transformer
 "$GO" build -o bin/sweep-report ./cmd/sweep-report
@@ -72,19 +87,49 @@ for rep in $(seq 1 "$REPEATS"); do
   for cap in $CAPS; do
     echo "# repeat $rep: goddp bucket_cap_mb=$cap" >&2
     log="$OUT/logs/goddp_cap${cap}_r${rep}.log"
-    ./bin/ddprun --nproc_per_node 2 ./bin/transformer -- --bucket_cap_mb "$cap" \
-      --warmup_steps "$WARMUP" --bench_steps "$STEPS" $CONFIG > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap"
-    m=$(grep '^\[rank0\]' "$log" | msstep)
+    if [ -n "$TESTBED_RATE" ]; then
+      # env.sh points GLOO_SOCKET_IFNAME at lo for torch on one host; goddp honours it too
+      env -u GLOO_SOCKET_IFNAME OPENBLAS_NUM_THREADS=1 ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
+        "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 \
+         ./bin/transformer -- --bucket_cap_mb $cap --warmup_steps $WARMUP --bench_steps $STEPS $CONFIG" \
+        > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap on the testbed"
+      m=$(sed -n 's/^\[host0\] \(\[rank0\].*\)/\1/p' "$log" | msstep)
+      # link use while buckets are in flight: bytes on the wire each way per pass (a two-rank
+      # all-reduce sends its whole buffer each way) over the in-flight time
+      sed -n 's/^\[host0\] \[rank0\]: ddp: .* comm \([0-9.]*\)ms .* reduced \([0-9.]*\)MB\/pass.*/\1 \2/p' "$log" | tail -1 |
+        awk -v cap="$cap" -v rep="$rep" -v rate="$TESTBED_RATE" '
+          function bps(r) { r = tolower(r); if (r ~ /gbit$/) return r * 1e9; if (r ~ /mbit$/) return r * 1e6; return r }
+          { printf "goddp,%s,%s,%s,%s,%.3f\n", cap, rep, $1, $2, ($2 * 1048576 * 8) / ($1 / 1000) / bps(rate) }' >> "$OUT/util.csv"
+    else
+      ./bin/ddprun --nproc_per_node 2 ./bin/transformer -- --bucket_cap_mb "$cap" \
+        --warmup_steps "$WARMUP" --bench_steps "$STEPS" $CONFIG > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap"
+      m=$(grep '^\[rank0\]' "$log" | msstep)
+    fi
     [ -n "$m" ] || fail "$log" "goddp bucket_cap_mb=$cap"
     echo "goddp,ddp,$cap,$rep,$m" >> "$raw"
     if [ "$TORCH" = 1 ]; then
       echo "# repeat $rep: torch bucket_cap_mb=$cap" >&2
       log="$OUT/logs/torch_cap${cap}_r${rep}.log"
-      /usr/bin/python3 "$TORCH_DIR/ddp_bench.py" --world_size 2 --bucket_cap_mb "$cap" --warmup "$WARMUP" --steps "$STEPS" $torch_config \
-        > "$log" 2>&1 || fail "$log" "torch bucket_cap_mb=$cap"
+      if [ -n "$TESTBED_RATE" ]; then
+        ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
+          "RANK=\$TESTBED_HOST WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=\$TESTBED_MASTER MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 \
+           /usr/bin/python3 $TORCH_DIR/ddp_bench.py --bucket_cap_mb $cap --warmup $WARMUP --steps $STEPS $torch_config" \
+          > "$log.all" 2>&1 || fail "$log.all" "torch bucket_cap_mb=$cap on the testbed"
+        sed -n 's/^\[host0\] //p' "$log.all" > "$log"
+      else
+        /usr/bin/python3 "$TORCH_DIR/ddp_bench.py" --world_size 2 --bucket_cap_mb "$cap" --warmup "$WARMUP" --steps "$STEPS" $torch_config \
+          > "$log" 2>&1 || fail "$log" "torch bucket_cap_mb=$cap"
+      fi
       m=$(torchms "$log") || fail "$log" "torch bucket_cap_mb=$cap"
       echo "torch,ddp,$cap,$rep,$m" >> "$raw"
     fi
   done
 done
 ./bin/sweep-report -in "$raw" -out "$OUT"
+if [ -n "$TESTBED_RATE" ]; then
+  echo "link use while goddp's buckets are in flight ($TESTBED_RATE), median of repeats:"
+  tail -n +2 "$OUT/util.csv" | sort -t, -k2,2g -k6,6g | awk -F, '
+    { v[$2] = v[$2] " " $6; n[$2]++ }
+    END { for (c in v) { split(substr(v[c], 2), a, " "); printf "  bucket_cap_mb=%s  util=%s (of %d: %s)\n", c, a[int((n[c] + 1) / 2)], n[c], v[c] } }' |
+    sort -t= -k2,2g | tee "$OUT/util.txt"
+fi
