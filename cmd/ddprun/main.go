@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -98,6 +99,13 @@ func interruptCode(ctx context.Context) int {
 // runJob prepares the program, the token and the store, then runs attempts until one
 // succeeds, ddprun is interrupted, or --max_restarts is spent.
 func runJob(ctx context.Context, cfg *config, env []string, con *console) error {
+	// The output paths first: a bad one fails now, not after the run.
+	if err := outpath.File("--trace_merge", cfg.traceMerge); err != nil {
+		return err
+	}
+	if err := outpath.Dir("--log_dir", cfg.logDir); err != nil {
+		return err
+	}
 	host, _ := os.Hostname()
 	workDir, err := os.MkdirTemp("", "ddprun-")
 	if err != nil {

@@ -10,10 +10,10 @@ import (
 	"io"
 	"math"
 	"os"
-	"path/filepath"
 
 	_ "github.com/goddp/goddp/backends/gloo" // the "gloo" backend (--backend gloo)
 	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -80,7 +80,7 @@ func main() {
 
 // run checks the output file, joins the launcher's group (without --no_ddp) and trains.
 func run(ctx context.Context, f flags, stdout io.Writer) error {
-	if err := checkOutput(f.saveParams); err != nil { // before training, not after it
+	if err := outpath.File("--save_params", f.saveParams); err != nil { // before training, not after it
 		return err
 	}
 	var pg procgroup.ProcessGroup
@@ -174,21 +174,6 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		}
 	}
 	return m, nil
-}
-
-// checkOutput makes sure path (if any) can be written: it creates its folder and the file.
-func checkOutput(path string) error {
-	if path == "" {
-		return nil
-	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return fmt.Errorf("--save_params: %w", err)
-	}
-	file, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE, 0o644)
-	if err != nil {
-		return fmt.Errorf("--save_params: %w", err)
-	}
-	return file.Close()
 }
 
 // paramBytes is p's little-endian float32 bytes.
