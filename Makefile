@@ -15,6 +15,7 @@ test: vet
 
 vet:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt: files above need formatting"; exit 1; }
+	@$(GO) mod tidy -diff || { echo "go.mod/go.sum are not tidy (the diff above): run go mod tidy"; exit 1; }
 	$(GO) vet $(PKGS)
 	$(if $(OPENBLAS),$(GO) vet -tags openblas ./examples/...,)
 

@@ -10,17 +10,55 @@
 //
 // # Usage
 //
+// A trainer is a main package that links in a backend with a blank import (package
+// procgroup imports none; without it every rank fails with procgroup: unknown backend
+// "gloo": not linked into this program; add import _ "github.com/goddp/goddp/backends/gloo"):
+//
+//	import (
+//		_ "github.com/goddp/goddp/backends/gloo" // the "gloo" backend (CPU)
+//		"github.com/goddp/goddp/ddp"
+//	)
+//
 // Create the group from the launcher's environment (ddprun, torchrun-style variables, srun,
-// mpirun), wrap the model, then train. With a gorgonia model whose graph takes a grad hook
-// (Tap each learnable right where it is consumed, Note [Tap placement], or let WrapNodes
-// hand out Taps that do so):
+// mpirun), wrap the model, then train.
+//
+// A trainer that computes its own gradients lists its parameters as Params ({Name, Data,
+// Grad, Shape}: Data and Grad are []float32 or []float64 of the same length) and reports
+// each gradient with GradReady during backward, in the order backward produces them (the
+// last layer's first); Finalize leaves the gradients averaged over the ranks in each
+// Param.Grad, and then the optimizer steps (Example_ownGradients runs this loop;
+// examples/mlp is a whole trainer):
 //
 //	pg, closePG, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{Logger: log})
 //	if err != nil { ... }
 //	defer closePG()
-//	d, err := ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: 25, Logger: log})
-//	if err != nil { ... }  // e.g. "ddp: parameter 3 (w1) has shape [256 1024] on rank 0 but [256 512] on rank 1"
+//	d, err := ddp.New(ctx, pg, []ddp.Param{
+//		{Name: "w1", Data: w1, Grad: gw1}, // index 0
+//		{Name: "w2", Data: w2, Grad: gw2}, // index 1
+//	}, ddp.Options{BucketCapMB: 25, Logger: log})
+//	if err != nil { ... }  // e.g. "ddp: parameter 1 (w2) has shape [256 1024] on rank 0 but [256 512] on rank 1"
 //	defer d.Close()
+//
+//	for step := 0; step < steps; step++ {
+//		for mb := 0; mb < accum; mb++ {
+//			d.BeginBackward(mb == accum-1)   // all but the last micro-batch: NoSync
+//			forward(x[step][mb])             // this rank's shard of the micro-batch
+//			backward2(mw2, 1/float32(accum)) // w2's gradient first (scaled: see NoSync below)
+//			d.GradReady(1, mw2)              // never blocks; mw2 may be reused at once
+//			backward1(mw1, 1/float32(accum))
+//			d.GradReady(0, mw1)
+//		}
+//		if err := d.Finalize(ctx); err != nil { // the step's first error, if any
+//			return err
+//		}
+//		sgd(w1, gw1); sgd(w2, gw2) // gw1, gw2: the global batch's gradient
+//	}
+//
+// With a gorgonia model whose graph takes a grad hook (Tap each learnable right where it
+// is consumed, Note [Tap placement], or let WrapNodes hand out Taps that do so), the hook
+// calls GradReady for you:
+//
+//	d, err := ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: 25, Logger: log})
 //	g, err := m.NewGraph(model.GraphOptions{Hook: d.Hook, ...}) // the hook feeds d during backward
 //
 //	for step := 0; step < steps; step++ {
@@ -29,7 +67,7 @@
 //			d.BeginBackward(mb == accum-1)   // all but the last micro-batch: NoSync
 //			if _, err := g.Run(); err != nil { return err } // forward+backward; hooks fire
 //		}
-//		if err := d.Finalize(ctx); err != nil { // the step's first error, if any
+//		if err := d.Finalize(ctx); err != nil {
 //			return err
 //		}
 //		opt.Step(weights, grads)  // each Param.Grad holds the gradient averaged over ranks
@@ -41,10 +79,35 @@
 //	err := d.NoSync(func() error { _, err := g.Run(); return err })        // accumulate
 //	err := d.Backward(ctx, func() error { _, err := g.Run(); return err }) // sync + Finalize
 //
-// A trainer that computes its own gradients lists them as Params ({Name, Data, Grad,
-// Shape}: Data and Grad are []float32 or []float64 of the same length) and calls
-// d.GradReady(i, grad) for each parameter during backward, in the order the gradients
-// become ready, instead of the hook.
+// # NoSync (gradient accumulation)
+//
+// What accumulates, and where (Note [Accumulation window] in package reducer):
+//
+//   - GradReady copies the gradient it is given into the DDP's own bucket buffers,
+//     multiplied by 1/world size, and after the first pass of a step adds it to what is
+//     there. Pass each micro-batch's own gradient, not a running sum: the DDP keeps the
+//     sum. The slice may be Param.Grad itself, and may be overwritten once GradReady
+//     returns.
+//   - So the synced Finalize leaves in Param.Grad the sum over the step's micro-batches
+//     (the NoSync passes and the synced one) of their gradients, averaged over the ranks.
+//     It is a sum, not a mean, over micro-batches: scaling each micro-batch's loss or
+//     gradient by 1/accum is the trainer's job (as with PyTorch's no_sync).
+//   - Param.Grad is not written before the synced Finalize: not by GradReady, not by a
+//     NoSync pass or its (optional) Finalize, not by a synced pass before its Finalize.
+//     Finalize writes every Param.Grad (with GradientAsBucketView, nothing is copied: read
+//     Grad32/Grad64 after it).
+//   - A parameter that gets no gradient in the synced pass keeps what the step's NoSync
+//     passes left for it (with FindUnusedParameters; without it, that fails Finalize).
+//
+// The GradReady order does not have to be right, or the same on every rank. Buckets hold
+// parameters in reverse index order at first, and a bucket's all-reduce starts only once
+// it is full and every lower-index bucket has started, so every rank issues the buckets'
+// all-reduces in index order whatever order its gradients come in (Note [Bucket order] in
+// package reducer). After the first synced Finalize the buckets are rebuilt, on every rank
+// alike, from the order rank 0 reported (Note [Rebuild]). A wrong order costs overlap (a
+// bucket waits for its predecessors), not correctness. Reporting a parameter twice in one
+// pass fails the DDP (reducer.ErrMarkedTwice): report a shared parameter once, after its
+// contributions are summed.
 //
 // # Errors
 //

@@ -105,7 +105,7 @@ func TestInitProcessGroupErrors(t *testing.T) {
 	}{
 		{map[string]string{}, "ddptest", "ddp: init: procgroup: env: no rank in the environment"},
 		{map[string]string{"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "nosuch",
-			`ddp: init: procgroup: unknown backend "nosuch" (forgotten import?)`},
+			`ddp: init: procgroup: unknown backend "nosuch": no backend of that name exists (known backends: gloo → github.com/goddp/goddp/backends/gloo, nccl → github.com/goddp/goddp/backends/nccl; linked in: `},
 	} {
 		lookup := func(k string) (string, bool) { v, ok := tc.env[k]; return v, ok }
 		_, _, err := InitProcessGroup(context.Background(), tc.backend, InitOptions{LookupEnv: lookup})

@@ -2,9 +2,12 @@ package ddp
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -182,12 +185,15 @@ func TracePath(path string, rank, worldSize int) string {
 }
 
 // OpenTrace creates the trace file of d's rank at TracePath(path) (path "" falls back to
-// the environment variable GODDP_TRACE, which ddprun --trace_merge sets) and attaches d
-// (parameter names, bucket layouts). With neither set it returns a nil *Tracer and no error:
-// tracing is off and every method of the nil Tracer does nothing.
+// the environment variable GODDP_TRACE, which ddprun --trace_merge sets), and the folders
+// above it, and attaches d (parameter names, bucket layouts). With both a path and
+// GODDP_TRACE set, the trace goes to path and a symbolic link at GODDP_TRACE's path points
+// to it, so that ddprun --trace_merge finds it too. With neither set it returns a nil
+// *Tracer and no error: tracing is off and every method of the nil Tracer does nothing.
 func OpenTrace(path string, d *DDP) (*Tracer, error) {
+	merge := os.Getenv(TraceEnvVar)
 	if path == "" {
-		path = os.Getenv(TraceEnvVar)
+		path, merge = merge, ""
 	}
 	if path == "" {
 		return nil, nil
@@ -196,9 +202,21 @@ func OpenTrace(path string, d *DDP) (*Tracer, error) {
 		return nil, fmt.Errorf("%w: OpenTrace: nil DDP", ErrInvalidArgument)
 	}
 	path = TracePath(path, d.Rank(), d.Size())
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("ddp: rank %d: trace: %w", d.Rank(), err)
+	}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&fs.ModeSymlink != 0 {
+		os.Remove(path) // a link left by an earlier run: write a file of its own, not through it
+	}
 	f, err := os.Create(path)
 	if err != nil {
 		return nil, fmt.Errorf("ddp: rank %d: trace: %w", d.Rank(), err)
+	}
+	if merge != "" {
+		if err := linkTrace(path, TracePath(merge, d.Rank(), d.Size())); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("ddp: rank %d: trace: %s: %w", d.Rank(), TraceEnvVar, err)
+		}
 	}
 	names := make([]string, len(d.params))
 	for i, p := range d.params {
@@ -212,6 +230,25 @@ func OpenTrace(path string, d *DDP) (*Tracer, error) {
 	t.closer = f
 	t.Attach(d)
 	return t, nil
+}
+
+// linkTrace makes link a symbolic link to the trace file at target (unless they are the
+// same path), replacing whatever link was.
+func linkTrace(target, link string) error {
+	abs, err := filepath.Abs(target)
+	if err != nil {
+		return err
+	}
+	if l, err := filepath.Abs(link); err == nil && l == abs {
+		return nil
+	}
+	if err := os.MkdirAll(filepath.Dir(link), 0o755); err != nil {
+		return err
+	}
+	if err := os.Remove(link); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return os.Symlink(abs, link)
 }
 
 // Attach lets the Tracer read d's bucket layouts, which the copy-in events need. Call it

@@ -20,6 +20,9 @@
 //
 //	import _ "github.com/goddp/goddp/backends/gloo"
 //
+// Without the import, New (and Lookup) fail with an error wrapping ErrUnknownBackend that
+// names the import to add (ExampleLookup).
+//
 // Two wrappers work over any backend (ddp.InitProcessGroup applies both): WithWatchdog
 // numbers collectives, publishes each rank's progress through the store, warns which ranks
 // have not joined a stalled collective (GODDP_STALL_WARN) and aborts every rank at the

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -254,15 +256,55 @@ func Backends() []string {
 	return names
 }
 
-// Lookup returns the factory registered under name.
+// knownBackends maps the names of goddp's own backends to the import path of the package
+// that registers each one: a program uses a backend only if it links that package in, with
+// a blank import in its main package (procgroup itself imports no backend).
+var knownBackends = map[string]string{
+	"gloo": "github.com/goddp/goddp/backends/gloo",
+	"nccl": "github.com/goddp/goddp/backends/nccl",
+}
+
+// ErrUnknownBackend is wrapped by Lookup's (and so New's) error for a name no linked-in
+// package has registered. The message says which import adds the backend.
+var ErrUnknownBackend = errors.New("procgroup: unknown backend")
+
+// Lookup returns the factory registered under name, or an error wrapping ErrUnknownBackend
+// that names the import to add (for goddp's own gloo and nccl) and the backends known and
+// linked in:
+//
+//	procgroup: unknown backend "gloo": not linked into this program; add import _ "github.com/goddp/goddp/backends/gloo" (known backends: gloo → github.com/goddp/goddp/backends/gloo, nccl → github.com/goddp/goddp/backends/nccl; linked in: none)
 func Lookup(name string) (Factory, error) {
 	registryMu.RLock()
 	f, ok := registry[name]
 	registryMu.RUnlock()
 	if !ok {
-		return nil, fmt.Errorf("procgroup: unknown backend %q (forgotten import?)", name)
+		return nil, unknownBackend(name)
 	}
 	return f, nil
+}
+
+// unknownBackend is Lookup's error for name.
+func unknownBackend(name string) error {
+	known := make([]string, 0, len(knownBackends))
+	for n := range knownBackends {
+		known = append(known, n)
+	}
+	slices.Sort(known)
+	for k, n := range known {
+		known[k] = n + " → " + knownBackends[n]
+	}
+	linked := Backends()
+	slices.Sort(linked)
+	linkedList := "none"
+	if len(linked) > 0 {
+		linkedList = strings.Join(linked, ", ")
+	}
+	hint := "no backend of that name exists"
+	if path, ok := knownBackends[name]; ok {
+		hint = fmt.Sprintf("not linked into this program; add import _ %q", path)
+	}
+	return fmt.Errorf("%w %q: %s (known backends: %s; linked in: %s)",
+		ErrUnknownBackend, name, hint, strings.Join(known, ", "), linkedList)
 }
 
 // New validates opts and creates a group with the named backend.

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -98,6 +99,13 @@ func interruptCode(ctx context.Context) int {
 // runJob prepares the program, the token and the store, then runs attempts until one
 // succeeds, ddprun is interrupted, or --max_restarts is spent.
 func runJob(ctx context.Context, cfg *config, env []string, con *console) error {
+	// The output paths first: a bad one fails now, not after the run.
+	if err := outpath.File("--trace_merge", cfg.traceMerge); err != nil {
+		return err
+	}
+	if err := outpath.Dir("--log_dir", cfg.logDir); err != nil {
+		return err
+	}
 	host, _ := os.Hostname()
 	workDir, err := os.MkdirTemp("", "ddprun-")
 	if err != nil {
@@ -277,8 +285,9 @@ func (j *job) reportFailure(p *rankProc, attempt int) {
 
 // setDefaultThreads sets OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to 1 for the ranks unless
 // the environment sets them, as torchrun does for OMP_NUM_THREADS: several ranks on one
-// node, each with a thread per core, oversubscribe the CPUs.
+// node, each with a thread per core, oversubscribe the CPUs. It says so in one line.
 func setDefaultThreads(j *job, con *console) {
+	var set []string
 	for _, k := range []string{"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} {
 		found := false
 		for _, kv := range j.baseEnv {
@@ -288,8 +297,11 @@ func setDefaultThreads(j *job, con *console) {
 		}
 		if !found {
 			j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)], k+"=1")
-			con.msg(fmt.Sprintf("ddprun: setting %s=1 for each rank (set it yourself to change this)\n", k))
+			set = append(set, k+"=1")
 		}
+	}
+	if len(set) > 0 {
+		con.msg(fmt.Sprintf("ddprun: setting %s for each rank (set them yourself to change this)\n", strings.Join(set, " ")))
 	}
 }
 

@@ -14,7 +14,9 @@ import (
 // Note [Trace merge]: with --trace_merge OUT, every rank gets GODDP_TRACE naming its own
 // file, LOG_DIR/trace/trace.rank{rank}.a{attempt}.json (under ddprun's work directory
 // without --log_dir); a trainer that calls ddp.OpenTrace with an empty path (its --trace
-// flag unset) writes its timeline there. When the job ends, ddprun merges the files of the
+// flag unset) writes its timeline there, and one that gives a path writes it there and
+// links GODDP_TRACE's file to it. OUT's folder is made, and OUT checked, before the ranks
+// start. When the job ends, ddprun merges the files of the
 // last attempt that wrote any into OUT, aligned on the wall clock (tracefile.Merge). Only
 // this node's ranks are merged; with several nodes each node writes its own OUT.
 

@@ -28,6 +28,8 @@ import (
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
+
+	"github.com/goddp/goddp/internal/outpath"
 )
 
 func main() {
@@ -40,6 +42,10 @@ func main() {
 	}
 	if *out == "" {
 		*out = filepath.Dir(*in)
+	}
+	if err := outpath.Dir("-out", *out); err != nil {
+		fmt.Fprintln(os.Stderr, "sweep-report:", err)
+		os.Exit(1)
 	}
 	if err := run(*in, *out, os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "sweep-report:", err)

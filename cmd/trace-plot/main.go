@@ -29,6 +29,7 @@ import (
 	"gonum.org/v1/plot/vg/draw"
 
 	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/internal/outpath"
 )
 
 func main() { os.Exit(run(os.Args[1:], os.Stdout, os.Stderr)) }
@@ -51,6 +52,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 	if *in == "" || fs.NArg() > 0 || (*out == "" && *merge == "" && !*strag) {
 		fmt.Fprintln(stderr, "trace-plot: want -in FILES and at least one of -out, -merge, -stragglers")
 		return 2
+	}
+	for _, o := range []struct{ flag, path string }{{"-out", *out}, {"-merge", *merge}} {
+		if err := outpath.File(o.flag, o.path); err != nil { // before the work, not after it
+			fmt.Fprintf(stderr, "trace-plot: %v\n", err)
+			return 1
+		}
 	}
 	tf, err := load(strings.Split(*in, ","))
 	if err != nil {

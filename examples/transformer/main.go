@@ -28,6 +28,7 @@ import (
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/examples/transformer/model"
 	"github.com/goddp/goddp/examples/transformer/optim"
+	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/reducer"
 )
@@ -222,6 +223,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err != nil {
 		return usageError{err}
 	}
+	if err := checkOutputs(f); err != nil {
+		return err
+	}
 	if f.cpuProfile != "" {
 		fh, err := os.Create(f.cpuProfile)
 		if err != nil {
@@ -235,6 +239,23 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	_, err = train(ctx, f, stdout, stderr)
 	return err
+}
+
+// checkOutputs makes the folders of the flags that write files, and checks that they can
+// be written, before the run (not at its end, or in its middle).
+func checkOutputs(f flags) error {
+	if err := outpath.Dir("--checkpoint_dir", f.checkpointDir); err != nil {
+		return err
+	}
+	if err := outpath.File("--cpuprofile", f.cpuProfile); err != nil {
+		return err
+	}
+	// The trace's file name may hold {rank} and {attempt}; its folder is checked here,
+	// and made again by ddp.OpenTrace if that too holds them.
+	if dir := filepath.Dir(f.trace); f.trace != "" && !strings.Contains(dir, "{") {
+		return outpath.Dir("--trace", dir)
+	}
+	return nil
 }
 
 // modelConfig is the model the flags describe.

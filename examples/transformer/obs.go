@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"time"
 
@@ -100,7 +101,11 @@ func openTrace(f flags, d *ddp.DDP) (*ddp.Tracer, io.Closer, error) {
 	if path == "" {
 		return nil, nil, nil
 	}
-	fh, err := os.Create(ddp.TracePath(path, 0, 1))
+	path = ddp.TracePath(path, 0, 1)
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, nil, fmt.Errorf("trace: %w", err)
+	}
+	fh, err := os.Create(path)
 	if err != nil {
 		return nil, nil, fmt.Errorf("trace: %w", err)
 	}

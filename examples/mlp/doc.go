@@ -1,0 +1,30 @@
+// Command mlp trains a small multilayer perceptron whose forward and backward passes are
+// plain Go loops (no autodiff library), with its gradients averaged across ranks by package
+// ddp: ddp.InitProcessGroup, ddp.New with the parameters as ddp.Params, GradReady for
+// each gradient in the order backward produces it, Finalize, then an SGD step. Its training
+// loop (train, in main.go) is meant to be copied.
+//
+// The model is x (4) → Linear(4, hidden) → tanh → Linear(hidden, 1), with the mean squared
+// error against y = sin(2x₀) + x₁·x₂ − x₃/2, on inputs drawn uniformly from [−1, 1]⁴.
+//
+// # Usage
+//
+//	ddprun --nproc_per_node 2 ./examples/mlp                        # 2 ranks, batch 16 each
+//	ddprun --nproc_per_node 2 ./examples/mlp -- --accum_steps 4     # 3 of 4 micro-batches under NoSync
+//	go run ./examples/mlp --no_ddp --batch_size 32                  # one process, the same global batch
+//
+// Without --no_ddp each process is one rank of the group its launcher describes (ddprun,
+// torchrun-style variables, srun, mpirun; see ddp.InitProcessGroup), on --backend (gloo).
+//
+// Data depend only on (--seed, the sample's index in the run): micro-batch m of step s on
+// rank r of a world of W holds the --batch_size samples from (s·accum·W + m·W + r)·batch on,
+// so W ranks with --batch_size B and --accum_steps K see the data of one --no_ddp process
+// with --batch_size B·K·W, and end with the same parameters up to float32 rounding (the
+// tests check 2 ranks against one process to 1e-6).
+//
+// Output: rank 0 prints the loss of the global batch every --log_every steps; every rank
+// ends with "params_crc32=<8 hex>", the CRC-32 (IEEE) of its final parameters'
+// little-endian float32 bytes in registration order, the same on every rank.
+// --save_params FILE (checked, and its folder created, before training) makes rank 0 write
+// those bytes to FILE. Errors go to stderr (a bad flag: exit 2; anything else: exit 1).
+package main

@@ -1,0 +1,186 @@
+package main
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"flag"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"math"
+	"os"
+
+	_ "github.com/goddp/goddp/backends/gloo" // the "gloo" backend (--backend gloo)
+	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/internal/outpath"
+	"github.com/goddp/goddp/procgroup"
+)
+
+type flags struct {
+	hidden     int
+	batch      int // samples per rank per micro-batch
+	accum      int
+	steps      int
+	lr         float64
+	seed       uint64
+	logEvery   int
+	bucketMB   float64
+	firstMB    float64
+	backend    string
+	noDDP      bool
+	saveParams string
+}
+
+func parseFlags(args []string, stderr io.Writer) (flags, error) {
+	var f flags
+	fs := flag.NewFlagSet("mlp", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&f.hidden, "hidden_size", 64, "hidden units")
+	fs.IntVar(&f.batch, "batch_size", 16, "samples per rank per micro-batch")
+	fs.IntVar(&f.accum, "accum_steps", 1, "micro-batches per optimizer step (all but the last under NoSync)")
+	fs.IntVar(&f.steps, "steps", 500, "optimizer steps")
+	fs.Float64Var(&f.lr, "lr", 0.3, "SGD learning rate")
+	fs.Uint64Var(&f.seed, "seed", 1, "seed of the parameters and the data")
+	fs.IntVar(&f.logEvery, "log_every", 100, "rank 0 prints the loss every N steps (0: never)")
+	fs.Float64Var(&f.bucketMB, "bucket_cap_mb", 25, "DDP bucket size cap in MiB")
+	fs.Float64Var(&f.firstMB, "first_bucket_cap_mb", 1, "cap of the first bucket in MiB")
+	fs.StringVar(&f.backend, "backend", "gloo", "process group backend")
+	fs.BoolVar(&f.noDDP, "no_ddp", false, "one process, no process group, the same --batch_size")
+	fs.StringVar(&f.saveParams, "save_params", "", "rank 0 writes the final parameters (little-endian float32) to this file")
+	if err := fs.Parse(args); err != nil {
+		return f, err
+	}
+	switch {
+	case fs.NArg() > 0:
+		return f, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	case f.hidden <= 0 || f.batch <= 0 || f.accum <= 0 || f.steps < 0 || f.logEvery < 0:
+		return f, fmt.Errorf("--hidden_size %d, --batch_size %d, --accum_steps %d must be positive; --steps %d, --log_every %d not negative",
+			f.hidden, f.batch, f.accum, f.steps, f.logEvery)
+	case !(f.bucketMB > 0) || !(f.firstMB > 0):
+		return f, fmt.Errorf("--bucket_cap_mb %v, --first_bucket_cap_mb %v must be positive", f.bucketMB, f.firstMB)
+	}
+	return f, nil
+}
+
+func main() {
+	f, err := parseFlags(os.Args[1:], os.Stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		os.Exit(0)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "mlp:", err)
+		os.Exit(2)
+	}
+	if err := run(context.Background(), f, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "mlp:", err)
+		os.Exit(1)
+	}
+}
+
+// run checks the output file, joins the launcher's group (without --no_ddp) and trains.
+func run(ctx context.Context, f flags, stdout io.Writer) error {
+	if err := outpath.File("--save_params", f.saveParams); err != nil { // before training, not after it
+		return err
+	}
+	var pg procgroup.ProcessGroup
+	if !f.noDDP {
+		g, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{})
+		if err != nil {
+			return err
+		}
+		defer closePG()
+		pg = g
+	}
+	m, err := train(ctx, f, pg, stdout)
+	if err != nil {
+		return err
+	}
+	if f.saveParams != "" && (pg == nil || pg.Rank() == 0) {
+		if err := os.WriteFile(f.saveParams, paramBytes(m.flat()), 0o644); err != nil {
+			return fmt.Errorf("--save_params: %w", err)
+		}
+	}
+	fmt.Fprintf(stdout, "params_crc32=%08x\n", crc32.ChecksumIEEE(paramBytes(m.flat())))
+	return nil
+}
+
+// train is the training loop: with pg, one rank of data-parallel training; with a nil pg,
+// one process on its own.
+func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Writer) (*mlp, error) {
+	m := newMLP(f.hidden, f.seed)
+	rank, world := 0, 1
+	var d *ddp.DDP
+	if pg != nil {
+		rank, world = pg.Rank(), pg.Size()
+		params := make([]ddp.Param, nParams)
+		for i := range params {
+			params[i] = ddp.Param{Name: m.names[i], Data: m.params[i], Grad: m.grads[i]}
+		}
+		var err error // New checks the ranks' models agree and copies rank 0's parameters
+		if d, err = ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB}); err != nil {
+			return nil, err
+		}
+		defer d.Close()
+	}
+	ready := func(i int) { // backward reports parameter i's micro-batch gradient
+		if d != nil {
+			d.GradReady(i, m.micro[i]) // copied at once; an error comes back from Finalize
+			return
+		}
+		for k, g := range m.micro[i] { // alone, the trainer sums the micro-batches itself
+			m.grads[i][k] += g
+		}
+	}
+	xs, ys := make([]float32, f.batch*inputs), make([]float32, f.batch)
+	for step := range f.steps {
+		if d == nil {
+			for _, g := range m.grads {
+				clear(g)
+			}
+		}
+		var loss float32
+		for micro := range f.accum {
+			if d != nil {
+				d.BeginBackward(micro == f.accum-1) // NoSync for all but the last
+			}
+			first := ((step*f.accum+micro)*world + rank) * f.batch
+			samples(f.seed, first, f.batch, xs, ys)
+			// The DDP sums the micro-batches' gradients: scaling by 1/accum is ours.
+			loss += m.forwardBackward(xs, ys, 1/float32(f.accum), ready)
+		}
+		if d != nil {
+			if err := d.Finalize(ctx); err != nil { // m.grads: averaged over the ranks
+				return nil, err
+			}
+		}
+		m.sgd(float32(f.lr))
+
+		if f.logEvery > 0 && (step%f.logEvery == 0 || step == f.steps-1) {
+			l := []float32{loss}
+			if pg != nil { // every rank takes part: the global batch's loss
+				if err := pg.AllReduce(ctx, l, procgroup.Avg).Wait(ctx); err != nil {
+					return nil, err
+				}
+			}
+			if rank == 0 {
+				fmt.Fprintf(stdout, "step %d loss %.6f\n", step, l[0])
+			}
+		}
+	}
+	if pg != nil { // leave together: no rank closes while a peer may still be finishing
+		if err := pg.Barrier(ctx).Wait(ctx); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// paramBytes is p's little-endian float32 bytes.
+func paramBytes(p []float32) []byte {
+	b := make([]byte, 4*len(p))
+	for i, v := range p {
+		binary.LittleEndian.PutUint32(b[4*i:], math.Float32bits(v))
+	}
+	return b
+}
