@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -35,6 +36,9 @@ type StragglerReport struct {
 	Straggler int
 	// The skew distribution.
 	SkewP50, SkewP90, SkewMax time.Duration
+	// Hosts, when known, names each rank's host (a merged multi-node trace records them),
+	// and String names the straggler's.
+	Hosts map[int]string
 }
 
 // String is the report as one log line, naming the straggler.
@@ -47,7 +51,11 @@ func (r StragglerReport) String() string {
 	if r.Straggler < 0 {
 		b.WriteString("no rank arrived last")
 	} else {
-		fmt.Fprintf(&b, "rank %d arrived last most often (%d of %d, %.0f%%, mean lag %s)", r.Straggler, r.LastCount[r.Straggler],
+		b.WriteString("rank " + strconv.Itoa(r.Straggler))
+		if h, ok := r.Hosts[r.Straggler]; ok {
+			fmt.Fprintf(&b, " (host %s)", h)
+		}
+		fmt.Fprintf(&b, " arrived last most often (%d of %d, %.0f%%, mean lag %s)", r.LastCount[r.Straggler],
 			r.Collectives, 100*float64(r.LastCount[r.Straggler])/float64(r.Collectives), ms(r.MeanLag[r.Straggler]))
 	}
 	b.WriteString("; last per rank [")

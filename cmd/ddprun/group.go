@@ -25,6 +25,12 @@ type job struct {
 	runID     string // prefix of GODDP_RUN_ID; the attempt number is appended
 	host      string // this node's hostname, for reports
 	con       *console
+	token     string // the job token, for ddprun's own store connections
+
+	// With --trace_merge on several nodes (Note [Clocks across nodes]): the coordinator
+	// (its store is dialed anew at the merge) and this node's clock offset to node 0.
+	traceCoord *coordinator
+	clock      clockEstimate
 }
 
 // rankProc is one running rank.

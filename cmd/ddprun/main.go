@@ -99,9 +99,12 @@ func interruptCode(ctx context.Context) int {
 // runJob prepares the program, the token and the store, then runs attempts until one
 // succeeds, ddprun is interrupted, or --max_restarts is spent.
 func runJob(ctx context.Context, cfg *config, env []string, con *console) error {
-	// The output paths first: a bad one fails now, not after the run.
-	if err := outpath.File("--trace_merge", cfg.traceMerge); err != nil {
-		return err
+	// The output paths first: a bad one fails now, not after the run. With several nodes
+	// only node 0 writes the merged trace.
+	if cfg.isStoreHost() {
+		if err := outpath.File("--trace_merge", cfg.traceMerge); err != nil {
+			return err
+		}
 	}
 	if err := outpath.Dir("--log_dir", cfg.logDir); err != nil {
 		return err
@@ -150,7 +153,7 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 	if err := cfg.loadTLS(env); err != nil { // tls.go
 		return err
 	}
-	j := &job{cfg: cfg, exe: exe, baseEnv: env, tokenFile: tokenFile, runID: runID, host: host, con: con}
+	j := &job{cfg: cfg, exe: exe, baseEnv: env, tokenFile: tokenFile, runID: runID, host: host, con: con, token: token}
 	if cfg.isStoreHost() {
 		srv, addr, err := hostStore(cfg, token, storeLogger(con))
 		if err != nil {
@@ -187,6 +190,12 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 		defer st.Close()
 		coord = &coordinator{st: st, prefix: runID + "/ddprun", nnodes: cfg.nnodes, node: cfg.nodeRank, timeout: cfg.rdzvTimeout,
 			host: host, warn: func(m string) { con.msg(m + "\n") }}
+		if cfg.traceMerge != "" {
+			j.traceCoord = coord
+			if err := j.syncClocks(ctx); err != nil {
+				return fmt.Errorf("--trace_merge: clock offset to node 0: %w", err)
+			}
+		}
 	}
 
 	for attempt := 0; ; attempt++ {

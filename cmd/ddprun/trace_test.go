@@ -29,15 +29,19 @@ func TestMergeTraceDir(t *testing.T) {
 		}
 	}
 	out := filepath.Join(dir, "merged.json")
-	if n, err := mergeTraceDir(dir, out); n != 0 || err != nil {
-		t.Fatalf("empty dir: %d, %v", n, err)
+	if fs, err := lastAttemptTraces(dir); len(fs) != 0 || err != nil {
+		t.Fatalf("empty dir: %d, %v", len(fs), err)
 	}
 	write(0, 0, 1)
 	write(1, 0, 1)
 	write(0, 1, 3) // the restart: its files win
 	write(1, 1, 4)
-	if n, err := mergeTraceDir(dir, out); n != 2 || err != nil {
-		t.Fatalf("merged %d, %v", n, err)
+	fs, err := lastAttemptTraces(dir)
+	if len(fs) != 2 || err != nil {
+		t.Fatalf("read %d, %v", len(fs), err)
+	}
+	if err := writeMerged(out, fs); err != nil {
+		t.Fatal(err)
 	}
 	tf, err := ddp.ReadTraceFile(out)
 	if err != nil {

@@ -71,7 +71,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	if *strag {
-		fmt.Fprintln(stdout, ddp.AnalyzeArrivals(ddp.ArrivalsFromTrace(tf)))
+		rep := ddp.AnalyzeArrivals(ddp.ArrivalsFromTrace(tf))
+		rep.Hosts = tf.OtherData.Hosts
+		fmt.Fprintln(stdout, rep)
 	}
 	if *out == "" {
 		return 0

@@ -66,6 +66,9 @@ type Meta struct {
 	// Offsets (merged files) is the shift applied to each input file's timestamps, in µs,
 	// one per input file in the order given to Merge.
 	Offsets []float64 `json:"goddp_offsets_us,omitempty"`
+	// Hosts names each rank's host, where the launcher recorded it (ddprun --trace_merge
+	// on several nodes: "HOSTNAME node N").
+	Hosts map[int]string `json:"goddp_hosts,omitempty"`
 }
 
 // File is a whole trace: a Tracer's output, or Merge's.
@@ -145,6 +148,12 @@ func Merge(files ...*File) (*File, error) {
 			out.OtherData.Ranks = append(out.OtherData.Ranks, r)
 		}
 		out.OtherData.WorldSize = max(out.OtherData.WorldSize, f.OtherData.WorldSize)
+		for r, h := range f.OtherData.Hosts {
+			if out.OtherData.Hosts == nil {
+				out.OtherData.Hosts = map[int]string{}
+			}
+			out.OtherData.Hosts[r] = h
+		}
 		shift := float64(f.OtherData.EpochUnixMicro - epoch)
 		out.OtherData.Offsets = append(out.OtherData.Offsets, shift)
 		for _, e := range f.TraceEvents {

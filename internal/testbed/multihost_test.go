@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"github.com/goddp/goddp/ddp/tracefile"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -530,4 +531,44 @@ func TestLinkDownMidRun(t *testing.T) {
 func lastLines(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// TestTwoNodeTraceMerge: --trace_merge on a two-node job gives node 0 one timeline with every
+// node's ranks, their hosts, and the clock offset it estimated.
+func TestTwoNodeTraceMerge(t *testing.T) {
+	tb := newBed(t, Options{Hosts: 2})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	out := filepath.Join(t.TempDir(), "merged", "trace.json")
+	merge := []string{"--trace_merge", out}
+	n0 := startNode(t, ctx, tb, 0, 1, tokenEnv(), merge, tiny)
+	n1 := startNode(t, ctx, tb, 1, 1, tokenEnv(), merge, tiny)
+	for _, n := range []*node{n0, n1} {
+		n.wait(t, 3*time.Minute)
+		if n.err != nil {
+			t.Fatalf("host%d: %v\n%s", n.host, n.err, n.out.String())
+		}
+	}
+	if !regexp.MustCompile(`merged 2 ranks' traces from 2 nodes into .*; clock offsets to node 0: node 1 [-+][0-9.]+ms \(±[0-9.]+ms\)`).MatchString(n0.out.String()) {
+		t.Errorf("host0 reports no merge with clock offsets:\n%s", n0.out.String())
+	}
+	tf, err := tracefile.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprint(tf.OtherData.Ranks) != "[0 1]" {
+		t.Errorf("merged ranks %v, want [0 1]", tf.OtherData.Ranks)
+	}
+	for r, want := range []string{"node 0", "node 1"} {
+		if !strings.HasSuffix(tf.OtherData.Hosts[r], want) {
+			t.Errorf("rank %d's host %q, want ...%q", r, tf.OtherData.Hosts[r], want)
+		}
+	}
+	events := map[int]int{}
+	for _, e := range tf.TraceEvents {
+		events[e.PID]++
+	}
+	if events[0] == 0 || events[1] == 0 {
+		t.Errorf("events per rank %v: want both ranks' events", events)
+	}
 }
