@@ -396,8 +396,10 @@ func (r *Reducer) launch(b int, now time.Time) time.Time {
 	// The hook's ctx: GradReady has none to give. The group's Timeout bounds each
 	// collective, and Finalize's ctx bounds the wait for them (the group is aborted if it
 	// ends first).
-	s.work = r.opts.CommHook.Launch(context.Background(), r.pg, &s.view)
+	// The launch time is taken before the call: a collective may complete inside it, and
+	// its exact completion time (finishedAt) must not come before its launch.
 	t := time.Now()
+	s.work = r.opts.CommHook.Launch(context.Background(), r.pg, &s.view)
 	st.BucketLaunched[b] = t.Sub(st.Start)
 	return t
 }
@@ -425,7 +427,7 @@ func (r *Reducer) poll(now time.Time) {
 		default:
 			return
 		}
-		st.BucketFinished[r.polled] = finishedAt(s.work, now).Sub(st.Start)
+		st.BucketFinished[r.polled] = max(finishedAt(s.work, now).Sub(st.Start), st.BucketLaunched[r.polled])
 		s.seen = true
 		r.polled++
 	}
@@ -492,7 +494,7 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 			return r.failLocked(fmt.Errorf("reducer: backward %d: Finalize: waiting for bucket %d: %w", r.m.Iter(), b, werr))
 		}
 		if !s.seen {
-			st.BucketFinished[b] = finishedAt(s.work, time.Now()).Sub(st.Start)
+			st.BucketFinished[b] = max(finishedAt(s.work, time.Now()).Sub(st.Start), st.BucketLaunched[b])
 			s.seen = true
 			r.polled = b + 1
 		}
