@@ -13,8 +13,8 @@ import (
 type Env struct {
 	Rank, WorldSize           int
 	LocalRank, LocalWorldSize int
-	// GroupRank is the index of this process's node (torchrun GROUP_RANK, SLURM_NODEID,
-	// OMPI_COMM_WORLD_NODE_RANK).
+	// GroupRank is the index of this process's node (torchrun GROUP_RANK, SLURM_NODEID;
+	// under Open MPI, Rank/LocalWorldSize).
 	GroupRank int
 	// MasterAddr and MasterPort locate rank 0's store when StoreAddr is empty.
 	MasterAddr string
@@ -75,9 +75,9 @@ func InitFromEnv() (Env, error) { return EnvFrom(os.LookupEnv) }
 // SLURM_LOCALID, SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE, SLURM_NODEID; the master is
 // MASTER_ADDR, else the first host of SLURM_JOB_NODELIST, else SLURM_LAUNCH_NODE_IPADDR; the
 // port MASTER_PORT, else one derived from SLURM_JOB_ID), then Open MPI's
-// (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE, _NODE_RANK; the master is
-// MASTER_ADDR, or 127.0.0.1 when every rank is on this host; the port MASTER_PORT, else
-// DefaultMasterPort). MASTER_ADDR and MASTER_PORT are not needed when GODDP_STORE_ADDR names
+// (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE; the master is MASTER_ADDR, or
+// 127.0.0.1 when every rank is on this host; the port MASTER_PORT, else one derived from
+// the job id OMPI_MCA_ess_base_jobid, else DefaultMasterPort). MASTER_ADDR and MASTER_PORT are not needed when GODDP_STORE_ADDR names
 // the launcher's store. A Kubernetes Indexed Job gives no RANK: with WORLD_SIZE set, the rank
 // is JOB_COMPLETION_INDEX.
 //
@@ -165,7 +165,7 @@ var envNames = map[string]struct{ rank, world, localRank, localWorld, group stri
 	"single":      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"},
 	"slurm":       {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"},
 	"openmpi": {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-		"OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_NODE_RANK"},
+		"OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_LOCAL_SIZE"},
 }
 
 type envReader struct {
@@ -371,15 +371,23 @@ func (r envReader) openmpi() (Env, error) {
 		"OMPI_COMM_WORLD_LOCAL_RANK", &e.LocalRank, "OMPI_COMM_WORLD_LOCAL_SIZE", &e.LocalWorldSize); err != nil {
 		return Env{}, err
 	}
-	var err error
-	if e.GroupRank, err = r.intOr("OMPI_COMM_WORLD_NODE_RANK", 0); err != nil {
-		return Env{}, err
+	// OMPI_COMM_WORLD_NODE_RANK is a rank among the processes on this node, not the node's
+	// index: with mpirun's default placement (by slot), the node index is this.
+	if e.LocalWorldSize > 0 {
+		e.GroupRank = e.Rank / e.LocalWorldSize
 	}
 	addr := ""
 	if e.LocalWorldSize == e.WorldSize {
 		addr = "127.0.0.1" // every rank on this host
 	}
-	if err := r.master(&e, addr, DefaultMasterPort); err != nil {
+	// Jobs of different mpirun runs may share a node: derive the port from the job id.
+	port := DefaultMasterPort
+	if id, ok := r.str("OMPI_MCA_ess_base_jobid"); ok {
+		if n, err := strconv.ParseUint(id, 10, 64); err == nil {
+			port = 20000 + int(n%20000)
+		}
+	}
+	if err := r.master(&e, addr, port); err != nil {
 		return Env{}, err
 	}
 	return e, nil

@@ -63,6 +63,12 @@ func TestEnvFrom(t *testing.T) {
 		{name: "only MASTER_ADDR", env: map[string]string{"MASTER_ADDR": "h"}, wantErr: "MASTER_ADDR is set but RANK and WORLD_SIZE are not"},
 		{name: "only LOCAL_RANK", env: map[string]string{"LOCAL_RANK": "0"}, wantErr: "LOCAL_RANK is set but RANK and WORLD_SIZE are not"},
 		{name: "only GODDP_STORE", env: map[string]string{"GODDP_STORE": "tcpstore://h:1"}, wantErr: "GODDP_STORE is set but RANK"},
+		// srun's variables, with a compressed node list: the master is its first host.
+		{name: "srun", env: map[string]string{"SLURM_PROCID": "5", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1",
+			"SLURM_NODEID": "2", "SLURM_NODELIST": "node[01-04,07]", "SLURM_TASKS_PER_NODE": "2(x5)",
+			"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NNODES": "5"},
+			want: Env{Rank: 5, WorldSize: 10, LocalRank: 1, LocalWorldSize: 2, GroupRank: 2,
+				MasterAddr: "node01", MasterPort: 24242, Source: "slurm"}},
 		// torchrun 1.13, static rendezvous (its default): exactly what the agent sets.
 		{name: "torchrun agent store", env: map[string]string{"LOCAL_RANK": "1", "RANK": "1", "GROUP_RANK": "0",
 			"ROLE_RANK": "1", "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
@@ -138,6 +144,13 @@ func TestEnvFrom(t *testing.T) {
 
 		{name: "openmpi one host", env: ompi, want: Env{Rank: 2, WorldSize: 4, LocalRank: 2, LocalWorldSize: 4,
 			MasterAddr: "127.0.0.1", MasterPort: DefaultMasterPort, Source: "openmpi"}},
+		// Exactly what mpirun (Open MPI 4.1) sets for rank 1 of 2 on one host: NODE_RANK is
+		// the rank on the node, and the job id gives the port.
+		{name: "openmpi as mpirun sets it", env: map[string]string{"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+			"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1",
+			"OMPI_MCA_ess_base_jobid": "1628241921", "OMPI_UNIVERSE_SIZE": "2", "PMIX_RANK": "1", "PMIX_NAMESPACE": "1628241921"},
+			want: Env{Rank: 1, WorldSize: 2, LocalRank: 1, LocalWorldSize: 2, MasterAddr: "127.0.0.1",
+				MasterPort: 20000 + 1628241921%20000, Source: "openmpi"}},
 		{name: "openmpi several hosts need MASTER_ADDR", env: with(ompi, "OMPI_COMM_WORLD_LOCAL_SIZE", "2",
 			"OMPI_COMM_WORLD_LOCAL_RANK", "0", "OMPI_COMM_WORLD_NODE_RANK", "1"), wantErr: "MASTER_ADDR not set"},
 		{name: "openmpi bad size", env: with(ompi, "OMPI_COMM_WORLD_SIZE", "4x"), wantErr: "OMPI_COMM_WORLD_SIZE"},
