@@ -103,7 +103,7 @@ func TestInitProcessGroupErrors(t *testing.T) {
 		backend string
 		want    string
 	}{
-		{map[string]string{}, "ddptest", "ddp: init: procgroup: env: no rank in the environment"},
+		{map[string]string{"MASTER_ADDR": "127.0.0.1"}, "ddptest", "ddp: init: procgroup: env: MASTER_ADDR is set but RANK and WORLD_SIZE are not"},
 		{map[string]string{"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, "nosuch",
 			`ddp: init: procgroup: unknown backend "nosuch": no backend of that name exists (known backends: gloo → github.com/goddp/goddp/backends/gloo, nccl → github.com/goddp/goddp/backends/nccl; linked in: `},
 	} {
@@ -112,5 +112,27 @@ func TestInitProcessGroupErrors(t *testing.T) {
 		if err == nil || !strings.HasPrefix(err.Error(), tc.want) {
 			t.Errorf("env %v backend %s: %v, want %s…", tc.env, tc.backend, err, tc.want)
 		}
+	}
+}
+
+// With no launcher variable in the environment, InitProcessGroup makes a world of one
+// process (rank 0 of 1, an in-process store).
+func TestInitProcessGroupSingleProcess(t *testing.T) {
+	testCluster = pgtest.NewCluster(1)
+	defer testCluster.Close()
+	lookup := func(k string) (string, bool) { return "", false }
+	pg, closePG, err := InitProcessGroup(context.Background(), "ddptest", InitOptions{LookupEnv: lookup})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pg.Rank() != 0 || pg.Size() != 1 {
+		t.Errorf("rank %d of %d, want 0 of 1", pg.Rank(), pg.Size())
+	}
+	buf := []float32{2.5, -1}
+	if err := pg.AllReduce(context.Background(), buf, procgroup.Sum).Wait(context.Background()); err != nil || buf[0] != 2.5 || buf[1] != -1 {
+		t.Errorf("all-reduce over one rank: %v, %v", buf, err)
+	}
+	if err := closePG(); err != nil {
+		t.Fatal(err)
 	}
 }

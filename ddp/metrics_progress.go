@@ -3,6 +3,7 @@ package ddp
 import (
 	"fmt"
 	"io"
+	"os"
 	"strings"
 	"sync"
 	"time"
@@ -14,8 +15,9 @@ import (
 type ProgressMode int
 
 const (
-	// ProgressAuto: a line redrawn in place (carriage return) on a terminal, plain periodic
-	// lines otherwise (a pipe, a file, ddprun's rank prefixes).
+	// ProgressAuto: a line redrawn in place (carriage return) on the user's terminal
+	// (IsUserTerminal), plain periodic lines otherwise (a pipe, a file, ddprun's rank
+	// prefixes, mpirun's pseudo-terminal).
 	ProgressAuto ProgressMode = iota
 	// ProgressTerminal always redraws one line.
 	ProgressTerminal
@@ -59,6 +61,27 @@ type Progress struct {
 	done      bool
 }
 
+// IsUserTerminal reports whether w is a terminal that the user watches: a terminal
+// (golang.org/x/term.IsTerminal on its descriptor), but not the pseudo-terminal through
+// which mpirun (Open MPI: OMPI_COMM_WORLD_RANK or PMIX_RANK set) collects a rank's output
+// into its own, which may well be a pipe or a log file. lookup reads the environment (nil:
+// os.LookupEnv).
+func IsUserTerminal(w io.Writer, lookup func(string) (string, bool)) bool {
+	f, ok := w.(interface{ Fd() uintptr })
+	if !ok || !term.IsTerminal(int(f.Fd())) {
+		return false
+	}
+	if lookup == nil {
+		lookup = os.LookupEnv
+	}
+	for _, v := range []string{"OMPI_COMM_WORLD_RANK", "PMIX_RANK"} {
+		if _, ok := lookup(v); ok {
+			return false
+		}
+	}
+	return true
+}
+
 // NewProgress returns a Progress writing to w.
 func NewProgress(w io.Writer, opts ProgressOptions) *Progress {
 	tty := false
@@ -66,9 +89,7 @@ func NewProgress(w io.Writer, opts ProgressOptions) *Progress {
 	case ProgressTerminal:
 		tty = true
 	case ProgressAuto:
-		if f, ok := w.(interface{ Fd() uintptr }); ok {
-			tty = term.IsTerminal(int(f.Fd()))
-		}
+		tty = IsUserTerminal(w, nil)
 	}
 	if opts.Every <= 0 {
 		opts.Every = 10 * time.Second

@@ -1,6 +1,8 @@
 // Package procgroup defines the collective layer of goddp: the ProcessGroup and Work
-// interfaces, the open backend registry, the rendezvous Store (in memory, or served over gRPC)
-// and rank discovery from the environment.
+// interfaces, the open backend registry, the rendezvous Store (in memory, served over gRPC,
+// or a client of PyTorch's c10d TCPStore, such as torchrun's agent store: DialTCPStore) and
+// rank discovery from the environment (torchrun, srun, mpirun, Kubernetes; a single process
+// when no launcher variable is set).
 //
 // # Usage
 //

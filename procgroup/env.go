@@ -13,19 +13,46 @@ import (
 type Env struct {
 	Rank, WorldSize           int
 	LocalRank, LocalWorldSize int
-	// GroupRank is the index of this process's node (torchrun GROUP_RANK, SLURM_NODEID,
-	// OMPI_COMM_WORLD_NODE_RANK).
+	// GroupRank is the index of this process's node (torchrun GROUP_RANK, SLURM_NODEID;
+	// under Open MPI, Rank/LocalWorldSize).
 	GroupRank int
 	// MasterAddr and MasterPort locate rank 0's store when StoreAddr is empty.
 	MasterAddr string
 	MasterPort int
-	// StoreAddr is a store already hosted by the launcher (GODDP_STORE_ADDR), "host:port".
+	// StoreAddr is a store already hosted by the launcher, "host:port": ddprun's gRPC store
+	// (GODDP_STORE_ADDR, or GODDP_STORE=grpc://host:port), or a PyTorch TCPStore
+	// (GODDP_STORE=tcpstore://host:port, or torchrun's agent store at MASTER_ADDR:MASTER_PORT
+	// when TORCHELASTIC_USE_AGENT_STORE=True); StoreKind says which.
 	StoreAddr string
+	// StoreKind is StoreGRPC or StoreTCPStore when StoreAddr is set, StoreMemory for a
+	// single-process world, and empty when rank 0 hosts the store at MasterAddr:MasterPort.
+	StoreKind string
+	// StorePrefix, when set, prefixes every key this job writes to the store: a store that
+	// outlives a restart (torchrun's agent store) gets a new prefix per attempt
+	// ("goddp/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>").
+	StorePrefix string
 	// Token is the job's secret (GODDP_TOKEN, or the contents of GODDP_TOKEN_FILE); empty
 	// when neither is set.
 	Token string
-	// Source names the launcher the variables came from: "torchrun", "slurm" or "openmpi".
+	// Source names the launcher the variables came from: "torchrun", "indexed-job" (a
+	// Kubernetes Indexed Job: JOB_COMPLETION_INDEX), "slurm", "openmpi", or "single" when
+	// no launcher variable is set at all.
 	Source string
+}
+
+// Kinds of Env.StoreKind.
+const (
+	StoreGRPC     = "grpc"
+	StoreTCPStore = "tcpstore"
+	StoreMemory   = "memory"
+)
+
+// launcherVars are the variables whose presence means "a launcher started this process":
+// with none of them set, EnvFrom describes a single-process world.
+var launcherVars = []string{
+	"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+	"JOB_COMPLETION_INDEX", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID",
+	"SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "GODDP_STORE", "GODDP_STORE_ADDR",
 }
 
 // DefaultMasterPort is the store port when the launcher names none (torch's default).
@@ -36,17 +63,33 @@ func InitFromEnv() (Env, error) { return EnvFrom(os.LookupEnv) }
 
 // EnvFrom reads the job description through lookup (os.LookupEnv in InitFromEnv).
 //
+// With none of the launcher variables set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// GROUP_RANK, MASTER_ADDR, MASTER_PORT, JOB_COMPLETION_INDEX, TORCHELASTIC_*, SLURM_PROCID,
+// OMPI_COMM_WORLD_RANK, GODDP_STORE, GODDP_STORE_ADDR), the process is a world of its own:
+// rank 0 of 1, with an in-process store (Source "single", StoreKind StoreMemory). Setting
+// only some of them is an error that names a missing one.
+//
 // torchrun's variables come first: RANK, WORLD_SIZE (required), LOCAL_RANK and
 // LOCAL_WORLD_SIZE (both absent means 0 and 1), GROUP_RANK (default RANK/LOCAL_WORLD_SIZE),
 // MASTER_ADDR and MASTER_PORT. Without RANK, SLURM's are read (SLURM_PROCID, SLURM_NTASKS,
 // SLURM_LOCALID, SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE, SLURM_NODEID; the master is
 // MASTER_ADDR, else the first host of SLURM_JOB_NODELIST, else SLURM_LAUNCH_NODE_IPADDR; the
 // port MASTER_PORT, else one derived from SLURM_JOB_ID), then Open MPI's
-// (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE, _NODE_RANK; the master is
-// MASTER_ADDR, or 127.0.0.1 when every rank is on this host; the port MASTER_PORT, else
-// DefaultMasterPort). MASTER_ADDR and MASTER_PORT are not needed when GODDP_STORE_ADDR names
-// the launcher's store. The token is GODDP_TOKEN, or the contents of GODDP_TOKEN_FILE, a file
-// only its owner may read.
+// (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE; the master is MASTER_ADDR, or
+// 127.0.0.1 when every rank is on this host; the port MASTER_PORT, else one derived from
+// the job id OMPI_MCA_ess_base_jobid, else DefaultMasterPort). MASTER_ADDR and MASTER_PORT are not needed when GODDP_STORE_ADDR names
+// the launcher's store. A Kubernetes Indexed Job gives no RANK: with WORLD_SIZE set, the rank
+// is JOB_COMPLETION_INDEX.
+//
+// The store: GODDP_STORE=tcpstore://host:port names a PyTorch TCPStore,
+// GODDP_STORE=grpc://host:port (or GODDP_STORE_ADDR=host:port) a ddprun store; under
+// torchrun with TORCHELASTIC_USE_AGENT_STORE=True (its static rendezvous, the default
+// without --standalone or --rdzv_backend), the agent's TCPStore at MASTER_ADDR:MASTER_PORT,
+// with the key prefix goddp/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>. Otherwise
+// rank 0 hosts the store at MASTER_ADDR:MASTER_PORT.
+//
+// The token is GODDP_TOKEN, or the contents of GODDP_TOKEN_FILE, a file only its owner may
+// read.
 //
 // A missing, non-numeric or inconsistent variable is an error that names it.
 func EnvFrom(lookup func(string) (string, bool)) (Env, error) {
@@ -54,21 +97,26 @@ func EnvFrom(lookup func(string) (string, bool)) (Env, error) {
 	var e Env
 	var err error
 	switch {
-	case r.has("RANK") || r.has("WORLD_SIZE"):
+	case r.has("RANK") || r.has("WORLD_SIZE") || r.has("JOB_COMPLETION_INDEX"):
 		e, err = r.torchrun()
 	case r.has("SLURM_PROCID"):
 		e, err = r.slurm()
 	case r.has("OMPI_COMM_WORLD_RANK"):
 		e, err = r.openmpi()
 	default:
-		return Env{}, fmt.Errorf("procgroup: env: no rank in the environment: set RANK and WORLD_SIZE (torchrun style), or start under srun or mpirun")
+		for _, v := range launcherVars {
+			if r.has(v) {
+				return Env{}, fmt.Errorf("procgroup: env: %s is set but RANK and WORLD_SIZE are not: set them (torchrun style), start under srun or mpirun, or unset %s to run as a single process", v, v)
+			}
+		}
+		e = Env{WorldSize: 1, LocalWorldSize: 1, Source: "single", StoreKind: StoreMemory}
 	}
 	if err != nil {
 		return Env{}, err
 	}
-	if e.StoreAddr, _ = r.str("GODDP_STORE_ADDR"); e.StoreAddr != "" {
-		if _, _, err := net.SplitHostPort(e.StoreAddr); err != nil {
-			return Env{}, fmt.Errorf("procgroup: env: GODDP_STORE_ADDR=%q: want host:port", e.StoreAddr)
+	if e.Source != "single" {
+		if err := r.store(&e); err != nil {
+			return Env{}, err
 		}
 	}
 	if e.Token, err = r.token(); err != nil {
@@ -99,7 +147,7 @@ func (e *Env) check() error {
 	case e.GroupRank < 0 || e.GroupRank >= e.WorldSize:
 		return bad("%s=%d outside [0, %s=%d)", n.group, e.GroupRank, n.world, e.WorldSize)
 	}
-	if e.StoreAddr == "" {
+	if e.StoreAddr == "" && e.StoreKind != StoreMemory {
 		if e.MasterAddr == "" {
 			return bad("MASTER_ADDR not set (and no GODDP_STORE_ADDR)")
 		}
@@ -112,10 +160,12 @@ func (e *Env) check() error {
 
 // envNames are the variable names of each source, for error messages.
 var envNames = map[string]struct{ rank, world, localRank, localWorld, group string }{
-	"torchrun": {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"},
-	"slurm":    {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"},
+	"torchrun":    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"},
+	"indexed-job": {"JOB_COMPLETION_INDEX", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"},
+	"single":      {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"},
+	"slurm":       {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_NODEID"},
 	"openmpi": {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-		"OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_NODE_RANK"},
+		"OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_LOCAL_SIZE"},
 }
 
 type envReader struct {
@@ -179,7 +229,11 @@ func (r envReader) master(e *Env, defAddr string, defPort int) error {
 
 func (r envReader) torchrun() (Env, error) {
 	e := Env{Source: "torchrun"}
-	if err := r.ints("RANK", &e.Rank, "WORLD_SIZE", &e.WorldSize); err != nil {
+	rankVar := "RANK"
+	if !r.has("RANK") && r.has("JOB_COMPLETION_INDEX") {
+		rankVar, e.Source = "JOB_COMPLETION_INDEX", "indexed-job"
+	}
+	if err := r.ints(rankVar, &e.Rank, "WORLD_SIZE", &e.WorldSize); err != nil {
 		return Env{}, err
 	}
 	_, hasLR := r.str("LOCAL_RANK")
@@ -317,18 +371,71 @@ func (r envReader) openmpi() (Env, error) {
 		"OMPI_COMM_WORLD_LOCAL_RANK", &e.LocalRank, "OMPI_COMM_WORLD_LOCAL_SIZE", &e.LocalWorldSize); err != nil {
 		return Env{}, err
 	}
-	var err error
-	if e.GroupRank, err = r.intOr("OMPI_COMM_WORLD_NODE_RANK", 0); err != nil {
-		return Env{}, err
+	// OMPI_COMM_WORLD_NODE_RANK is a rank among the processes on this node, not the node's
+	// index: with mpirun's default placement (by slot), the node index is this.
+	if e.LocalWorldSize > 0 {
+		e.GroupRank = e.Rank / e.LocalWorldSize
 	}
 	addr := ""
 	if e.LocalWorldSize == e.WorldSize {
 		addr = "127.0.0.1" // every rank on this host
 	}
-	if err := r.master(&e, addr, DefaultMasterPort); err != nil {
+	// Jobs of different mpirun runs may share a node: derive the port from the job id.
+	port := DefaultMasterPort
+	if id, ok := r.str("OMPI_MCA_ess_base_jobid"); ok {
+		if n, err := strconv.ParseUint(id, 10, 64); err == nil {
+			port = 20000 + int(n%20000)
+		}
+	}
+	if err := r.master(&e, addr, port); err != nil {
 		return Env{}, err
 	}
 	return e, nil
+}
+
+// store reads GODDP_STORE, GODDP_STORE_ADDR and torchrun's TORCHELASTIC_USE_AGENT_STORE.
+func (r envReader) store(e *Env) error {
+	url, hasURL := r.str("GODDP_STORE")
+	addr, hasAddr := r.str("GODDP_STORE_ADDR")
+	agent, _ := r.str("TORCHELASTIC_USE_AGENT_STORE")
+	switch {
+	case hasURL && hasAddr:
+		return fmt.Errorf("procgroup: env: both GODDP_STORE and GODDP_STORE_ADDR set; set one")
+	case hasURL:
+		scheme, hostport, ok := strings.Cut(url, "://")
+		switch {
+		case !ok:
+			return fmt.Errorf("procgroup: env: GODDP_STORE=%q: want tcpstore://host:port or grpc://host:port", url)
+		case scheme == StoreTCPStore || scheme == StoreGRPC:
+			e.StoreKind, e.StoreAddr = scheme, hostport
+		default:
+			return fmt.Errorf("procgroup: env: GODDP_STORE=%q: unknown scheme %q (want tcpstore or grpc)", url, scheme)
+		}
+		if _, _, err := net.SplitHostPort(hostport); err != nil {
+			return fmt.Errorf("procgroup: env: GODDP_STORE=%q: want %s://host:port", url, scheme)
+		}
+	case hasAddr:
+		if _, _, err := net.SplitHostPort(addr); err != nil {
+			return fmt.Errorf("procgroup: env: GODDP_STORE_ADDR=%q: want host:port", addr)
+		}
+		e.StoreKind, e.StoreAddr = StoreGRPC, addr
+	case strings.EqualFold(agent, "true") || agent == "1":
+		if e.MasterAddr == "" || e.MasterPort < 1 || e.MasterPort > 65535 {
+			return fmt.Errorf("procgroup: env: TORCHELASTIC_USE_AGENT_STORE=%s but MASTER_ADDR=%q, MASTER_PORT=%d do not name the agent's store", agent, e.MasterAddr, e.MasterPort)
+		}
+		e.StoreKind = StoreTCPStore
+		e.StoreAddr = net.JoinHostPort(e.MasterAddr, strconv.Itoa(e.MasterPort))
+		run, ok := r.str("TORCHELASTIC_RUN_ID")
+		if !ok {
+			run = "none"
+		}
+		restart, err := r.intOr("TORCHELASTIC_RESTART_COUNT", 0)
+		if err != nil {
+			return err
+		}
+		e.StorePrefix = fmt.Sprintf("goddp/%s/%d", run, restart)
+	}
+	return nil
 }
 
 // token reads GODDP_TOKEN or GODDP_TOKEN_FILE.

@@ -57,8 +57,50 @@ func TestEnvFrom(t *testing.T) {
 		{name: "torchrun with launcher store and token", env: with(torch, "MASTER_ADDR", "<unset>", "MASTER_PORT", "<unset>",
 			"GODDP_STORE_ADDR", "127.0.0.1:5000", "GODDP_TOKEN", " tok "),
 			want: Env{Rank: 5, WorldSize: 8, LocalRank: 1, LocalWorldSize: 4, GroupRank: 1,
-				StoreAddr: "127.0.0.1:5000", Token: "tok", Source: "torchrun"}},
-		{name: "nothing set", env: map[string]string{}, wantErr: "no rank in the environment"},
+				StoreAddr: "127.0.0.1:5000", StoreKind: StoreGRPC, Token: "tok", Source: "torchrun"}},
+		{name: "nothing set: a single process", env: map[string]string{"HOME": "/root", "SLURM_JOB_ID": "7"},
+			want: Env{WorldSize: 1, LocalWorldSize: 1, Source: "single", StoreKind: StoreMemory}},
+		{name: "only MASTER_ADDR", env: map[string]string{"MASTER_ADDR": "h"}, wantErr: "MASTER_ADDR is set but RANK and WORLD_SIZE are not"},
+		{name: "only LOCAL_RANK", env: map[string]string{"LOCAL_RANK": "0"}, wantErr: "LOCAL_RANK is set but RANK and WORLD_SIZE are not"},
+		{name: "only GODDP_STORE", env: map[string]string{"GODDP_STORE": "tcpstore://h:1"}, wantErr: "GODDP_STORE is set but RANK"},
+		// srun's variables, with a compressed node list: the master is its first host.
+		{name: "srun", env: map[string]string{"SLURM_PROCID": "5", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1",
+			"SLURM_NODEID": "2", "SLURM_NODELIST": "node[01-04,07]", "SLURM_TASKS_PER_NODE": "2(x5)",
+			"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NNODES": "5"},
+			want: Env{Rank: 5, WorldSize: 10, LocalRank: 1, LocalWorldSize: 2, GroupRank: 2,
+				MasterAddr: "node01", MasterPort: 24242, Source: "slurm"}},
+		// torchrun 1.13, static rendezvous (its default): exactly what the agent sets.
+		{name: "torchrun agent store", env: map[string]string{"LOCAL_RANK": "1", "RANK": "1", "GROUP_RANK": "0",
+			"ROLE_RANK": "1", "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1",
+			"ROLE_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "1",
+			"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
+			"NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_ERROR_FILE": "/tmp/x/error.json"},
+			want: Env{Rank: 1, WorldSize: 2, LocalRank: 1, LocalWorldSize: 2, MasterAddr: "127.0.0.1", MasterPort: 29500,
+				StoreAddr: "127.0.0.1:29500", StoreKind: StoreTCPStore, StorePrefix: "goddp/none/1", Source: "torchrun"}},
+		{name: "torchrun c10d rendezvous: rank 0 hosts", env: with(torch, "TORCHELASTIC_USE_AGENT_STORE", "False", "TORCHELASTIC_RUN_ID", "j"),
+			want: Env{Rank: 5, WorldSize: 8, LocalRank: 1, LocalWorldSize: 4, GroupRank: 1, MasterAddr: "10.0.0.1", MasterPort: 29400, Source: "torchrun"}},
+		{name: "GODDP_STORE tcpstore", env: with(torch, "GODDP_STORE", "tcpstore://store:29511"),
+			want: Env{Rank: 5, WorldSize: 8, LocalRank: 1, LocalWorldSize: 4, GroupRank: 1, MasterAddr: "10.0.0.1", MasterPort: 29400,
+				StoreAddr: "store:29511", StoreKind: StoreTCPStore, Source: "torchrun"}},
+		{name: "GODDP_STORE grpc", env: with(torch, "GODDP_STORE", "grpc://127.0.0.1:5000"),
+			want: Env{Rank: 5, WorldSize: 8, LocalRank: 1, LocalWorldSize: 4, GroupRank: 1, MasterAddr: "10.0.0.1", MasterPort: 29400,
+				StoreAddr: "127.0.0.1:5000", StoreKind: StoreGRPC, Source: "torchrun"}},
+		{name: "GODDP_STORE unknown scheme", env: with(torch, "GODDP_STORE", "etcd://h:1"), wantErr: `unknown scheme "etcd"`},
+		{name: "GODDP_STORE no port", env: with(torch, "GODDP_STORE", "tcpstore://h"), wantErr: "want tcpstore://host:port"},
+		{name: "GODDP_STORE no scheme", env: with(torch, "GODDP_STORE", "h:1"), wantErr: "want tcpstore://host:port or grpc://host:port"},
+		{name: "GODDP_STORE and GODDP_STORE_ADDR", env: with(torch, "GODDP_STORE", "grpc://h:1", "GODDP_STORE_ADDR", "h:1"), wantErr: "both GODDP_STORE and GODDP_STORE_ADDR"},
+		{name: "agent store without MASTER_PORT", env: with(torch, "TORCHELASTIC_USE_AGENT_STORE", "True", "MASTER_PORT", "<unset>"), wantErr: "TORCHELASTIC_USE_AGENT_STORE=True but"},
+		{name: "bad restart count", env: with(torch, "TORCHELASTIC_USE_AGENT_STORE", "True", "TORCHELASTIC_RESTART_COUNT", "x"), wantErr: "TORCHELASTIC_RESTART_COUNT"},
+		// A Kubernetes Indexed Job: the manifest sets WORLD_SIZE and the master; the index is the rank.
+		{name: "indexed job", env: map[string]string{"JOB_COMPLETION_INDEX": "2", "WORLD_SIZE": "4",
+			"MASTER_ADDR": "train-0.train", "MASTER_PORT": "29500"},
+			want: Env{Rank: 2, WorldSize: 4, LocalWorldSize: 1, GroupRank: 2, MasterAddr: "train-0.train", MasterPort: 29500, Source: "indexed-job"}},
+		{name: "indexed job without WORLD_SIZE", env: map[string]string{"JOB_COMPLETION_INDEX": "2", "MASTER_ADDR": "m", "MASTER_PORT": "1"},
+			wantErr: "WORLD_SIZE not set"},
+		{name: "indexed job index too large", env: map[string]string{"JOB_COMPLETION_INDEX": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "m", "MASTER_PORT": "1"},
+			wantErr: "JOB_COMPLETION_INDEX=4 outside [0, WORLD_SIZE=4)"},
+		{name: "RANK wins over JOB_COMPLETION_INDEX", env: map[string]string{"JOB_COMPLETION_INDEX": "3", "RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "m", "MASTER_PORT": "1"},
+			want: Env{Rank: 1, WorldSize: 4, LocalWorldSize: 1, GroupRank: 1, MasterAddr: "m", MasterPort: 1, Source: "torchrun"}},
 		{name: "missing WORLD_SIZE", env: with(torch, "WORLD_SIZE", "<unset>"), wantErr: "WORLD_SIZE not set"},
 		{name: "missing RANK", env: with(torch, "RANK", "<unset>"), wantErr: "RANK not set"},
 		{name: "blank RANK", env: with(torch, "RANK", "  "), wantErr: "RANK not set"},
@@ -102,6 +144,13 @@ func TestEnvFrom(t *testing.T) {
 
 		{name: "openmpi one host", env: ompi, want: Env{Rank: 2, WorldSize: 4, LocalRank: 2, LocalWorldSize: 4,
 			MasterAddr: "127.0.0.1", MasterPort: DefaultMasterPort, Source: "openmpi"}},
+		// Exactly what mpirun (Open MPI 4.1) sets for rank 1 of 2 on one host: NODE_RANK is
+		// the rank on the node, and the job id gives the port.
+		{name: "openmpi as mpirun sets it", env: map[string]string{"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+			"OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_NODE_RANK": "1",
+			"OMPI_MCA_ess_base_jobid": "1628241921", "OMPI_UNIVERSE_SIZE": "2", "PMIX_RANK": "1", "PMIX_NAMESPACE": "1628241921"},
+			want: Env{Rank: 1, WorldSize: 2, LocalRank: 1, LocalWorldSize: 2, MasterAddr: "127.0.0.1",
+				MasterPort: 20000 + 1628241921%20000, Source: "openmpi"}},
 		{name: "openmpi several hosts need MASTER_ADDR", env: with(ompi, "OMPI_COMM_WORLD_LOCAL_SIZE", "2",
 			"OMPI_COMM_WORLD_LOCAL_RANK", "0", "OMPI_COMM_WORLD_NODE_RANK", "1"), wantErr: "MASTER_ADDR not set"},
 		{name: "openmpi bad size", env: with(ompi, "OMPI_COMM_WORLD_SIZE", "4x"), wantErr: "OMPI_COMM_WORLD_SIZE"},
@@ -173,7 +222,7 @@ func TestEnvTokenFile(t *testing.T) {
 
 func TestInitFromEnvReadsProcessEnv(t *testing.T) {
 	for _, k := range []string{"SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "GODDP_STORE_ADDR", "GODDP_TOKEN", "GODDP_TOKEN_FILE",
-		"LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"} {
+		"LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GODDP_STORE", "TORCHELASTIC_USE_AGENT_STORE", "JOB_COMPLETION_INDEX"} {
 		t.Setenv(k, "")
 		os.Unsetenv(k)
 	}

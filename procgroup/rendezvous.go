@@ -91,7 +91,11 @@ var rendezvousCloseTimeout = 10 * time.Second
 
 // Rendezvous returns the job's store, as env describes it, and the closer that releases it.
 //
-// If env.StoreAddr is set (a store hosted by the launcher), every rank dials it. Otherwise,
+// With env.StoreKind StoreMemory (no launcher: a world of one process), the store is a
+// MemStore. With StoreTCPStore, every rank dials the PyTorch TCPStore at env.StoreAddr
+// (torchrun's agent store, or GODDP_STORE=tcpstore://...) and logs a warning that it has no
+// authentication; keys go under env.StorePrefix. With StoreGRPC (a store hosted by the
+// launcher), every rank dials env.StoreAddr. Otherwise,
 // like torch's TCPStore, rank 0 starts a StoreServer on port env.MasterPort (on the loopback
 // address when env.MasterAddr is one, else on every interface, since MASTER_ADDR names this
 // host as the other ranks reach it), and every rank, rank 0 included, dials
@@ -120,15 +124,41 @@ func rendezvous(ctx context.Context, env Env, files TLSFiles, logger *zap.Logger
 	if err != nil {
 		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
 	}
-	srvTLS, cliTLS, err := storeTLS(files, env.StoreAddr == "" && env.Rank == 0)
-	if err != nil {
-		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
+	switch env.StoreKind {
+	case StoreMemory:
+		if env.WorldSize != 1 {
+			return nil, nil, fmt.Errorf("%w: rendezvous: an in-process store for a world of %d", ErrInvalidArgument, env.WorldSize)
+		}
+		logger.Info("rendezvous: no launcher variables in the environment; running as a single process (rank 0 of 1, in-process store)")
+		st := NewMemStore()
+		return st, st, nil
 	}
 	if env.StoreAddr == "" && (env.MasterAddr == "" || env.MasterPort < 1 || env.MasterPort > 65535) {
 		return nil, nil, fmt.Errorf("%w: rendezvous: no store address (MASTER_ADDR %q, MASTER_PORT %d)",
 			ErrInvalidArgument, env.MasterAddr, env.MasterPort)
 	}
 	token, err := JobToken(env, env.StoreAddress(), files.Enabled(), logger)
+	if err != nil {
+		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
+	}
+	if env.StoreKind == StoreTCPStore {
+		logger.Warn("rendezvous: using a PyTorch TCPStore, which has no authentication: whoever reaches it can read and change the job's keys (the data plane still authenticates peers with the job token)",
+			zap.String("addr", env.StoreAddr), zap.String("prefix", env.StorePrefix))
+		if files.Enabled() {
+			logger.Warn("rendezvous: GODDP_TLS_* secures the data plane only; a TCPStore has no TLS")
+		}
+		tctx, cancel := context.WithTimeout(ctx, timeout)
+		st, err := DialTCPStore(tctx, env.StoreAddr, TCPStoreOptions{Logger: logger})
+		cancel()
+		if err != nil {
+			return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
+		}
+		if env.StorePrefix == "" {
+			return st, st, nil
+		}
+		return PrefixStore{Prefix: env.StorePrefix, Store: st}, st, nil
+	}
+	srvTLS, cliTLS, err := storeTLS(files, env.StoreAddr == "" && env.Rank == 0)
 	if err != nil {
 		return nil, nil, fmt.Errorf("procgroup: rendezvous rank %d: %w", env.Rank, err)
 	}

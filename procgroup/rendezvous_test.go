@@ -172,3 +172,90 @@ func TestRendezvousBadEnv(t *testing.T) {
 		t.Error("Rendezvous on a taken port succeeded")
 	}
 }
+
+// Under torchrun's static rendezvous every rank uses the agent's TCPStore (here the real
+// torch one where installed, and fakes of both dialects), under a prefix per restart, and
+// the log says that it has no authentication.
+func TestRendezvousAgentStore(t *testing.T) {
+	for _, srv := range tcpStoreServers(t) {
+		t.Run(srv.name, func(t *testing.T) {
+			host, port, _ := net.SplitHostPort(srv.addr)
+			agentEnv := func(rank, restart int) Env {
+				m := map[string]string{
+					"RANK": fmt.Sprint(rank), "LOCAL_RANK": fmt.Sprint(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+					"GROUP_RANK": "0", "MASTER_ADDR": host, "MASTER_PORT": port,
+					"TORCHELASTIC_RESTART_COUNT": fmt.Sprint(restart), "TORCHELASTIC_RUN_ID": "job7",
+					"TORCHELASTIC_USE_AGENT_STORE": "True", "GODDP_TOKEN": testToken,
+				}
+				e, err := EnvFrom(lookupIn(m))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return e
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			core, logs := observer.New(zap.WarnLevel)
+			var stores [2]Store
+			for r := range 2 {
+				st, closer, err := Rendezvous(ctx, agentEnv(r, 1), zap.New(core))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer closer.Close()
+				stores[r] = st
+			}
+			if err := stores[0].Set(ctx, "addr/0", []byte("127.0.0.1:1234")); err != nil {
+				t.Fatal(err)
+			}
+			if v, err := stores[1].Get(ctx, "addr/0"); err != nil || string(v) != "127.0.0.1:1234" {
+				t.Fatalf("rank 1 reads %q, %v", v, err)
+			}
+			raw := dialTCP(t, srv.addr)
+			if ok, err := raw.Check(ctx, "goddp/job7/1/addr/0"); err != nil || !ok {
+				t.Fatalf("key under the restart's prefix: %v, %v", ok, err)
+			}
+			if srv.torch != nil {
+				if got := srv.torch.call(t, "get goddp/job7/1/addr/0"); got != fmt.Sprintf("%x", "127.0.0.1:1234") {
+					t.Fatalf("torch's client reads %s", got)
+				}
+			}
+			// The next restart sees none of this attempt's keys.
+			next, closer, err := Rendezvous(ctx, agentEnv(1, 2), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer closer.Close()
+			if v, _, err := next.CompareAndSet(ctx, "addr/0", peekSentinel, peekSentinel); err != nil || v != nil {
+				t.Fatalf("restart 2 sees addr/0 = %q, %v; want absent", v, err)
+			}
+			if n := logs.FilterMessageSnippet("no authentication").Len(); n != 2 {
+				t.Fatalf("%d warnings about the TCPStore's missing authentication, want one per rank: %v", n, logs.All())
+			}
+		})
+	}
+}
+
+// With no launcher variables at all, the process is a world of one with an in-process
+// store, and says so once.
+func TestRendezvousSingleProcess(t *testing.T) {
+	env, err := EnvFrom(lookupIn(map[string]string{"PATH": "/usr/bin"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	ctx := context.Background()
+	st, closer, err := Rendezvous(ctx, env, zap.New(core))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := st.Add(ctx, "n", 2); err != nil || n != 2 {
+		t.Fatalf("Add = %d, %v", n, err)
+	}
+	if err := closer.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := logs.FilterMessageSnippet("single process").Len(); n != 1 || logs.Len() != 1 {
+		t.Fatalf("log = %v; want one line about the single process", logs.All())
+	}
+}

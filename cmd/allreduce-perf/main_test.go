@@ -408,12 +408,18 @@ func TestCommandBadFlags(t *testing.T) {
 			t.Errorf("%v: exit %d, want 2; stderr:\n%s", args, code, stderr)
 		}
 	}
-	// No --nproc and no rank in the environment.
+	// No --nproc and only some of a launcher's variables: an error that names a missing one.
 	cmd := exec.Command(bin, "--backend", "store")
-	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "MASTER_ADDR=127.0.0.1"}
 	out, err := cmd.CombinedOutput()
 	var ee *exec.ExitError
 	if !errors.As(err, &ee) || ee.ExitCode() != 2 || !strings.Contains(string(out), "RANK") {
-		t.Errorf("without a rank: %v\n%s", err, out)
+		t.Errorf("with MASTER_ADDR only: %v\n%s", err, out)
+	}
+	// No launcher variable at all: a world of one rank.
+	cmd = exec.Command(bin, "--backend", "store", "-b", "4K", "-e", "8K", "-n", "2", "-w", "1")
+	cmd.Env = []string{"PATH=" + os.Getenv("PATH")}
+	if out, err = cmd.CombinedOutput(); err != nil || !strings.Contains(string(out), "1 ranks") || !strings.Contains(string(out), "Out of bounds values : 0 OK") {
+		t.Errorf("without a launcher: %v\n%s", err, out)
 	}
 }

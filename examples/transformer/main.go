@@ -163,9 +163,14 @@ func main() {
 		os.Exit(2)
 	case errors.As(err, &ue):
 		fmt.Fprintln(os.Stderr, "transformer:", err)
+		ddp.RecordFailure(fmt.Errorf("transformer: %w", err)) //nolint:errcheck // best effort: the usage error is printed already
 		os.Exit(2)
 	default:
 		fmt.Fprintln(os.Stderr, "transformer:", err)
+		// Under torchrun: the root cause for its failure summary.
+		if rerr := ddp.RecordFailure(fmt.Errorf("transformer: %w", err)); rerr != nil {
+			fmt.Fprintln(os.Stderr, "transformer:", rerr)
+		}
 		os.Exit(1)
 	}
 }

@@ -173,9 +173,15 @@ func TestBadFlags(t *testing.T) {
 			t.Errorf("%q accepted", args)
 		}
 	}
-	for _, args := range []string{"--task nope --no_ddp", "--hidden_size 12 --no_ddp", ""} {
+	for _, args := range []string{"--task nope --no_ddp", "--hidden_size 12 --no_ddp"} {
 		if err := run(context.Background(), strings.Fields(args), &bytes.Buffer{}, &bytes.Buffer{}); err == nil {
 			t.Errorf("run %q: no error", args)
 		}
+	}
+	// Only some of a launcher's variables: an error that names a missing one.
+	t.Setenv("MASTER_ADDR", "127.0.0.1")
+	if err := run(context.Background(), strings.Fields(tinyDDPFlags+" --bench_steps 1"), &bytes.Buffer{}, &bytes.Buffer{}); err == nil ||
+		!strings.Contains(err.Error(), "MASTER_ADDR is set but RANK and WORLD_SIZE are not") {
+		t.Errorf("run with MASTER_ADDR only: %v", err)
 	}
 }

@@ -11,8 +11,6 @@ import (
 	"strconv"
 	"time"
 
-	"golang.org/x/term"
-
 	"github.com/goddp/goddp/ddp"
 )
 
@@ -53,7 +51,7 @@ func newObserver(f flags, w world, d *ddp.DDP, stdout io.Writer, total int) (o *
 	}()
 	if w.rank == 0 {
 		o.out = stdout
-		if fd, ok := stdout.(interface{ Fd() uintptr }); ok && term.IsTerminal(int(fd.Fd())) {
+		if ddp.IsUserTerminal(stdout, nil) {
 			o.prog = ddp.NewProgress(stdout, ddp.ProgressOptions{Total: total, Mode: ddp.ProgressTerminal})
 		}
 	}
