@@ -324,6 +324,9 @@ func (w *watchdog) issue(op CollectiveOp, call func() Work) Work {
 
 func (w *watchdog) wrap(wk Work) Work { return &wdWork{Work: wk, w: w} }
 
+// Unwrap implements Unwrapper: the group the watchdog wraps.
+func (w *watchdog) Unwrap() ProcessGroup { return w.inner }
+
 func (w *watchdog) AllReduce(ctx context.Context, buf any, op ReduceOp) Work {
 	return w.issue(OpAllReduce, func() Work { return w.inner.AllReduce(ctx, buf, op) })
 }
@@ -588,6 +591,9 @@ func (x *wdWork) result() error {
 	})
 	return x.err
 }
+
+// Unwrap implements WorkUnwrapper: the inner group's Work.
+func (x *wdWork) Unwrap() Work { return x.Work }
 
 // Wait implements Work.
 func (x *wdWork) Wait(ctx context.Context) error {
