@@ -61,7 +61,7 @@ func parseFlags(args []string, out io.Writer) (*flags, error) {
 	fs.IntVar(&f.samples, "samples", 1024, "training set size (a multiple of --batch)")
 	fs.IntVar(&f.steps, "steps", 20, "training steps")
 	fs.IntVar(&f.benchSteps, "bench_steps", 0, "after --steps, time this many steps and print ms/step")
-	fs.Float64Var(&f.lr, "lr", 0.05, "SGD learning rate")
+	fs.Float64Var(&f.lr, "lr", 0.01, "SGD learning rate")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the data and the initial parameters")
 	fs.IntVar(&f.logEvery, "log_every", 0, "print the loss every N steps (a host synchronisation each time; 0: at the end only)")
 	fs.Float64Var(&f.bucketMB, "bucket_cap_mb", 25, "DDP bucket cap, MiB")
