@@ -16,9 +16,17 @@ func chunkBytes(mb float64) int {
 // chunk bytes and each chunk is one Broadcast: a model takes a few large collectives, not one
 // per tensor. The element types are visited in procgroup.DTypes order, so that every rank
 // issues the same collectives in the same order.
+//
+// Device tensors (procgroup.DeviceBuffer) follow, one Broadcast each, in order, waited for
+// on the host (they are not packed: that would need a device staging buffer per type).
 func broadcastAll(ctx context.Context, pg procgroup.ProcessGroup, tensors []any, chunk int) error {
 	byType := map[procgroup.DType][]any{}
+	var devs []procgroup.DeviceBuffer
 	for _, t := range tensors {
+		if d, ok := t.(procgroup.DeviceBuffer); ok {
+			devs = append(devs, d)
+			continue
+		}
 		dt, _, err := procgroup.DTypeOf(t)
 		if err != nil {
 			return fmt.Errorf("%w: %w", ErrInvalidArgument, err)
@@ -48,6 +56,11 @@ func broadcastAll(ctx context.Context, pg procgroup.ProcessGroup, tensors []any,
 		}
 		if err != nil {
 			return fmt.Errorf("%v tensors: %w", dt, err)
+		}
+	}
+	for k, d := range devs {
+		if err := pg.Broadcast(ctx, d, 0).Wait(ctx); err != nil {
+			return fmt.Errorf("device tensor %d of %d (%v×%d): %w", k+1, len(devs), d.Type, d.Count, err)
 		}
 	}
 	return nil

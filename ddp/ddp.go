@@ -32,8 +32,9 @@ var (
 type Param struct {
 	// Name appears in errors; it must be the same on every rank.
 	Name string
-	// Data holds the parameter's values, a []float32 or a []float64. New overwrites it with
-	// rank 0's values.
+	// Data holds the parameter's values, a []float32 or a []float64 (with Options.Device,
+	// a procgroup.DeviceBuffer of Float32 or Float64). New overwrites it with rank 0's
+	// values.
 	Data any
 	// Grad is where Finalize leaves the averaged gradient: the same type and length as
 	// Data. With Options.GradientAsBucketView it must be nil: read the gradient with
@@ -69,6 +70,12 @@ type Options struct {
 	GradientAsBucketView bool
 	// CommHook reduces each bucket (default: one all-reduce, reducer.AllReduceHook).
 	CommHook reducer.CommHook
+	// Device: parameters and gradients live on the GPU (reducer Note [Device buckets]):
+	// Param.Data and Param.Grad are procgroup.DeviceBuffers, gradients are reported with
+	// GradReadyDevice, and the process group must offer procgroup.Device (the nccl
+	// backend). Stream is the trainer's compute stream.
+	Device bool
+	Stream procgroup.Stream
 	// Logger receives the rare log lines; nil means zap.NewNop().
 	Logger *zap.Logger
 	// Buffers are broadcast from rank 0 at New and by BroadcastBuffers, never reduced.
@@ -164,6 +171,9 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 		if err := checkGrad(dd, p.Grad, opts.GradientAsBucketView); err != nil {
 			return nil, err
 		}
+		if err := checkPlace(dd, p.Data, p.Grad, opts.Device); err != nil {
+			return nil, err
+		}
 		p.Shape = dd.shape
 		d.params[i] = p
 		descs = append(descs, dd)
@@ -197,6 +207,8 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 		FindUnusedParameters: opts.FindUnusedParameters,
 		GradientAsBucketView: opts.GradientAsBucketView,
 		CommHook:             opts.CommHook,
+		Device:               opts.Device,
+		Stream:               opts.Stream,
 		Logger:               opts.Logger,
 	})
 	if err != nil {
@@ -206,6 +218,22 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	d.log.Info("ddp: model replicated", zap.Int("rank", pg.Rank()), zap.Int("world_size", pg.Size()),
 		zap.Int("params", len(d.params)), zap.Int("buffers", len(d.buffers)))
 	return d, nil
+}
+
+// checkPlace checks that a parameter's Data and Grad are device buffers exactly when
+// Options.Device is set.
+func checkPlace(dd desc, data, grad any, device bool) error {
+	_, dataDev := data.(procgroup.DeviceBuffer)
+	_, gradDev := grad.(procgroup.DeviceBuffer)
+	switch {
+	case device && !dataDev:
+		return fmt.Errorf("%w: %s: Data is %T; with Options.Device it must be a procgroup.DeviceBuffer", ErrInvalidArgument, dd.label(), data)
+	case device && grad != nil && !gradDev:
+		return fmt.Errorf("%w: %s: Grad is %T; with Options.Device it must be a procgroup.DeviceBuffer", ErrInvalidArgument, dd.label(), grad)
+	case !device && (dataDev || gradDev):
+		return fmt.Errorf("%w: %s: device memory needs Options.Device (and Options.Stream)", ErrInvalidArgument, dd.label())
+	}
+	return nil
 }
 
 func checkGrad(dd desc, grad any, bucketView bool) error {
@@ -290,6 +318,19 @@ func (d *DDP) GradReady(i int, grad []float32) error {
 		return d.Err()
 	}
 	if err := d.r.GradReady(i, grad); err != nil {
+		return d.fail(err)
+	}
+	return nil
+}
+
+// GradReadyDevice is GradReady with Options.Device: grad is in device memory, produced on
+// Options.Stream. The copy into the bucket is enqueued on that stream; it never waits on
+// the host.
+func (d *DDP) GradReadyDevice(i int, grad procgroup.DeviceBuffer) error {
+	if d.failed.Load() {
+		return d.Err()
+	}
+	if err := d.r.GradReadyDevice(i, grad); err != nil {
 		return d.fail(err)
 	}
 	return nil
@@ -411,6 +452,13 @@ func (d *DDP) Grad(i int) any {
 	}
 	v, _ := d.r.GradView(i)
 	return v
+}
+
+// GradDevice is Grad with Options.Device: the averaged gradient on the device, valid for
+// kernels queued on Options.Stream after Finalize.
+func (d *DDP) GradDevice(i int) procgroup.DeviceBuffer {
+	g, _ := d.Grad(i).(procgroup.DeviceBuffer)
+	return g
 }
 
 // Grad32 is Grad for a float32 parameter (nil for a float64 one).

@@ -211,8 +211,27 @@ type debugItem struct {
 	ctx  context.Context
 	fp   Fingerprint
 	call func() Work
-	fut  *Future
+	fut  *debugWork
 }
+
+// debugWork is a Work of the debug wrapper: it completes when the real collective does,
+// which the wrapper's goroutine issues once the fingerprints compared equal.
+type debugWork struct {
+	*Future
+	mu    sync.Mutex // guards inner
+	inner Work       // the real collective's Work, once issued
+}
+
+// Unwrap implements WorkUnwrapper: the real collective's Work, or nil while its
+// fingerprint exchange is still going on (or if it was never issued).
+func (w *debugWork) Unwrap() Work {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.inner
+}
+
+// Unwrap implements Unwrapper: the group the debug wrapper wraps.
+func (d *debugGroup) Unwrap() ProcessGroup { return d.inner }
 
 type debugGroup struct {
 	inner      ProcessGroup
@@ -232,9 +251,6 @@ type debugGroup struct {
 }
 
 var _ ProcessGroup = (*debugGroup)(nil)
-
-// Unwrap returns the group the debug wrapper wraps.
-func (d *debugGroup) Unwrap() ProcessGroup { return d.inner }
 
 func (d *debugGroup) Rank() int { return d.rank }
 func (d *debugGroup) Size() int { return d.size }
@@ -264,7 +280,7 @@ func (d *debugGroup) enqueue(ctx context.Context, fp Fingerprint, call func() Wo
 	}
 	d.seq++
 	fp.Seq = d.seq
-	it := &debugItem{ctx: ctx, fp: fp, call: call, fut: NewFuture()}
+	it := &debugItem{ctx: ctx, fp: fp, call: call, fut: &debugWork{Future: NewFuture()}}
 	d.queue = append(d.queue, it)
 	d.mu.Unlock()
 	d.signal()
@@ -378,7 +394,7 @@ func (d *debugGroup) Abort(cause error) {
 
 type inflight struct {
 	work Work
-	fut  *Future
+	fut  *debugWork
 }
 
 // run is the group's goroutine (Note [Debug queue]). It returns once the group is closing
@@ -452,7 +468,11 @@ func (d *debugGroup) process(it *debugItem) Work {
 		same = same && fps[r] == it.fp
 	}
 	if same {
-		return it.call()
+		w := it.call()
+		it.fut.mu.Lock()
+		it.fut.inner = w
+		it.fut.mu.Unlock()
+		return w
 	}
 	derr := &DesyncError{Rank: d.rank, Seq: it.fp.Seq, Fingerprints: fps}
 	d.log.Error("collective desync; aborting the group", zap.Error(derr))

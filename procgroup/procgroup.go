@@ -326,19 +326,11 @@ type TransportReporter interface {
 	Transports() []string
 }
 
-// Transports is pg's TransportReporter answer, looking through wrappers that have an
-// Unwrap() ProcessGroup method (the watchdog and debug wrappers do); nil when no layer
-// reports.
+// Transports is pg's TransportReporter answer, looking through wrappers (Find); nil when no
+// layer reports.
 func Transports(pg ProcessGroup) []string {
-	for pg != nil {
-		if t, ok := pg.(TransportReporter); ok {
-			return t.Transports()
-		}
-		u, ok := pg.(interface{ Unwrap() ProcessGroup })
-		if !ok {
-			return nil
-		}
-		pg = u.Unwrap()
+	if t, ok := Find[TransportReporter](pg); ok {
+		return t.Transports()
 	}
 	return nil
 }
@@ -353,20 +345,14 @@ func (f *Future) CompletedAt() time.Time {
 	}
 }
 
-// CompletedAt returns when w completed, where w, or a Work it wraps (through an
-// Unwrap() Work method, as the watchdog's works have), records it; ok is false otherwise or
-// before completion. The reducer uses it for exact bucket finish times.
+// CompletedAt returns when w completed, where w, or a Work it wraps (FindWork), records
+// it; ok is false otherwise or before completion. The reducer uses it for exact bucket
+// finish times.
 func CompletedAt(w Work) (t time.Time, ok bool) {
-	for w != nil {
-		if c, is := w.(interface{ CompletedAt() time.Time }); is {
-			t = c.CompletedAt()
-			return t, !t.IsZero()
-		}
-		u, is := w.(interface{ Unwrap() Work })
-		if !is {
-			return time.Time{}, false
-		}
-		w = u.Unwrap()
+	c, found := FindWork[interface{ CompletedAt() time.Time }](w)
+	if !found {
+		return time.Time{}, false
 	}
-	return time.Time{}, false
+	t = c.CompletedAt()
+	return t, !t.IsZero()
 }

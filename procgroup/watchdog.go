@@ -296,10 +296,6 @@ type watchdog struct {
 
 var _ ProcessGroup = (*watchdog)(nil)
 
-// Unwrap returns the group the watchdog wraps, for type assertions on the backend's own
-// group (procgroup.Transports, nccl's stream-ordered waits).
-func (w *watchdog) Unwrap() ProcessGroup { return w.inner }
-
 func (w *watchdog) Rank() int { return w.rank }
 func (w *watchdog) Size() int { return w.size }
 
@@ -327,6 +323,9 @@ func (w *watchdog) issue(op CollectiveOp, call func() Work) Work {
 }
 
 func (w *watchdog) wrap(wk Work) Work { return &wdWork{Work: wk, w: w} }
+
+// Unwrap implements Unwrapper: the group the watchdog wraps.
+func (w *watchdog) Unwrap() ProcessGroup { return w.inner }
 
 func (w *watchdog) AllReduce(ctx context.Context, buf any, op ReduceOp) Work {
 	return w.issue(OpAllReduce, func() Work { return w.inner.AllReduce(ctx, buf, op) })
@@ -572,9 +571,6 @@ type wdWork struct {
 	err  error
 }
 
-// Unwrap returns the backend's own Work.
-func (x *wdWork) Unwrap() Work { return x.Work }
-
 func (x *wdWork) result() error {
 	x.once.Do(func() {
 		err := x.Work.Err()
@@ -595,6 +591,9 @@ func (x *wdWork) result() error {
 	})
 	return x.err
 }
+
+// Unwrap implements WorkUnwrapper: the inner group's Work.
+func (x *wdWork) Unwrap() Work { return x.Work }
 
 // Wait implements Work.
 func (x *wdWork) Wait(ctx context.Context) error {

@@ -30,9 +30,37 @@
 //		}
 //	}
 //
+// On the GPU (Options.Device, Options.Stream; Note [Device buckets]) the loop is the same
+// with GradReadyDevice(i, deviceGrad); after Finalize, kernels queued on the stream see the
+// averaged gradients.
+//
 // With Options.GradientAsBucketView the averaged gradients are read from GradView(i), the
 // bucket slots themselves (no copy back); take the views again after the first synced
 // Finalize (Note [Rebuild]).
+//
+// Note [Device buckets]: with Options.Device the gradients live on a GPU and so do the
+// buckets, allocated once per layout through the group's procgroup.Device (found through
+// the watchdog and debug wrappers by procgroup.FindDevice). Everything the reducer does in
+// a step is enqueued on the trainer's compute stream (Options.Stream), in stream order,
+// and the host never waits:
+//   - GradReadyDevice enqueues the copy of the gradient, pre-scaled by 1/world size, into
+//     its bucket slot (an addition after NoSync passes), one kernel.
+//   - When the bucket's last gradient has been enqueued, its collective is issued at once
+//     on the group with the bucket as a procgroup.DeviceBuffer on the compute stream: the
+//     backend records an event on the compute stream after that last copy and makes its
+//     communication stream wait for it (nccl: Note [Stream order]), so the all-reduce
+//     reads the bucket only after every kernel that wrote into it.
+//   - Finalize makes the compute stream wait for each bucket's end event
+//     (Device.WaitWork) and enqueues the copies back into Param.Grad (none with
+//     GradientAsBucketView: GradViewDevice is the gradient); kernels the trainer queues on
+//     the stream afterwards (the optimizer) see the averaged gradients.
+//   - The fp16/bf16 compression hooks convert on the device, on the compute stream.
+//
+// Since Finalize does not wait, a collective's failure is reported by the next
+// BeginBackward (or Finalize) and, as always, by the group's watchdog, which aborts the group.
+// Two steps wait on the host by design: the first synced Finalize (the rebuild's broadcast
+// of rank 0's order, a host buffer), and Close (which drains the stream before freeing the
+// buckets).
 //
 // Design notes: Note [Bucket order] and Note [Accumulation window] (Machine), Note
 // [Rebuild] (Reducer.rebuild), Note [Bucket assignment] (package bucket).

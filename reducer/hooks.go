@@ -12,16 +12,23 @@ import (
 type BucketView struct {
 	// Index is the bucket's launch position.
 	Index int
-	// DType is Float32 or Float64; Buffer is the bucket's flat []float32 or []float64,
-	// holding every gradient already divided by the world size, so a plain sum over ranks
-	// is the average. The hook owns Buffer from Launch until its Work completes and must
-	// leave the reduced result in it by the end of Finish.
+	// DType is Float32 or Float64; Buffer is the bucket's flat []float32 or []float64 (or,
+	// with Options.Device, a procgroup.DeviceBuffer on Stream), holding every gradient
+	// already divided by the world size, so a plain sum over ranks is the average. The hook
+	// owns Buffer from Launch until its Work completes and must leave the reduced result in
+	// it by the end of Finish (for a device bucket: enqueued on Stream by then).
 	DType  procgroup.DType
 	Buffer any
+	// Device and Stream are set for a device bucket (Options.Device): the group's device
+	// operations and the trainer's compute stream. Before Finish, the reducer has made
+	// Stream wait for the Work that Launch returned; Finish enqueues its work on Stream.
+	Device procgroup.Device
+	Stream procgroup.Stream
 	// Params and Offsets say which parameter sits where in Buffer (in elements).
 	Params  []int
 	Offsets []int
-	// Scratch is the hook's own: the reducer never reads it and resets it at the rebuild.
+	// Scratch is the hook's own: the reducer never reads it and resets it at the rebuild. A
+	// procgroup.DeviceBuffer in it is freed by the reducer (at the rebuild and at Close).
 	Scratch any
 }
 
@@ -77,8 +84,40 @@ func (h compressHook[H]) scratch(b *BucketView, n int) ([]H, any) {
 	return s, b.Scratch
 }
 
+// devScratch returns the bucket's compressed device buffer, allocated on the first launch,
+// boxed in b.Scratch (passed as is to AllReduce: no allocation per launch).
+func (h compressHook[H]) devScratch(b *BucketView, n int) (procgroup.DeviceBuffer, error) {
+	if d, ok := b.Scratch.(procgroup.DeviceBuffer); ok && d.Count == n {
+		return d, nil
+	}
+	var z H
+	dt := procgroup.Float16
+	if _, bf := any(z).(procgroup.BF16); bf {
+		dt = procgroup.BFloat16
+	}
+	d, err := b.Device.AllocDevice(dt, n)
+	if err != nil {
+		return d, err
+	}
+	d.Stream = b.Stream
+	b.Scratch = d
+	return d, nil
+}
+
 func (h compressHook[H]) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *BucketView) procgroup.Work {
 	switch buf := b.Buffer.(type) {
+	case procgroup.DeviceBuffer:
+		if buf.Type != procgroup.Float32 {
+			return procgroup.Completed(fmt.Errorf("%w: compression hook: device bucket %d holds %v; device compression is for float32 buckets", ErrInvalidArgument, b.Index, buf.Type))
+		}
+		d, err := h.devScratch(b, buf.Count)
+		if err == nil {
+			err = b.Device.ConvertAsync(b.Stream, d, buf)
+		}
+		if err != nil {
+			return procgroup.Completed(fmt.Errorf("reducer: compression hook: bucket %d: %w", b.Index, err))
+		}
+		return pg.AllReduce(ctx, b.Scratch, procgroup.Sum)
 	case []float32:
 		s, boxed := h.scratch(b, len(buf))
 		for k, v := range buf {
@@ -96,6 +135,10 @@ func (h compressHook[H]) Launch(ctx context.Context, pg procgroup.ProcessGroup, 
 }
 
 func (h compressHook[H]) Finish(b *BucketView) error {
+	if buf, ok := b.Buffer.(procgroup.DeviceBuffer); ok {
+		d, _ := b.Scratch.(procgroup.DeviceBuffer)
+		return b.Device.ConvertAsync(b.Stream, buf, d)
+	}
 	s, _ := b.Scratch.([]H)
 	switch buf := b.Buffer.(type) {
 	case []float32:

@@ -16,9 +16,10 @@ import (
 type Param struct {
 	// Name appears in errors.
 	Name string
-	// Grad is where Finalize writes the averaged gradient: a []float32 or []float64. It sets
-	// the parameter's element type and length. With Options.GradientAsBucketView it is not
-	// written and may be nil, if DType and Len are set instead.
+	// Grad is where Finalize writes the averaged gradient: a []float32 or []float64, or with
+	// Options.Device a procgroup.DeviceBuffer (Float32 or Float64). It sets the parameter's
+	// element type and length. With Options.GradientAsBucketView it is not written and may
+	// be nil, if DType and Len are set instead.
 	Grad any
 	// DType (Float32 or Float64) and Len describe a parameter whose Grad is nil.
 	DType procgroup.DType
@@ -40,6 +41,16 @@ type Options struct {
 	GradientAsBucketView bool
 	// CommHook reduces each bucket (default AllReduceHook).
 	CommHook CommHook
+	// Device: the gradients live in device memory (Note [Device buckets]). The group must
+	// offer procgroup.Device (procgroup.FindDevice: the nccl backend, through any
+	// wrappers); the buckets are allocated on the device, gradients are reported with
+	// GradReadyDevice, and every Param.Grad is a procgroup.DeviceBuffer (or nil with
+	// GradientAsBucketView).
+	Device bool
+	// Stream is the trainer's compute stream (with Device): the stream its backward
+	// kernels produce the gradients on and its optimizer reads them from. The reducer
+	// enqueues its copies there, and makes it wait for the buckets' all-reduces.
+	Stream procgroup.Stream
 	// Logger receives the rare log lines (layout, rebuild); nil means zap.NewNop().
 	Logger *zap.Logger
 }
@@ -73,8 +84,9 @@ func mib(mb float64) int64 {
 
 // slot is one bucket's driver state.
 type slot struct {
-	f32  []float32 // the flat buffer, one of the two
+	f32  []float32 // the flat buffer, one of the three
 	f64  []float64
+	dev  procgroup.DeviceBuffer // with Options.Device, on Options.Stream
 	view BucketView
 	work procgroup.Work // the bucket's in-flight reduction, nil when not launched
 	seen bool           // its completion was recorded in the stats
@@ -95,6 +107,7 @@ type slot struct {
 // call returns the same error.
 type Reducer struct {
 	pg      procgroup.ProcessGroup
+	dev     procgroup.Device // with Options.Device
 	opts    Options
 	log     *zap.Logger
 	params  []Param
@@ -113,7 +126,8 @@ type Reducer struct {
 	finished bool
 	aborted  bool
 	closed   bool
-	order64  []int64 // the rebuild's broadcast buffer
+	order64  []int64                  // the rebuild's broadcast buffer
+	retired  []procgroup.DeviceBuffer // device buckets of the layout before the rebuild, freed at Close
 }
 
 // New returns a Reducer for params over pg with the initial bucket layout (Note [Bucket
@@ -126,9 +140,23 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 		return nil, err
 	}
 	r := &Reducer{pg: pg, opts: opts, log: opts.Logger, params: append([]Param(nil), params...)}
+	if opts.Device {
+		dev, ok := procgroup.FindDevice(pg)
+		if !ok {
+			return nil, fmt.Errorf("%w: Options.Device needs a process group with device memory (procgroup.Device, for instance the nccl backend); %T has none", ErrInvalidArgument, pg)
+		}
+		r.dev = dev
+	}
 	r.bparams = make([]bucket.Param, len(params))
 	for i, p := range r.params {
 		dt, n := p.DType, p.Len
+		_, onDev := p.Grad.(procgroup.DeviceBuffer)
+		if p.Grad != nil && onDev != opts.Device {
+			if opts.Device {
+				return nil, fmt.Errorf("%w: parameter %d (%s): Grad is %T; with Options.Device it must be a procgroup.DeviceBuffer", ErrInvalidArgument, i, p.Name, p.Grad)
+			}
+			return nil, fmt.Errorf("%w: parameter %d (%s): Grad is a procgroup.DeviceBuffer; set Options.Device (and Stream) for device gradients", ErrInvalidArgument, i, p.Name)
+		}
 		if p.Grad != nil {
 			gdt, gn, err := procgroup.DTypeOf(p.Grad)
 			if err != nil {
@@ -160,7 +188,10 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	}
 	r.inv32, r.inv64 = 1/float32(pg.Size()), 1/float64(pg.Size())
 	r.order64 = make([]int64, len(params))
-	r.setLayout(r.m.Layout())
+	if err := r.setLayout(r.m.Layout()); err != nil {
+		r.freeDevice()
+		return nil, err
+	}
 	r.log.Info("reducer: buckets assigned", zap.Int("rank", pg.Rank()), zap.Int("params", len(params)),
 		zap.Int("buckets", len(buckets)), zap.Float64("bucket_cap_mb", opts.BucketCapMB), zap.Float64("first_bucket_cap_mb", opts.FirstBucketCapMB))
 	return r, nil
@@ -168,30 +199,80 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 
 // setLayout allocates the flat buffers of lay; in bucket-view mode it carries the gradients
 // over from the old buffers, so that the views hold the same values after the rebuild.
-func (r *Reducer) setLayout(lay *bucket.Layout) {
+// Device buckets are zeroed and carried over on the compute stream; the old ones are kept
+// until Close (queued work may still use them, and freeing them now would need a host
+// synchronisation).
+func (r *Reducer) setLayout(lay *bucket.Layout) error {
 	slots := make([]slot, len(lay.Buckets))
 	for b, bk := range lay.Buckets {
 		s := &slots[b]
 		s.view = BucketView{Index: b, DType: procgroup.DType(bk.DType), Params: bk.Params, Offsets: bk.Offsets}
-		if bk.DType == bucket.Float32 {
+		switch {
+		case r.dev != nil:
+			d, err := r.dev.AllocDevice(procgroup.DType(bk.DType), bk.Len)
+			if err == nil {
+				d.Stream = r.opts.Stream
+				err = r.dev.ZeroAsync(r.opts.Stream, d)
+				r.retired = append(r.retired, d) // freed at Close
+			}
+			if err != nil {
+				return fmt.Errorf("reducer: bucket %d (%d bytes) on the device: %w", b, bk.Bytes(), err)
+			}
+			s.dev = d
+			s.view.Buffer, s.view.Device, s.view.Stream = d, r.dev, r.opts.Stream
+		case bk.DType == bucket.Float32:
 			s.f32 = bucket.Alloc[float32](bk)
 			s.view.Buffer = s.f32
-		} else {
+		default:
 			s.f64 = bucket.Alloc[float64](bk)
 			s.view.Buffer = s.f64
 		}
 	}
 	if r.lay != nil {
+		for b := range r.slots {
+			if d, ok := r.slots[b].view.Scratch.(procgroup.DeviceBuffer); ok {
+				r.retired = append(r.retired, d)
+			}
+		}
 		for i, from := range r.lay.Where {
 			to, old, neu := lay.Where[i], &r.slots[r.lay.Where[i].Bucket], &slots[lay.Where[i].Bucket]
-			if old.f32 != nil {
+			switch {
+			case r.dev != nil:
+				if err := r.dev.ScaleAsync(r.opts.Stream, devView(neu.dev, to), devView(old.dev, from), 1, false); err != nil {
+					return fmt.Errorf("reducer: rebuild: %w", err)
+				}
+			case old.f32 != nil:
 				copy(bucket.View(neu.f32, to), bucket.View(old.f32, from))
-			} else {
+			default:
 				copy(bucket.View(neu.f64, to), bucket.View(old.f64, from))
 			}
 		}
 	}
 	r.lay, r.slots = lay, slots
+	return nil
+}
+
+// devView is bucket.View for a device bucket.
+func devView(b procgroup.DeviceBuffer, loc bucket.Loc) procgroup.DeviceBuffer {
+	return b.Slice(loc.Offset, loc.Offset+loc.Len)
+}
+
+// freeDevice releases every device bucket (Close), and the device scratch of the comm
+// hooks (BucketView.Scratch holding a procgroup.DeviceBuffer).
+func (r *Reducer) freeDevice() {
+	if r.dev == nil {
+		return
+	}
+	for _, d := range r.retired {
+		_ = r.dev.FreeDevice(d)
+	}
+	r.retired = nil
+	for b := range r.slots {
+		if d, ok := r.slots[b].view.Scratch.(procgroup.DeviceBuffer); ok {
+			_ = r.dev.FreeDevice(d)
+			r.slots[b].view.Scratch = nil
+		}
+	}
 }
 
 // Size returns the world size.
@@ -224,11 +305,29 @@ func (r *Reducer) GradView(i int) (any, error) {
 		return nil, fmt.Errorf("%w: GradView(%d): parameter index outside [0, %d)", ErrInvalidArgument, i, len(r.params))
 	}
 	loc := r.lay.Where[i]
-	if s := &r.slots[loc.Bucket]; s.f32 != nil {
+	switch s := &r.slots[loc.Bucket]; {
+	case r.dev != nil:
+		return devView(s.dev, loc), nil
+	case s.f32 != nil:
 		return bucket.View(s.f32, loc), nil
-	} else {
+	default:
 		return bucket.View(s.f64, loc), nil
 	}
+}
+
+// GradViewDevice is GradView with Options.Device: parameter i's slot in its device bucket,
+// on Options.Stream. The caller's kernels may read and write it on that stream between
+// Finalize and the next BeginBackward.
+func (r *Reducer) GradViewDevice(i int) (procgroup.DeviceBuffer, error) {
+	v, err := r.GradView(i)
+	if err != nil {
+		return procgroup.DeviceBuffer{}, err
+	}
+	d, ok := v.(procgroup.DeviceBuffer)
+	if !ok {
+		return procgroup.DeviceBuffer{}, fmt.Errorf("%w: GradViewDevice(%d): the buckets are in host memory (Options.Device is off)", ErrInvalidArgument, i)
+	}
+	return d, nil
 }
 
 // GradView32 is GradView for a float32 parameter (nil for a float64 one).
@@ -270,6 +369,13 @@ func (r *Reducer) BeginBackward(mode Mode) error {
 	if err := r.m.BeginBackward(mode); err != nil {
 		return r.afterMachineErr(err)
 	}
+	if r.dev != nil { // Finalize did not wait on the host: report a collective that failed since
+		for b := range r.slots {
+			if w := r.slots[b].work; w != nil && isDone(w) && w.Err() != nil {
+				return r.failLocked(fmt.Errorf("reducer: backward %d: bucket %d: %w", r.m.Iter()-1, b, w.Err()))
+			}
+		}
+	}
 	if r.finished { // publish the finished pass's stats; fill the other buffer
 		r.cur = 1 - r.cur
 	} // else an Accumulate pass was not finalized: its stats are dropped
@@ -294,6 +400,9 @@ func (r *Reducer) GradReady(i int, grad []float32) error {
 	if err := r.checkGrad(i, procgroup.Float32, len(grad)); err != nil {
 		return err
 	}
+	if r.dev != nil {
+		return r.failLocked(fmt.Errorf("%w: GradReady(%d) with Options.Device: report device gradients with GradReadyDevice", ErrInvalidArgument, i))
+	}
 	acts, err := r.m.GradReady(i)
 	if err != nil {
 		return r.afterMachineErr(err)
@@ -313,6 +422,9 @@ func (r *Reducer) GradReady64(i int, grad []float64) error {
 	if err := r.checkGrad(i, procgroup.Float64, len(grad)); err != nil {
 		return err
 	}
+	if r.dev != nil {
+		return r.failLocked(fmt.Errorf("%w: GradReady64(%d) with Options.Device: report device gradients with GradReadyDevice", ErrInvalidArgument, i))
+	}
 	acts, err := r.m.GradReady(i)
 	if err != nil {
 		return r.afterMachineErr(err)
@@ -322,6 +434,47 @@ func (r *Reducer) GradReady64(i int, grad []float64) error {
 	scaleInto(dst, grad, r.inv64, a.Add)
 	r.afterCopy(i, acts[1:], t0)
 	return nil
+}
+
+// GradReadyDevice is GradReady with Options.Device: grad is parameter i's gradient in device
+// memory, produced on Options.Stream. It enqueues, on that stream, the copy of grad divided
+// by the world size into the bucket slot (or its addition there, after an Accumulate pass)
+// and launches every bucket this completes, in bucket order: the collective's stream waits,
+// on the device, for the copies queued before it (Note [Device buckets]). It never waits on
+// the host. grad may be overwritten by kernels queued on the stream after this call.
+func (r *Reducer) GradReadyDevice(i int, grad procgroup.DeviceBuffer) error {
+	t0 := time.Now()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.dev == nil {
+		if r.closed {
+			return ErrClosed
+		}
+		return r.failLocked(fmt.Errorf("%w: GradReadyDevice(%d) without Options.Device", ErrInvalidArgument, i))
+	}
+	if err := r.checkGrad(i, grad.Type, grad.Count); err != nil {
+		return err
+	}
+	acts, err := r.m.GradReady(i)
+	if err != nil {
+		return r.afterMachineErr(err)
+	}
+	a := acts[0]
+	inv := r.inv64
+	if err := r.dev.ScaleAsync(r.opts.Stream, devView(r.slots[a.Bucket].dev, r.lay.Where[i]), grad, inv, a.Add); err != nil {
+		return r.failLocked(fmt.Errorf("reducer: GradReadyDevice(%d): %w", i, err))
+	}
+	r.afterCopy(i, acts[1:], t0)
+	return nil
+}
+
+func isDone(w procgroup.Work) bool {
+	select {
+	case <-w.Done():
+		return true
+	default:
+		return false
+	}
 }
 
 // scaleInto sets dst to src·inv, or adds src·inv to it. With one rank inv is exactly 1.
@@ -462,9 +615,14 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 			switch a.Kind {
 			case ActZero:
 				loc := r.lay.Where[a.Param]
-				if s := &r.slots[a.Bucket]; s.f32 != nil {
+				switch s := &r.slots[a.Bucket]; {
+				case r.dev != nil:
+					if err := r.dev.ZeroAsync(r.opts.Stream, devView(s.dev, loc)); err != nil {
+						return r.failLocked(fmt.Errorf("reducer: backward %d: zeroing unused parameter %d: %w", r.m.Iter(), a.Param, err))
+					}
+				case s.f32 != nil:
 					clear(bucket.View(s.f32, loc))
-				} else {
+				default:
 					clear(bucket.View(s.f64, loc))
 				}
 			case ActLaunch:
@@ -485,6 +643,15 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 		}
 		// Wait for the next bucket, in order.
 		s := &r.slots[b]
+		if r.dev != nil {
+			// Note [Device buckets]: the compute stream waits, on the device, for the
+			// bucket's collective; the host goes on.
+			werr := r.dev.WaitWork(r.opts.Stream, s.work)
+			if acts, err = r.m.BucketDone(b, werr); err != nil {
+				return r.failLocked(err)
+			}
+			continue
+		}
 		// Wait without the lock, so that Stats (and Close, which aborts) are not held up.
 		// Any other call meanwhile is out of turn and the Machine refuses it.
 		r.mu.Unlock()
@@ -518,6 +685,12 @@ func (r *Reducer) unpack(b int) error {
 	}
 	for _, i := range r.lay.Buckets[b].Params {
 		loc := r.lay.Where[i]
+		if r.dev != nil {
+			if err := r.dev.ScaleAsync(r.opts.Stream, r.params[i].Grad.(procgroup.DeviceBuffer), devView(s.dev, loc), 1, false); err != nil {
+				return fmt.Errorf("reducer: backward %d: bucket %d: copy back: %w", r.m.Iter(), b, err)
+			}
+			continue
+		}
 		if s.f32 != nil {
 			copy(r.params[i].Grad.([]float32), bucket.View(s.f32, loc))
 		} else {
@@ -614,6 +787,17 @@ func (r *Reducer) Close() error {
 	if r.m.Busy() && !r.aborted {
 		r.aborted = true
 		r.pg.Abort(fmt.Errorf("reducer: closed during backward %d", r.m.Iter()))
+	}
+	if r.dev != nil {
+		// The device buckets may still be read or written by queued work: wait for the
+		// collectives on the host and for the compute stream, then free them.
+		for b := range r.slots {
+			if w := r.slots[b].work; w != nil {
+				<-w.Done() // bounded: the group's timeout, or the abort above
+			}
+		}
+		_ = r.dev.SyncStream(r.opts.Stream)
+		r.freeDevice()
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"os"
 	"reflect"
 	"sync"
 	"testing"
@@ -13,11 +14,31 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/goddp/goddp/internal/gpufake"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// TestMain builds the fake CUDA driver and NCCL of the device tests (device_test.go) and
+// points the nccl backend at them, then runs the tests with goleak.
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "goddp-reducer-fakes-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	libs, err := gpufake.Build(dir)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	libs.Setenv()
+	goleak.VerifyTestMain(m, goleak.Cleanup(func(code int) {
+		os.RemoveAll(dir)
+		os.Exit(code)
+	}))
+}
 
 func testCtx(t *testing.T) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

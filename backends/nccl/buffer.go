@@ -11,42 +11,20 @@ import (
 // which, and which environment variable points the backend at a library.
 var ErrUnavailable = errors.New("nccl: unavailable")
 
-// DevicePtr is a CUDA device address (CUdeviceptr; gorgonia.org/cu's cu.DevicePtr).
-type DevicePtr uintptr
+// DevicePtr is a CUDA device address (CUdeviceptr; gorgonia.org/cu's cu.DevicePtr): the
+// procgroup vocabulary, so that the reducer can hold device buffers without importing a
+// backend.
+type DevicePtr = procgroup.DevicePtr
 
 // Stream is a CUDA stream handle (CUstream); 0 is the legacy default stream.
-type Stream uintptr
+type Stream = procgroup.Stream
 
 // DeviceBuffer is a buffer in device memory that the collectives accept in place of a host
-// slice. Stream is the compute stream that produces (and will consume) its contents: a
-// collective on the buffer first makes the group's communication stream wait, on the GPU,
-// for the work queued on Stream so far (Note [Stream order]). The memory must stay
-// allocated until the collective's Work completes.
-type DeviceBuffer struct {
-	Ptr    DevicePtr
-	Type   procgroup.DType
-	Count  int
-	Stream Stream
-}
-
-// DType implements procgroup.Buffer.
-func (b DeviceBuffer) DType() procgroup.DType { return b.Type }
-
-// Len implements procgroup.Buffer.
-func (b DeviceBuffer) Len() int { return b.Count }
-
-// Bytes is the buffer's size in bytes.
-func (b DeviceBuffer) Bytes() int { return b.Count * b.Type.Size() }
-
-// Slice returns the elements [from, to) of b, on the same stream.
-func (b DeviceBuffer) Slice(from, to int) DeviceBuffer {
-	if from < 0 || to < from || to > b.Count {
-		panic(fmt.Sprintf("nccl: DeviceBuffer.Slice(%d, %d) of %d elements", from, to, b.Count))
-	}
-	return DeviceBuffer{Ptr: b.Ptr + DevicePtr(from*b.Type.Size()), Type: b.Type, Count: to - from, Stream: b.Stream}
-}
-
-var _ procgroup.Buffer = DeviceBuffer{}
+// slice (procgroup.DeviceBuffer). Stream is the compute stream that produces (and will
+// consume) its contents: a collective on the buffer first makes the group's communication
+// stream wait, on the GPU, for the work queued on Stream so far (Note [Stream order]). The
+// memory must stay allocated until the collective's Work completes.
+type DeviceBuffer = procgroup.DeviceBuffer
 
 // Config is the backend's part of procgroup.Options (Options.Backend = *nccl.Config).
 type Config struct {

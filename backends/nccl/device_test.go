@@ -10,6 +10,7 @@ import (
 	"os"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/goddp/goddp/procgroup"
 )
@@ -244,4 +245,101 @@ func TestStreamOrder(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestGPUStreamWaitTimeline shows, from event timestamps, the communication stream waiting
+// on the compute stream (Note [Stream order]): timed events mark, on the compute stream,
+// the start and the end of slow work that writes the all-reduce's input (on the fakes: a
+// gate the test opens; on a GPU: a series of large memsets), and on the comm stream the
+// moment it was free before the all-reduce was issued and the all-reduce's end. The
+// all-reduce must end after the compute work, though the comm stream was free long before;
+// and its result is the compute work's value. It logs the timeline (scripts/gpu_check.sh
+// prints it).
+func TestGPUStreamWaitTimeline(t *testing.T) {
+	gs := startGroups(t, 1, 0)
+	g := gs[0]
+	gated := g.lib.knob("tasks_run", 0) >= 0
+	s, err := g.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.DestroyStream(s)
+	ev := make([]procgroup.Event, 4) // compute start, compute end, comm free, comm all-reduce end
+	for k := range ev {
+		if ev[k], err = g.NewTimedEvent(); err != nil {
+			t.Fatal(err)
+		}
+		defer g.DestroyEvent(ev[k])
+	}
+	const count = 1 << 20
+	buf, err := g.Alloc(procgroup.Float32, count)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Free(buf)
+	buf.Stream = s
+	if err := g.RecordEvent(ev[0], s); err != nil {
+		t.Fatal(err)
+	}
+	if gated {
+		g.lib.knob("gate_close", int64(s))
+	} else {
+		scratch, err := g.Alloc(procgroup.Float32, 64<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer g.Free(scratch)
+		for k := range 100 {
+			if err := g.memsetD32(scratch, uint32(k), scratch.Count, s); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := g.memsetD32(buf, math.Float32bits(3), count, s); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.RecordEvent(ev[1], s); err != nil {
+		t.Fatal(err)
+	}
+	commStream := procgroup.Stream(uintptr(unsafe.Pointer(g.stream)))
+	if err := g.RecordEvent(ev[2], commStream); err != nil { // the comm stream is idle here
+		t.Fatal(err)
+	}
+	if err := g.SyncStream(commStream); err != nil { // so ev[2] is stamped before the all-reduce is issued
+		t.Fatal(err)
+	}
+	w := g.AllReduce(context.Background(), buf, procgroup.Sum)
+	if err := g.RecordEvent(ev[3], commStream); err != nil {
+		t.Fatal(err)
+	}
+	if gated {
+		g.lib.knob("gate_open", 0)
+	}
+	if err := waitT(t, w); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.SyncStream(commStream); err != nil {
+		t.Fatal(err)
+	}
+	at := make([]float64, 4)
+	for k := 1; k < 4; k++ {
+		if at[k], err = g.EventElapsed(ev[0], ev[k]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Logf("timeline (ms from the compute stream's start): comm stream idle at %.3f; compute work ends %.3f; all-reduce ends %.3f: the comm stream waited %.3f ms for the compute stream",
+		at[2], at[1], at[3], at[1]-at[2])
+	if !(at[3] >= at[1]) {
+		t.Fatalf("the all-reduce ended at %.3f ms, before the compute work it reads (%.3f ms)", at[3], at[1])
+	}
+	got := make([]float32, count)
+	if err := g.CopyOut(got, buf); err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range got {
+		if v != 3 {
+			t.Fatalf("[%d] = %v, want 3 (the compute stream's value)", k, v)
+		}
+	}
+	g.Close()
 }

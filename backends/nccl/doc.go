@@ -34,12 +34,21 @@
 //		LocalRank: localRank, LocalSize: localSize, Store: store})
 //	// host buffers, as with gloo:
 //	err = pg.AllReduce(ctx, grads, procgroup.Sum).Wait(ctx)
-//	// device buffers, stream-ordered:
-//	g := pg.(*nccl.Group)
+//	// device buffers, stream-ordered. ddp.InitProcessGroup wraps the group (watchdog, and
+//	// debug with GODDP_DEBUG=detail): reach the backend through the wrappers with
+//	// procgroup.Find / FindWork, and issue collectives on the outer group.
+//	g, _ := procgroup.Find[*nccl.Group](pg)
 //	buf, _ := g.Alloc(procgroup.Float32, n) // or nccl.DeviceBuffer{Ptr: ..., Stream: computeStream}
 //	buf.Stream = computeStream
-//	w := g.AllReduce(ctx, buf, procgroup.Avg)
-//	_ = w.(*nccl.Work).WaitStream(computeStream) // later kernels on computeStream see the result
+//	w := pg.AllReduce(ctx, buf, procgroup.Avg)
+//	_ = g.WaitWork(computeStream, w) // later kernels on computeStream see the result; or:
+//	nw, _ := procgroup.FindWork[*nccl.Work](w)
+//	_ = nw.WaitStream(computeStream)
+//
+// Group implements procgroup.Device (memory, ScaleAsync and ConvertAsync kernels, events,
+// WaitWork), which the reducer uses for device-resident buckets (reducer Note [Device
+// buckets]). Its kernels are PTX (kernels/kernels.ptx, generated from kernels/kernels.ll by
+// kernels/gen.sh), JIT-compiled by the driver when first used.
 //
 // With the cuda build tag, FromCU and (*Work).WaitCU accept gorgonia.org/cu's DevicePtr
 // and Stream (see scripts/cuda_headers.sh for building without a CUDA install).

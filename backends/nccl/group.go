@@ -66,6 +66,11 @@ type Group struct {
 	allSt    []*staging         // every staging area, freed at release
 	commGone bool               // comm destroyed or aborted
 
+	devMu     sync.Mutex // guards the kernel module (devops.go)
+	module    C.goddp_CUmodule
+	moduleErr error
+	fns       [nKernels]C.goddp_CUfunction
+
 	kick     chan struct{} // size 1: a work was issued or the state changed
 	stop     chan struct{} // closed when the group is aborted
 	loopDone chan struct{} // closed when the watchdog has released everything and exited
@@ -210,6 +215,12 @@ func (g *Group) releaseDevice() {
 		if g.barrierBuf != 0 {
 			C.goddp_cuMemFree(l, g.barrierBuf)
 		}
+		g.devMu.Lock()
+		if g.module != nil {
+			C.goddp_module_unload(l, g.cuCtx, g.module)
+			g.module, g.moduleErr = nil, fmt.Errorf("nccl: rank %d: %w", g.rank, procgroup.ErrClosed)
+		}
+		g.devMu.Unlock()
 		if g.stream != nil {
 			C.goddp_cuStreamDestroy(l, g.stream)
 		}

@@ -81,6 +81,12 @@ goddp_lib *goddp_load(const char *cuda_path, const char *nccl_path, char *err, s
 	LOAD(l->cuda_handle, cuMemcpyDtoHAsync, 1, 1);
 	LOAD(l->cuda_handle, cuMemsetD32Async, 0, 1);
 	LOAD(l->cuda_handle, cuGetErrorString, 0, 1);
+	LOAD(l->cuda_handle, cuMemcpyDtoDAsync, 1, 1);
+	LOAD(l->cuda_handle, cuModuleLoadData, 0, 1);
+	LOAD(l->cuda_handle, cuModuleGetFunction, 0, 1);
+	LOAD(l->cuda_handle, cuModuleUnload, 0, 1);
+	LOAD(l->cuda_handle, cuLaunchKernel, 0, 1);
+	LOAD(l->cuda_handle, cuEventElapsedTime, 0, 1);
 
 	l->nccl_handle = dlopen(nccl_path, RTLD_NOW | RTLD_LOCAL);
 	if (!l->nccl_handle) {
@@ -233,6 +239,73 @@ const char *goddp_nccl_last_error(goddp_lib *l, goddp_ncclComm_t comm) {
 	if (!l->ncclGetLastError) return "";
 	const char *s = l->ncclGetLastError(comm);
 	return s ? s : "";
+}
+
+goddp_CUresult goddp_module_load(goddp_lib *l, goddp_CUcontext ctx, const char *image, goddp_CUmodule *m) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuModuleLoadData(m, image);
+}
+
+goddp_CUresult goddp_module_function(goddp_lib *l, goddp_CUmodule m, const char *name, goddp_CUfunction *f) {
+	return l->cuModuleGetFunction(f, m, name);
+}
+
+enum { BLOCK = 256 };
+
+static goddp_CUresult launch(goddp_lib *l, goddp_CUfunction f, uintptr_t s, unsigned long long n, void **params) {
+	if (n == 0) return 0;
+	unsigned long long grid = (n + BLOCK - 1) / BLOCK;
+	if (grid > 0x7fffffffULL) return 1; // CUDA_ERROR_INVALID_VALUE: too many elements
+	return l->cuLaunchKernel(f, (unsigned int)grid, 1, 1, BLOCK, 1, 1, 0, (goddp_CUstream)s, params, NULL);
+}
+
+goddp_CUresult goddp_launch_scale(goddp_lib *l, goddp_CUcontext ctx, goddp_CUfunction f, uintptr_t s, goddp_CUdeviceptr dst,
+				  goddp_CUdeviceptr src, unsigned long long n, double a, int add, int f64) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	if (r) return r;
+	float a32 = (float)a;
+	void *params[] = {&dst, &src, &n, f64 ? (void *)&a : (void *)&a32, &add};
+	return launch(l, f, s, n, params);
+}
+
+goddp_CUresult goddp_launch_convert(goddp_lib *l, goddp_CUcontext ctx, goddp_CUfunction f, uintptr_t s, goddp_CUdeviceptr dst,
+				    goddp_CUdeviceptr src, unsigned long long n) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	if (r) return r;
+	void *params[] = {&dst, &src, &n};
+	return launch(l, f, s, n, params);
+}
+
+goddp_CUresult goddp_copy_d2d(goddp_lib *l, goddp_CUcontext ctx, goddp_CUdeviceptr dst, goddp_CUdeviceptr src, size_t n, uintptr_t s) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuMemcpyDtoDAsync(dst, src, n, (goddp_CUstream)s);
+}
+
+goddp_CUresult goddp_event_record(goddp_lib *l, goddp_CUcontext ctx, uintptr_t ev, uintptr_t s) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuEventRecord((goddp_CUevent)ev, (goddp_CUstream)s);
+}
+
+goddp_CUresult goddp_stream_wait_handle(goddp_lib *l, goddp_CUcontext ctx, uintptr_t s, uintptr_t ev) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuStreamWaitEvent((goddp_CUstream)s, (goddp_CUevent)ev, 0);
+}
+
+goddp_CUresult goddp_event_destroy_handle(goddp_lib *l, uintptr_t ev) { return l->cuEventDestroy((goddp_CUevent)ev); }
+
+goddp_CUresult goddp_module_unload(goddp_lib *l, goddp_CUcontext ctx, goddp_CUmodule m) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuModuleUnload(m);
+}
+
+goddp_CUresult goddp_event_create_timed(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent *ev, int timing) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuEventCreate(ev, timing ? 0 : GODDP_CU_EVENT_DISABLE_TIMING);
+}
+
+goddp_CUresult goddp_event_elapsed(goddp_lib *l, goddp_CUcontext ctx, float *ms, uintptr_t a, uintptr_t b) {
+	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
+	return r ? r : l->cuEventElapsedTime(ms, (goddp_CUevent)a, (goddp_CUevent)b);
 }
 
 long long goddp_fake_knob(goddp_lib *l, const char *name, long long value) {

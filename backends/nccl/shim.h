@@ -15,6 +15,8 @@ typedef unsigned long long goddp_CUdeviceptr; // CUdeviceptr_v2
 typedef void *goddp_CUcontext;
 typedef void *goddp_CUstream;
 typedef void *goddp_CUevent;
+typedef void *goddp_CUmodule;
+typedef void *goddp_CUfunction;
 
 #define GODDP_CUDA_SUCCESS 0
 #define GODDP_CUDA_ERROR_NOT_READY 600
@@ -61,6 +63,13 @@ typedef struct goddp_lib {
 	goddp_CUresult (*cuMemcpyDtoHAsync)(void *, goddp_CUdeviceptr, size_t, goddp_CUstream);
 	goddp_CUresult (*cuMemsetD32Async)(goddp_CUdeviceptr, unsigned int, size_t, goddp_CUstream);
 	goddp_CUresult (*cuGetErrorString)(goddp_CUresult, const char **);
+	goddp_CUresult (*cuMemcpyDtoDAsync)(goddp_CUdeviceptr, goddp_CUdeviceptr, size_t, goddp_CUstream);
+	goddp_CUresult (*cuModuleLoadData)(goddp_CUmodule *, const void *);
+	goddp_CUresult (*cuModuleGetFunction)(goddp_CUfunction *, goddp_CUmodule, const char *);
+	goddp_CUresult (*cuModuleUnload)(goddp_CUmodule);
+	goddp_CUresult (*cuLaunchKernel)(goddp_CUfunction, unsigned int, unsigned int, unsigned int, unsigned int, unsigned int,
+					 unsigned int, unsigned int, goddp_CUstream, void **, void **);
+	goddp_CUresult (*cuEventElapsedTime)(float *, goddp_CUevent, goddp_CUevent);
 	// NCCL
 	goddp_ncclResult_t (*ncclGetVersion)(int *);
 	goddp_ncclResult_t (*ncclGetUniqueId)(goddp_ncclUniqueId *);
@@ -130,6 +139,22 @@ goddp_ncclResult_t goddp_get_unique_id(goddp_lib *l, void *id);
 const char *goddp_cu_error(goddp_lib *l, goddp_CUresult r);
 const char *goddp_nccl_error(goddp_lib *l, goddp_ncclResult_t r);
 const char *goddp_nccl_last_error(goddp_lib *l, goddp_ncclComm_t comm);
+
+// Device operations of procgroup.Device (devops.go): the kernels of kernels.ptx, launched
+// with one thread per element in blocks of 256, and device-to-device copies.
+goddp_CUresult goddp_module_load(goddp_lib *l, goddp_CUcontext ctx, const char *image, goddp_CUmodule *m);
+goddp_CUresult goddp_module_function(goddp_lib *l, goddp_CUmodule m, const char *name, goddp_CUfunction *f);
+goddp_CUresult goddp_launch_scale(goddp_lib *l, goddp_CUcontext ctx, goddp_CUfunction f, uintptr_t s, goddp_CUdeviceptr dst,
+				  goddp_CUdeviceptr src, unsigned long long n, double a, int add, int f64);
+goddp_CUresult goddp_launch_convert(goddp_lib *l, goddp_CUcontext ctx, goddp_CUfunction f, uintptr_t s, goddp_CUdeviceptr dst,
+				    goddp_CUdeviceptr src, unsigned long long n);
+goddp_CUresult goddp_copy_d2d(goddp_lib *l, goddp_CUcontext ctx, goddp_CUdeviceptr dst, goddp_CUdeviceptr src, size_t n, uintptr_t s);
+goddp_CUresult goddp_event_record(goddp_lib *l, goddp_CUcontext ctx, uintptr_t ev, uintptr_t s);
+goddp_CUresult goddp_stream_wait_handle(goddp_lib *l, goddp_CUcontext ctx, uintptr_t s, uintptr_t ev);
+goddp_CUresult goddp_event_destroy_handle(goddp_lib *l, uintptr_t ev);
+goddp_CUresult goddp_module_unload(goddp_lib *l, goddp_CUcontext ctx, goddp_CUmodule m);
+goddp_CUresult goddp_event_create_timed(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent *ev, int timing);
+goddp_CUresult goddp_event_elapsed(goddp_lib *l, goddp_CUcontext ctx, float *ms, uintptr_t a, uintptr_t b);
 
 // goddp_fake_knob calls fake_knob(name, value) in either library, if it exports it (the
 // fake libraries of the tests do; the real ones do not: then it returns -1).

@@ -2,11 +2,16 @@
 // memory" is malloc'd host memory; each stream is an in-order queue run by its own thread;
 // events complete when the stream reaches them. One mutex and condition variable guard all
 // of it. Knobs (fakecuda_knob): device_count, gate_close (value: a stream; queues a task
-// that blocks until gate_open), gate_open, tasks_run (read).
+// that blocks until gate_open), gate_open, tasks_run (read), syncs (read: the number of
+// cuStreamSynchronize and cuEventSynchronize calls so far), kernels (read: kernels run).
+// Kernels: cuModuleLoadData accepts any image; cuModuleGetFunction knows the kernels of
+// backends/nccl/kernels and examples/gpumlp by name and runs a C version of each, on the
+// host, in stream order (see the table at the end).
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int CUresult;
 enum { OK = 0, ERR_INVALID_VALUE = 1, ERR_OUT_OF_MEMORY = 2, ERR_INVALID_HANDLE = 400, ERR_NOT_READY = 600 };
@@ -15,7 +20,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static int device_count = 8;
 static int gate_closed;
-static long long tasks_run;
+static long long tasks_run, syncs, kernels_run;
 
 typedef struct task {
 	void (*fn)(void *);
@@ -31,6 +36,7 @@ typedef struct stream {
 
 typedef struct event {
 	unsigned long long recorded, completed;
+	double when; // ms since the first event completed: CLOCK_MONOTONIC at the last completion
 } event;
 
 static stream *legacy; // the NULL stream, created on first use
@@ -110,6 +116,10 @@ long long fakecuda_knob(const char *name, long long value) {
 		pthread_cond_broadcast(&cv);
 	} else if (!strcmp(name, "tasks_run")) {
 		old = tasks_run;
+	} else if (!strcmp(name, "syncs")) {
+		old = syncs;
+	} else if (!strcmp(name, "kernels")) {
+		old = kernels_run;
 	}
 	pthread_mutex_unlock(&mu);
 	return old;
@@ -148,6 +158,7 @@ CUresult cuStreamCreate(void **s, unsigned int flags) {
 }
 CUresult cuStreamSynchronize(void *h) {
 	pthread_mutex_lock(&mu);
+	syncs++;
 	stream *s = get(h);
 	while (s->head || s->busy) pthread_cond_wait(&cv, &mu);
 	pthread_mutex_unlock(&mu);
@@ -177,9 +188,16 @@ typedef struct {
 	unsigned long long gen;
 } evarg;
 
+static double now_ms(void) {
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
 static void record_fn(void *p) {
 	evarg *a = p;
+	double t = now_ms();
 	pthread_mutex_lock(&mu);
+	a->e->when = t;
 	if (a->gen > a->e->completed) a->e->completed = a->gen;
 	pthread_cond_broadcast(&cv);
 	pthread_mutex_unlock(&mu);
@@ -221,6 +239,7 @@ CUresult cuEventQuery(void *p) {
 CUresult cuEventSynchronize(void *p) {
 	event *e = p;
 	pthread_mutex_lock(&mu);
+	syncs++;
 	while (e->completed < e->recorded) pthread_cond_wait(&cv, &mu);
 	pthread_mutex_unlock(&mu);
 	return OK;
@@ -281,5 +300,214 @@ CUresult cuGetErrorString(CUresult r, const char **s) {
 	case ERR_INVALID_HANDLE: *s = "invalid resource handle"; break;
 	default: *s = "fake CUDA error"; break;
 	}
+	return OK;
+}
+
+CUresult cuEventElapsedTime(float *ms, void *a, void *b) {
+	event *x = a, *y = b;
+	pthread_mutex_lock(&mu);
+	int done = x->completed >= x->recorded && y->completed >= y->recorded && x->recorded && y->recorded;
+	*ms = (float)(y->when - x->when);
+	pthread_mutex_unlock(&mu);
+	return done ? OK : ERR_NOT_READY;
+}
+
+CUresult cuMemcpyDtoDAsync_v2(unsigned long long d, unsigned long long s, size_t n, void *h) {
+	return copy_async((void *)(uintptr_t)d, (const void *)(uintptr_t)s, n, h);
+}
+
+// ---- kernels ----
+
+#define MAXARGS 8
+typedef struct kernel {
+	const char *name;
+	int nargs;
+	int size[MAXARGS]; // bytes of each argument
+	void (*fn)(unsigned char args[][8], unsigned long long threads);
+} kernel;
+
+#define ARG(T, i) (*(T *)args[i])
+#define PTR(T, i) ((T *)(uintptr_t)ARG(unsigned long long, i))
+
+static void k_scale_f32(unsigned char args[][8], unsigned long long threads) {
+	float *dst = PTR(float, 0), *src = PTR(float, 1), a = ARG(float, 3);
+	unsigned long long n = ARG(unsigned long long, 2);
+	int add = ARG(int, 4);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++) {
+		float v = src[i] * a;
+		dst[i] = add ? dst[i] + v : v;
+	}
+}
+static void k_scale_f64(unsigned char args[][8], unsigned long long threads) {
+	double *dst = PTR(double, 0), *src = PTR(double, 1), a = ARG(double, 3);
+	unsigned long long n = ARG(unsigned long long, 2);
+	int add = ARG(int, 4);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++) {
+		double v = src[i] * a;
+		dst[i] = add ? dst[i] + v : v;
+	}
+}
+static uint16_t f_to_f16(float f) {
+	uint32_t b;
+	memcpy(&b, &f, 4);
+	uint16_t sign = (b >> 16) & 0x8000;
+	int exp = (b >> 23) & 0xff;
+	uint32_t man = b & 0x7fffff;
+	if (exp == 0xff) return sign | (man ? 0x7e00 : 0x7c00);
+	if (exp == 0 && man == 0) return sign;
+	int e = exp - 127 + 15;
+	if (e >= 0x1f) return sign | 0x7c00;
+	if (e <= 0) {
+		if (e < -10) return sign;
+		man |= 0x800000;
+		int shift = 14 - e;
+		uint32_t half = 1u << (shift - 1), rest = man & ((1u << shift) - 1), h = man >> shift;
+		if (rest > half || (rest == half && (h & 1))) h++;
+		return sign | (uint16_t)h;
+	}
+	uint32_t h = ((uint32_t)e << 10) | (man >> 13), rest = man & 0x1fff;
+	if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+	return sign | (uint16_t)h;
+}
+static float f16_to_f(uint16_t h) {
+	int s = h >> 15, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+	float v;
+	if (e == 0) v = (float)m / 16777216.0f; // m · 2^-24
+	else if (e == 31) v = m ? __builtin_nanf("") : __builtin_inff();
+	else {
+		uint32_t b = ((uint32_t)(e - 15 + 127) << 23) | ((uint32_t)m << 13);
+		memcpy(&v, &b, 4);
+	}
+	return s ? -v : v;
+}
+static void k_f32_to_f16(unsigned char args[][8], unsigned long long threads) {
+	uint16_t *dst = PTR(uint16_t, 0);
+	float *src = PTR(float, 1);
+	unsigned long long n = ARG(unsigned long long, 2);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++) dst[i] = f_to_f16(src[i]);
+}
+static void k_f16_to_f32(unsigned char args[][8], unsigned long long threads) {
+	float *dst = PTR(float, 0);
+	uint16_t *src = PTR(uint16_t, 1);
+	unsigned long long n = ARG(unsigned long long, 2);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++) dst[i] = f16_to_f(src[i]);
+}
+static void k_f32_to_bf16(unsigned char args[][8], unsigned long long threads) {
+	uint16_t *dst = PTR(uint16_t, 0);
+	uint32_t *src = PTR(uint32_t, 1);
+	unsigned long long n = ARG(unsigned long long, 2);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++) {
+		uint32_t b = src[i];
+		if ((b & 0x7fffffff) > 0x7f800000) dst[i] = (uint16_t)((b >> 16) | 0x40);
+		else dst[i] = (uint16_t)((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+	}
+}
+static void k_bf16_to_f32(unsigned char args[][8], unsigned long long threads) {
+	uint32_t *dst = PTR(uint32_t, 0);
+	uint16_t *src = PTR(uint16_t, 1);
+	unsigned long long n = ARG(unsigned long long, 2);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++) dst[i] = (uint32_t)src[i] << 16;
+}
+
+// The kernels of examples/gpumlp (row-major float32 matrices).
+static void k_add_bias(unsigned char args[][8], unsigned long long threads) {
+	float *h = PTR(float, 0), *b = PTR(float, 1);
+	unsigned long long rows = ARG(unsigned long long, 2), cols = ARG(unsigned long long, 3);
+	(void)threads;
+	for (unsigned long long r = 0; r < rows; r++)
+		for (unsigned long long c = 0; c < cols; c++) h[r * cols + c] += b[c];
+}
+static void k_relu(unsigned char args[][8], unsigned long long threads) {
+	float *h = PTR(float, 0);
+	unsigned long long n = ARG(unsigned long long, 1);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++)
+		if (!(h[i] > 0)) h[i] = 0;
+}
+static void k_relu_bwd(unsigned char args[][8], unsigned long long threads) {
+	float *dh = PTR(float, 0), *h = PTR(float, 1);
+	unsigned long long n = ARG(unsigned long long, 2);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++)
+		if (!(h[i] > 0)) dh[i] = 0;
+}
+static void k_sub_scale(unsigned char args[][8], unsigned long long threads) {
+	float *dst = PTR(float, 0), *a = PTR(float, 1), *b = PTR(float, 2), s = ARG(float, 4);
+	unsigned long long n = ARG(unsigned long long, 3);
+	(void)threads;
+	for (unsigned long long i = 0; i < n; i++) dst[i] = s * (a[i] - b[i]);
+}
+static void k_colsum(unsigned char args[][8], unsigned long long threads) {
+	float *out = PTR(float, 0), *in = PTR(float, 1);
+	unsigned long long rows = ARG(unsigned long long, 2), cols = ARG(unsigned long long, 3);
+	(void)threads;
+	for (unsigned long long c = 0; c < cols; c++) {
+		float acc = 0;
+		for (unsigned long long r = 0; r < rows; r++) acc += in[r * cols + c];
+		out[c] = acc;
+	}
+}
+
+static const kernel kernels[] = {
+	{"goddp_scale_f32", 5, {8, 8, 8, 4, 4}, k_scale_f32},
+	{"goddp_scale_f64", 5, {8, 8, 8, 8, 4}, k_scale_f64},
+	{"goddp_f32_to_f16", 3, {8, 8, 8}, k_f32_to_f16},
+	{"goddp_f16_to_f32", 3, {8, 8, 8}, k_f16_to_f32},
+	{"goddp_f32_to_bf16", 3, {8, 8, 8}, k_f32_to_bf16},
+	{"goddp_bf16_to_f32", 3, {8, 8, 8}, k_bf16_to_f32},
+	{"gpumlp_add_bias", 4, {8, 8, 8, 8}, k_add_bias},
+	{"gpumlp_relu", 2, {8, 8}, k_relu},
+	{"gpumlp_relu_bwd", 3, {8, 8, 8}, k_relu_bwd},
+	{"gpumlp_sub_scale", 5, {8, 8, 8, 8, 4}, k_sub_scale},
+	{"gpumlp_colsum", 4, {8, 8, 8, 8}, k_colsum},
+};
+
+static char modules[4];
+CUresult cuModuleLoadData(void **m, const void *image) {
+	if (!image) return ERR_INVALID_VALUE;
+	*m = modules;
+	return OK;
+}
+CUresult cuModuleUnload(void *m) { return m == modules ? OK : ERR_INVALID_HANDLE; }
+CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
+	if (m != modules) return ERR_INVALID_HANDLE;
+	for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++)
+		if (!strcmp(kernels[i].name, name)) {
+			*f = (void *)&kernels[i];
+			return OK;
+		}
+	return 500; // CUDA_ERROR_NOT_FOUND
+}
+
+typedef struct {
+	const kernel *k;
+	unsigned long long threads;
+	unsigned char args[MAXARGS][8];
+} launch;
+static void launch_fn(void *p) {
+	launch *l = p;
+	l->k->fn(l->args, l->threads);
+	pthread_mutex_lock(&mu);
+	kernels_run++;
+	pthread_mutex_unlock(&mu);
+	free(l);
+}
+CUresult cuLaunchKernel(void *f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx, unsigned int by,
+			unsigned int bz, unsigned int shmem, void *h, void **params, void **extra) {
+	const kernel *k = f;
+	(void)shmem;
+	(void)extra;
+	if (!k || !params || !gx || !gy || !gz || !bx || !by || !bz || bx * by * bz > 1024) return ERR_INVALID_VALUE;
+	launch *l = calloc(1, sizeof *l);
+	l->k = k;
+	l->threads = (unsigned long long)gx * gy * gz * bx * by * bz;
+	for (int i = 0; i < k->nargs; i++) memcpy(l->args[i], params[i], (size_t)k->size[i]); // copied at launch, as CUDA does
+	fakecuda_enqueue(h, launch_fn, l);
 	return OK;
 }

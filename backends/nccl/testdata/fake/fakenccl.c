@@ -6,7 +6,10 @@
 // shared communicator: collectives that need it fail and report ncclRemoteError through
 // ncclCommGetAsyncError. Knobs (fake_knob; unknown names go to the fake driver):
 // nccl_version, nccl_init_fail (result code of the next ncclCommInitRank calls, 0 = off),
-// nccl_async_error (set this result on every live communicator).
+// nccl_async_error (set this result on every live communicator), nccl_gate_close and
+// nccl_gate_open (while closed, collectives that start running on their streams wait
+// before reading their buffers: a slow all-reduce), nccl_collectives (read: collectives
+// performed).
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -57,7 +60,8 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static shared *shareds;
 static comm *comms; // every communicator ever created (never freed: streams may still refer to them)
 static int version = 22105;
-static int init_fail;
+static int init_fail, gate_closed;
+static long long performed;
 static unsigned long long id_counter;
 
 long long fake_knob(const char *name, long long value) {
@@ -70,6 +74,15 @@ long long fake_knob(const char *name, long long value) {
 	} else if (!strcmp(name, "nccl_init_fail")) {
 		old = init_fail;
 		init_fail = (int)value;
+	} else if (!strcmp(name, "nccl_gate_close")) {
+		old = gate_closed;
+		gate_closed = 1;
+	} else if (!strcmp(name, "nccl_gate_open")) {
+		old = gate_closed;
+		gate_closed = 0;
+		pthread_cond_broadcast(&cv);
+	} else if (!strcmp(name, "nccl_collectives")) {
+		old = performed;
 	} else if (!strcmp(name, "nccl_async_error")) {
 		old = 0;
 		for (comm *c = comms; c; c = c->next)
@@ -350,6 +363,7 @@ static void run(void *p) {
 	shared *sh = c->sh;
 	int n = sh->nranks, ok = 0;
 	pthread_mutex_lock(&mu);
+	while (gate_closed && !sh->broken && !c->aborted) pthread_cond_wait(&cv, &mu);
 	slot *s = &sh->slots[j->seq % NSLOTS];
 	for (;;) {
 		if (sh->broken || c->aborted) goto out;
@@ -365,6 +379,7 @@ static void run(void *p) {
 	if (++s->arrived == n) {
 		if (consistent(s, n)) {
 			perform(s, n);
+			performed++;
 			s->done = 1;
 		} else {
 			s->failed = 1;

@@ -1,0 +1,152 @@
+package procgroup
+
+import (
+	"fmt"
+)
+
+// DevicePtr is an address in device memory (a CUdeviceptr, gorgonia.org/cu's cu.DevicePtr).
+type DevicePtr uintptr
+
+// Stream is a device stream handle (a CUstream); 0 is the legacy default stream.
+type Stream uintptr
+
+// Event is a device event handle (a CUevent), created by a Device.
+type Event uintptr
+
+// DeviceBuffer is a buffer in device memory that a GPU backend's collectives accept in place
+// of a host slice. Stream is the compute stream that produces (and will consume) its
+// contents: a collective on the buffer first makes the backend's communication stream wait,
+// on the GPU, for the work queued on Stream so far. The memory must stay allocated until the
+// collective's Work completes.
+type DeviceBuffer struct {
+	Ptr    DevicePtr
+	Type   DType
+	Count  int
+	Stream Stream
+}
+
+// DType implements Buffer.
+func (b DeviceBuffer) DType() DType { return b.Type }
+
+// Len implements Buffer.
+func (b DeviceBuffer) Len() int { return b.Count }
+
+// Bytes is the buffer's size in bytes.
+func (b DeviceBuffer) Bytes() int { return b.Count * b.Type.Size() }
+
+// Slice returns the elements [from, to) of b, on the same stream. It panics if the range is
+// outside b (a programmer error, like slicing a slice).
+func (b DeviceBuffer) Slice(from, to int) DeviceBuffer {
+	if from < 0 || to < from || to > b.Count {
+		panic(fmt.Sprintf("procgroup: DeviceBuffer.Slice(%d, %d) of %d elements", from, to, b.Count))
+	}
+	return DeviceBuffer{Ptr: b.Ptr + DevicePtr(from*b.Type.Size()), Type: b.Type, Count: to - from, Stream: b.Stream}
+}
+
+// On returns b with its Stream set to s.
+func (b DeviceBuffer) On(s Stream) DeviceBuffer { b.Stream = s; return b }
+
+var _ Buffer = DeviceBuffer{}
+
+// Device is the optional interface of a ProcessGroup whose collectives accept DeviceBuffers
+// (backends/nccl implements it). It is what the reducer needs to keep gradient buckets on the
+// device: memory, stream-ordered copies and scaling, and events. Find it with
+// FindDevice, which looks through the wrappers (watchdog, debug) as well.
+//
+// Every operation that takes a Stream is enqueued on that stream and returns at once: the
+// host never waits for the device (errors are those of the enqueue itself). Buffers must
+// stay allocated until the work queued on them has run. Methods are safe for concurrent use.
+type Device interface {
+	// AllocDevice allocates n elements of dt on the group's device (Stream 0), uninitialised
+	// (zero them with ZeroAsync). Free it with FreeDevice once no queued work uses it.
+	AllocDevice(dt DType, n int) (DeviceBuffer, error)
+	// FreeDevice releases memory from AllocDevice.
+	FreeDevice(b DeviceBuffer) error
+	// ScaleAsync enqueues dst[k] = a·src[k] (add false) or dst[k] += a·src[k] (add true) on s.
+	// dst and src have the same element type (Float32 or Float64) and length, and may be the
+	// same buffer (in-place scaling). With a == 1 and add false it is a plain copy.
+	ScaleAsync(s Stream, dst, src DeviceBuffer, a float64, add bool) error
+	// ConvertAsync enqueues dst[k] = src[k] converted between Float32 and Float16 or
+	// BFloat16 (either way; round to nearest even) on s. The lengths must match.
+	ConvertAsync(s Stream, dst, src DeviceBuffer) error
+	// ZeroAsync enqueues the zeroing of b on s.
+	ZeroAsync(s Stream, b DeviceBuffer) error
+	// NewEvent creates an event; DestroyEvent releases it.
+	NewEvent() (Event, error)
+	DestroyEvent(e Event) error
+	// RecordEvent enqueues e on s: it completes when the work queued on s before it has.
+	RecordEvent(e Event, s Stream) error
+	// WaitEvent makes s wait, on the device, for the last record of e (no host blocking).
+	WaitEvent(s Stream, e Event) error
+	// SyncStream blocks the host until the work queued on s has run (for shutdown, never
+	// inside a training step).
+	SyncStream(s Stream) error
+	// WaitWork makes s wait, on the device, for w, a Work of this group's collectives on
+	// DeviceBuffers (possibly wrapped: see UnwrapWork); work queued on s afterwards sees the
+	// result. For a Work it cannot order on the device (a host buffer's, or one a wrapper
+	// has not issued yet), it blocks like Wait. It returns w's error if w has already failed.
+	WaitWork(s Stream, w Work) error
+}
+
+// Unwrapper is implemented by a ProcessGroup that wraps another (WithWatchdog, WithDebug):
+// Unwrap returns the wrapped group, so that optional interfaces of the backend underneath
+// (Device, a backend's own methods) can be found through the wrappers.
+type Unwrapper interface {
+	Unwrap() ProcessGroup
+}
+
+// WorkUnwrapper is implemented by a Work that wraps another: Unwrap returns the wrapped Work,
+// or nil if there is none yet (the debug wrapper issues the real collective later).
+type WorkUnwrapper interface {
+	Unwrap() Work
+}
+
+// Find returns the first group of type T found in pg or, through Unwrap, in the groups it
+// wraps: the idiom for reaching a backend's optional interface or concrete type through
+// the wrappers that ddp.InitProcessGroup puts around it, for instance
+//
+//	dev, ok := procgroup.Find[procgroup.Device](pg)
+//	g, ok := procgroup.Find[*nccl.Group](pg)
+//
+// Operations found this way bypass the wrappers: a collective issued on the unwrapped
+// group is not numbered, timed or fingerprinted by them. Use the found value for what the
+// wrappers do not offer (device memory, stream-ordered waits), and issue collectives on pg.
+func Find[T any](pg ProcessGroup) (T, bool) {
+	for pg != nil {
+		if t, ok := pg.(T); ok {
+			return t, true
+		}
+		u, ok := pg.(Unwrapper)
+		if !ok {
+			break
+		}
+		pg = u.Unwrap()
+	}
+	var zero T
+	return zero, false
+}
+
+// FindWork is Find for a Work: the first Work of type T in w or in the works it wraps,
+// for instance
+//
+//	nw, ok := procgroup.FindWork[*nccl.Work](w) // then nw.WaitStream(computeStream)
+//
+// It reports false if a wrapper has no inner Work yet.
+func FindWork[T any](w Work) (T, bool) {
+	for w != nil {
+		if t, ok := w.(T); ok {
+			return t, true
+		}
+		u, ok := w.(WorkUnwrapper)
+		if !ok {
+			break
+		}
+		w = u.Unwrap()
+	}
+	var zero T
+	return zero, false
+}
+
+// FindDevice is Find[Device]: the group's device operations, or false for a host-only
+// backend (gloo, pgtest).
+func FindDevice(pg ProcessGroup) (Device, bool) { return Find[Device](pg) }
