@@ -86,8 +86,23 @@ func BoundedWait(ctx context.Context, timeout, interval time.Duration, warn func
 
 // TimedOut reports whether a wait under wctx (from BoundedWait) ended by its own bound
 // rather than by the caller's ctx.
+//
+// The bound counts as reached once its deadline has passed, even if wctx's timer has not
+// fired yet: a gRPC call carries the deadline to the server, which can end the call (and the
+// client report DeadlineExceeded) before the client's own timer runs on a loaded machine.
 func TimedOut(ctx, wctx context.Context) bool {
-	return ctx.Err() == nil && errors.Is(wctx.Err(), context.DeadlineExceeded)
+	if ctx.Err() != nil {
+		return false
+	}
+	if errors.Is(wctx.Err(), context.DeadlineExceeded) {
+		return true
+	}
+	d, ok := wctx.Deadline()
+	if !ok || time.Now().Before(d) {
+		return false
+	}
+	pd, parentBound := ctx.Deadline()
+	return !parentBound || pd.After(d) // the deadline passed is wctx's own, not the caller's
 }
 
 // LastError is a concurrency-safe holder of the latest error of a retried step, for the
