@@ -5,10 +5,17 @@
 // # Usage
 //
 //	sweep-report -in out/sweep/raw.csv -out out/sweep
+//	sweep-report -trace merged.json -rate 1gbit -from_step 5   # link use of one traced run
 //
 // The input CSV has the header system,kind,bucket_cap_mb,repeat,ms_step where kind is "ddp"
 // (bucket_cap_mb set) or "compute" (compute-only: --no_ddp processes, bucket_cap_mb empty).
 // Every system (goddp, torch) gets its own columns; medians are over repeats.
+//
+// With -trace, it reads instead a merged trace of a run with one rank per host (ddprun
+// --trace_merge) and prints the link's use while the buckets were in flight: the bytes each
+// rank must send each way, 2(n−1)/n of each bucket as in a bus-bandwidth figure, over the
+// time the buckets were on the wire, counted from the last rank's start of each collective
+// (tracefile.LinkUse), as a fraction of -rate.
 package main
 
 import (
@@ -29,13 +36,28 @@ import (
 	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
 
+	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/internal/outpath"
 )
 
 func main() {
 	in := flag.String("in", "", "raw sweep CSV (system,kind,bucket_cap_mb,repeat,ms_step)")
 	out := flag.String("out", "", "folder for table.md, summary.csv, sweep.svg and sweep.png (default: the input's folder)")
+	trace := flag.String("trace", "", "instead: a merged trace (ddprun --trace_merge) whose link use to print")
+	rate := flag.String("rate", "", "with -trace: the link's rate, tc style (1gbit, 10gbit, 100mbit)")
+	fromStep := flag.Int("from_step", 0, "with -trace: the first step counted (skip the warm-up)")
 	flag.Parse()
+	if *trace != "" {
+		if *in != "" || flag.NArg() > 0 {
+			fmt.Fprintln(os.Stderr, "usage: sweep-report -trace MERGED.json -rate RATE [-from_step N]")
+			os.Exit(2)
+		}
+		if err := linkUse(*trace, *rate, *fromStep, os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, "sweep-report:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *in == "" || flag.NArg() > 0 {
 		fmt.Fprintln(os.Stderr, "usage: sweep-report -in RAW.csv [-out DIR]")
 		os.Exit(2)
@@ -276,4 +298,47 @@ func (c capTicks) Ticks(lo, hi float64) []plot.Tick {
 		}
 	}
 	return t
+}
+
+// parseRate reads a tc-style rate ("1gbit", "10gbit", "100mbit", "500kbit") in bits/s.
+func parseRate(s string) (float64, error) {
+	l := strings.ToLower(strings.TrimSpace(s))
+	for _, u := range []struct {
+		suffix string
+		scale  float64
+	}{{"gbit", 1e9}, {"mbit", 1e6}, {"kbit", 1e3}, {"bit", 1}} {
+		if num, ok := strings.CutSuffix(l, u.suffix); ok {
+			v, err := strconv.ParseFloat(num, 64)
+			if err != nil || !(v > 0) {
+				break
+			}
+			return v * u.scale, nil
+		}
+	}
+	return 0, fmt.Errorf("-rate %q: want a positive rate such as 1gbit, 10gbit or 100mbit", s)
+}
+
+// linkUse prints the link use of the merged trace at path (see the package doc).
+func linkUse(path, rate string, fromStep int, w io.Writer) error {
+	bps, err := parseRate(rate)
+	if err != nil {
+		return err
+	}
+	tf, err := tracefile.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	u, err := tracefile.LinkUse(tf, fromStep)
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	n := float64(u.Ranks)
+	wire := float64(u.Bytes) * 2 * (n - 1) / n // bytes each rank sends (and receives)
+	busy := u.Busy.Seconds()
+	if !(busy > 0) {
+		return fmt.Errorf("%s: the collectives took no time", path)
+	}
+	fmt.Fprintf(w, "link_util=%.3f  %d collectives of %d ranks from step %d: %.2f MiB on the wire each way per rank in %.1f ms in flight = %.3f Gbit/s of %s\n",
+		wire*8/busy/bps, u.Collectives, u.Ranks, fromStep, wire/(1<<20), busy*1e3, wire*8/busy/1e9, rate)
+	return nil
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -63,5 +64,41 @@ func TestReportBadInput(t *testing.T) {
 		if err := run(raw, dir, &strings.Builder{}); err == nil {
 			t.Errorf("%s: no error", name)
 		}
+	}
+}
+
+// TestLinkUse: two ranks, two steps of one 1 MiB bucket each, 10 ms on the wire each
+// (rank 1 starts 2 ms after rank 0, which does not count): 2 MiB each way in 20 ms.
+func TestLinkUse(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "merged.json")
+	ev := func(rank, step int, ts, dur float64) string {
+		return fmt.Sprintf(`{"name":"all-reduce 0","cat":"comm","ph":"X","ts":%g,"dur":%g,"pid":%d,"tid":1,"args":{"step":%d,"iter":%d,"bucket":0,"bytes":1048576}}`,
+			ts, dur, rank, step, step+1)
+	}
+	trace := `{"otherData":{"goddp_epoch_unix_us":1,"goddp_ranks":[0,1]},"traceEvents":[` +
+		strings.Join([]string{ev(0, 0, 0, 100), ev(1, 0, 0, 100), // step 0: skipped
+			ev(0, 1, 1000, 12000), ev(1, 1, 3000, 10000), ev(0, 2, 20000, 12000), ev(1, 2, 22000, 10000)}, ",") + `]}`
+	if err := os.WriteFile(path, []byte(trace), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	if err := linkUse(path, "1gbit", 1, &out); err != nil {
+		t.Fatal(err)
+	}
+	// 2 MiB = 16.777 Mbit in 20 ms = 0.839 Gbit/s
+	want := "link_util=0.839  2 collectives of 2 ranks from step 1: 2.00 MiB on the wire each way per rank in 20.0 ms in flight = 0.839 Gbit/s of 1gbit"
+	if got := strings.TrimSpace(out.String()); got != want {
+		t.Errorf("got  %q\nwant %q", got, want)
+	}
+	for _, bad := range []string{"", "fast", "0gbit", "-1mbit"} {
+		if err := linkUse(path, bad, 1, &out); err == nil || !strings.Contains(err.Error(), "-rate") {
+			t.Errorf("rate %q: %v", bad, err)
+		}
+	}
+	if err := linkUse(path, "1gbit", 3, &out); err == nil {
+		t.Error("a step after the last: no error")
+	}
+	if v, err := parseRate("10Gbit"); err != nil || v != 1e10 {
+		t.Errorf("parseRate(10Gbit) = %v, %v", v, err)
 	}
 }

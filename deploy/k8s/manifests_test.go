@@ -1,5 +1,6 @@
-// Package k8s holds Kubernetes manifests for goddp's trainer; its test checks that the
-// variables each kind of job gives its pods are what procgroup.EnvFrom understands.
+// Package k8s holds Kubernetes manifests for goddp's trainer; its tests check that every
+// document decodes strictly into Kubernetes' API types (k8s.io/api), and that the variables
+// each kind of job gives its pods are what procgroup.EnvFrom understands.
 package k8s
 
 import (
@@ -72,8 +73,9 @@ type object struct {
 	} `yaml:"spec"`
 }
 
-// load decodes every document of a manifest, refusing fields the structs above lack only
-// where they matter (the decoder is lenient: this is not schema validation).
+// load decodes every document of a manifest into the structs above, which hold only what the
+// environment check needs (the decoder is lenient; TestManifestsSchema is the strict check
+// against Kubernetes' own types).
 func load(t *testing.T, path string) map[string]object {
 	t.Helper()
 	b, err := os.ReadFile(path)
