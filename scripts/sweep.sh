@@ -16,7 +16,9 @@
 # one rank per host, launched as on two machines: goddp with ddprun --nnodes 2, PyTorch with
 # its env:// variables and GLOO_SOCKET_IFNAME=eth0. Each rank uses one BLAS thread, as the two
 # hosts share this machine's cores. goddp's runs also give util.csv: the link's use while
-# buckets are in flight, from the reducer's bytes per pass and in-flight time (Comm).
+# buckets are in flight, from the reducer's bytes per pass and rank 0's in-flight time (Comm),
+# and link.txt: the same from one more, traced, launch per cap, counting each bucket from the
+# later rank's start (sweep-report -trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CAPS=${CAPS:-1 5 10 25 50 100 200}
@@ -127,7 +129,20 @@ for rep in $(seq 1 "$REPEATS"); do
 done
 ./bin/sweep-report -in "$raw" -out "$OUT"
 if [ -n "$TESTBED_RATE" ]; then
-  echo "link use while goddp's buckets are in flight ($TESTBED_RATE), median of repeats:"
+  # One more goddp launch per cap, traced and not timed: the merged trace of both hosts gives
+  # each bucket's time on the wire from the later rank's start (sweep-report -trace), which
+  # rank 0's own in-flight time below overstates by the ranks' skew.
+  echo "link use while goddp's buckets are on the wire ($TESTBED_RATE), from merged traces:" | tee "$OUT/link.txt"
+  for cap in $CAPS; do
+    log="$OUT/logs/goddp_cap${cap}_traced.log"
+    trace="$OUT/logs/goddp_cap${cap}_trace.json"
+    env -u GLOO_SOCKET_IFNAME OPENBLAS_NUM_THREADS=1 ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
+      "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 \
+       --trace_merge $trace ./bin/transformer -- --bucket_cap_mb $cap --warmup_steps $WARMUP --bench_steps $STEPS $CONFIG" \
+      > "$log" 2>&1 || fail "$log" "traced goddp bucket_cap_mb=$cap on the testbed"
+    echo "  bucket_cap_mb=$cap  $(./bin/sweep-report -trace "$trace" -rate "$TESTBED_RATE" -from_step "$WARMUP")" | tee -a "$OUT/link.txt"
+  done
+  echo "rank 0's in-flight time (includes waiting for the later rank), median of repeats:"
   tail -n +2 "$OUT/util.csv" | sort -t, -k2,2g -k6,6g | awk -F, '
     { v[$2] = v[$2] " " $6; n[$2]++ }
     END { for (c in v) { split(substr(v[c], 2), a, " "); printf "  bucket_cap_mb=%s  util=%s (of %d: %s)\n", c, a[int((n[c] + 1) / 2)], n[c], v[c] } }' |
