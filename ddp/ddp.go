@@ -8,8 +8,6 @@ import (
 	"sync/atomic"
 
 	"go.uber.org/zap"
-	"gorgonia.org/gorgonia"
-	"gorgonia.org/tensor"
 
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/reducer"
@@ -84,6 +82,11 @@ type Options struct {
 	// buffers at New, in MiB (default 64): tensors of one element type are packed into
 	// chunks of this size, so a model takes a few large broadcasts, not one per tensor.
 	BroadcastChunkMB float64
+	// AfterSync, if set, is called by every synced Finalize once the averaged gradients are
+	// in place, before it returns (an adapter copies them into its framework's tensors:
+	// gorgoniaddp.WrapNodes). It runs on the training goroutine, without the DDP's lock, so
+	// it may call the DDP's methods; its error fails the DDP and is Finalize's.
+	AfterSync func(d *DDP) error
 }
 
 func (o *Options) validate() error {
@@ -106,7 +109,7 @@ func (o *Options) validate() error {
 	return nil
 }
 
-// phase is where the DDP is in a training step (STYLE 2: the one field that says it).
+// phase is where the DDP is in a training step: the one field that says it.
 type phase int
 
 const (
@@ -122,8 +125,9 @@ const (
 // PyTorch's DistributedDataParallel does: see the package documentation for the loop.
 //
 // A DDP is driven by one training goroutine (BeginBackward, Finalize, NoSync, Backward);
-// GradReady and Hook may be called from the goroutine that runs backward (gorgonia's tape
-// runs on the caller's); Stats, Err and Close may be called from any goroutine.
+// GradReady may be called from the goroutine that runs backward (an adapter's hook, such as
+// gorgoniaddp's, calls it there); Stats, Err, Fail and Close may be called from any
+// goroutine.
 //
 // Failure is final: once a step fails (a hook's error, an unused parameter, a failed
 // collective, a backward function's error), the ranks' collectives can no longer be matched,
@@ -136,7 +140,6 @@ type DDP struct {
 	log     *zap.Logger
 	params  []Param
 	buffers []Buffer
-	nodes   []*gorgonia.Node // set by WrapNodes: Finalize writes the averages into their gradients
 
 	failed atomic.Bool // the hot path's view of phase == phaseFailed
 
@@ -282,7 +285,7 @@ func (d *DDP) Params() []Param { return d.params }
 // BeginBackward starts the backward pass of one micro-batch: synced (sync true: this pass's
 // gradients, added to those of the NoSync passes since the last synced Finalize, are
 // averaged across ranks) or not (sync false: PyTorch's no_sync; gradients only add up
-// locally). Then run backward, reporting each gradient with Hook or GradReady, and after
+// locally). Then run backward, reporting each gradient with GradReady, and after
 // a synced pass call Finalize (after a NoSync pass Finalize is optional).
 //
 // It never blocks and returns nothing: an error (for instance a previous synced pass that
@@ -347,36 +350,10 @@ func (d *DDP) GradReady64(i int, grad []float64) error {
 	return nil
 }
 
-// Hook is a GradHook (for Tap, or a model's hook option) that reports a gorgonia gradient
-// with GradReady, without allocating. Errors are returned by the next Finalize.
-func (d *DDP) Hook(i int, grad *tensor.Dense) {
-	if d.failed.Load() {
-		return
-	}
-	var err error
-	switch grad.Dtype() {
-	case tensor.Float32:
-		var g []float32
-		if g, err = denseFloat32s(grad); err == nil {
-			err = d.r.GradReady(i, g)
-		}
-	case tensor.Float64:
-		var g []float64
-		if g, err = denseFloat64s(grad); err == nil {
-			err = d.r.GradReady64(i, g)
-		}
-	default:
-		err = fmt.Errorf("%w: gradient of parameter %d is %v, want float32 or float64", ErrInvalidArgument, i, grad.Dtype())
-	}
-	if err != nil {
-		d.fail(err)
-	}
-}
-
 // Finalize ends the backward pass. After a synced pass it waits for every bucket's
 // all-reduce and leaves the averaged gradients in each Param.Grad (with
-// GradientAsBucketView, in Grad32/Grad64; with WrapNodes, also in the nodes' gradients);
-// after a NoSync pass it returns at once. It returns the step's first error (see DDP), or
+// GradientAsBucketView, in Grad32/Grad64) and then calls Options.AfterSync; after a NoSync
+// pass it returns at once. It returns the step's first error (see DDP), or
 // ctx's error if ctx ends first (which fails the DDP too), or ErrPhase without a
 // backward pass to finalize.
 func (d *DDP) Finalize(ctx context.Context) error {
@@ -408,8 +385,16 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	case err != nil:
 		return d.failLocked(err)
 	}
-	if synced && d.nodes != nil {
-		if err := d.writeNodeGrads(); err != nil {
+	if synced && d.opts.AfterSync != nil {
+		d.mu.Unlock()
+		err = d.opts.AfterSync(d) // without d.mu: it may call the DDP's methods
+		d.mu.Lock()
+		switch {
+		case d.phase == phaseClosed:
+			return ErrClosed
+		case d.phase == phaseFailed:
+			return d.err
+		case err != nil:
 			return d.failLocked(err)
 		}
 	}
@@ -418,7 +403,7 @@ func (d *DDP) Finalize(ctx context.Context) error {
 }
 
 // Backward runs one synced backward pass: BeginBackward(true), backward (which must report
-// every gradient, through Hook or GradReady), Finalize(ctx). An error of backward fails the
+// every gradient with GradReady, directly or through an adapter's hook), Finalize(ctx). An error of backward fails the
 // DDP (see DDP).
 func (d *DDP) Backward(ctx context.Context, backward func() error) error {
 	d.BeginBackward(true)
@@ -472,6 +457,21 @@ func (d *DDP) Grad64(i int) []float64 { g, _ := d.Grad(i).([]float64); return g 
 // is reused: valid until the second BeginBackward from now (Clone it to keep it).
 func (d *DDP) Stats() *reducer.IterStats { return d.r.Stats() }
 
+// ProcessGroup is the group the DDP reduces over (the caller's: New's pg).
+func (d *DDP) ProcessGroup() procgroup.ProcessGroup { return d.pg }
+
+// BucketParams returns the current bucket layout: the indices of the parameters in each
+// bucket, buckets in launch order. The layout changes once, at the first synced Finalize
+// (Generation tells which one this is). The slices are the caller's.
+func (d *DDP) BucketParams() [][]int {
+	bs := d.r.Buckets()
+	out := make([][]int, len(bs))
+	for b, bk := range bs {
+		out[b] = append([]int(nil), bk.Params...)
+	}
+	return out
+}
+
 // Generation counts the bucket layouts (0, then 1 after the first synced Finalize).
 func (d *DDP) Generation() int { return d.r.Generation() }
 
@@ -516,6 +516,18 @@ func (d *DDP) Close() error {
 	}
 	d.phase = phaseClosed
 	return d.r.Close()
+}
+
+// Fail ends the DDP with err, as a failed step does (see DDP): the process group is aborted
+// and every later Finalize returns the error, which Fail returns too. The first error
+// counts: after an earlier failure Fail returns that one (ErrClosed after Close); a nil err
+// changes nothing and returns Err. It is for adapters whose hooks cannot return an error
+// (gorgoniaddp's GradHook).
+func (d *DDP) Fail(err error) error {
+	if err == nil {
+		return d.Err()
+	}
+	return d.fail(err)
 }
 
 func (d *DDP) fail(err error) error {

@@ -509,3 +509,65 @@ func TestUnusedAndBuffers(t *testing.T) {
 		}
 	}
 }
+
+// TestAdapterHooks: AfterSync runs after every synced Finalize only, with the averages in
+// place, and may call the DDP; its error fails the DDP. Fail ends the DDP from outside a
+// call that returns errors (an adapter's hook), and the first error counts.
+func TestAdapterHooks(t *testing.T) {
+	c := pgtest.NewCluster(1)
+	defer c.Close()
+	ctx := context.Background()
+	var calls int
+	var seen []float32
+	boom := errors.New("boom")
+	d, err := New(ctx, c.Group(0), []Param{{Name: "w", Data: make([]float32, 2), Grad: make([]float32, 2)}}, Options{
+		AfterSync: func(d *DDP) error {
+			calls++
+			seen = slices.Clone(d.Grad32(0))
+			if calls == 2 {
+				return boom
+			}
+			return d.Err()
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if err := d.NoSync(func() error { return d.GradReady(0, []float32{1, 2}) }); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 0 {
+		t.Fatalf("AfterSync ran %d times after a NoSync pass", calls)
+	}
+	if err := d.Backward(ctx, func() error { return d.GradReady(0, []float32{1, 1}) }); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 1 || !slices.Equal(seen, []float32{2, 3}) {
+		t.Fatalf("AfterSync: %d calls, saw %v; want 1 call seeing [2 3]", calls, seen)
+	}
+	if err := d.Fail(nil); err != nil {
+		t.Fatalf("Fail(nil) = %v on a healthy DDP", err)
+	}
+	err = d.Backward(ctx, func() error { return d.GradReady(0, []float32{1, 1}) })
+	if !errors.Is(err, boom) || !errors.Is(d.Err(), boom) {
+		t.Fatalf("AfterSync's error: Finalize %v, Err %v; want boom", err, d.Err())
+	}
+	if err := d.Fail(errors.New("later")); !errors.Is(err, boom) {
+		t.Errorf("Fail after a failure = %v, want the first error", err)
+	}
+
+	// Fail on a healthy DDP: the next Finalize returns its error.
+	d2, err := New(ctx, c.Group(0), []Param{{Name: "w", Data: make([]float32, 2), Grad: make([]float32, 2)}}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d2.Close()
+	d2.BeginBackward(true)
+	if err := d2.Fail(boom); !errors.Is(err, boom) {
+		t.Errorf("Fail = %v", err)
+	}
+	if err := d2.Finalize(ctx); !errors.Is(err, boom) {
+		t.Errorf("Finalize after Fail = %v, want boom", err)
+	}
+}

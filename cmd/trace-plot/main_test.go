@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/observe"
 	"github.com/goddp/goddp/reducer"
 )
 
@@ -22,14 +22,14 @@ func synthetic(t *testing.T, dir string) []string {
 	epoch := time.Now()
 	var paths []string
 	for rank := range 2 {
-		p := filepath.Join(dir, ddp.TracePath("trace.json", rank, 2))
+		p := filepath.Join(dir, observe.TracePath("trace.json", rank, 2))
 		f, err := os.Create(p)
 		if err != nil {
 			t.Fatal(err)
 		}
 		// Rank 1's process started 2 ms later: a different epoch.
 		repoch := epoch.Add(time.Duration(rank) * 2 * time.Millisecond)
-		tr, err := ddp.NewTracer(f, ddp.TraceOptions{Rank: rank, WorldSize: 2, Epoch: repoch})
+		tr, err := observe.NewTracer(f, observe.TraceOptions{Rank: rank, WorldSize: 2, Epoch: repoch})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -26,6 +26,7 @@ import (
 
 	_ "github.com/goddp/goddp/backends/gloo" // --backend gloo
 	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/gorgoniaddp"
 	"github.com/goddp/goddp/examples/transformer/model"
 	"github.com/goddp/goddp/examples/transformer/optim"
 	"github.com/goddp/goddp/internal/outpath"
@@ -220,6 +221,15 @@ func (s *localSync) Hook(i int, grad *tensor.Dense) {
 
 func (s *localSync) Finalize(context.Context) error { return nil }
 
+// ddpSync is a DDP as a gradSync: its hook is gorgoniaddp's, which reports the gorgonia
+// gradients to the DDP.
+type ddpSync struct {
+	*ddp.DDP
+	hook gorgoniaddp.GradHook
+}
+
+func (s ddpSync) Hook(i int, grad *tensor.Dense) { s.hook(i, grad) }
+
 // world is this process's place in the job: rank and size.
 type world struct{ rank, size int }
 
@@ -256,7 +266,7 @@ func checkOutputs(f flags) error {
 		return err
 	}
 	// The trace's file name may hold {rank} and {attempt}; its folder is checked here,
-	// and made again by ddp.OpenTrace if that too holds them.
+	// and made again by observe.OpenTrace if that too holds them.
 	if dir := filepath.Dir(f.trace); f.trace != "" && !strings.Contains(dir, "{") {
 		return outpath.Dir("--trace", dir)
 	}
@@ -354,7 +364,7 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 			return err
 		}
 		defer d.Close()
-		sync = d
+		sync = ddpSync{d, gorgoniaddp.Hook(d)}
 	}
 
 	graphBuild.Lock()

@@ -1,4 +1,4 @@
-package ddp
+package observe
 
 import (
 	"fmt"
@@ -8,6 +8,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/reducer"
 )
 
@@ -104,7 +105,7 @@ func mbList(v []int64) string {
 // OverlapAccumulator sums IterStats over training steps and reports their averages
 // (OverlapReport). Feed it d.Stats() after each Finalize:
 //
-//	acc := ddp.NewOverlapAccumulator(d)
+//	acc := observe.NewOverlapAccumulator(d)
 //	for step := ... {
 //		... d.Finalize(ctx) ...
 //		acc.Add(d.Stats())
@@ -132,10 +133,10 @@ type OverlapAccumulator struct {
 
 // NewOverlapAccumulator returns an empty accumulator; d (which may be nil) names the unused
 // parameters.
-func NewOverlapAccumulator(d *DDP) *OverlapAccumulator {
+func NewOverlapAccumulator(d *ddp.DDP) *OverlapAccumulator {
 	a := &OverlapAccumulator{unused: map[int]bool{}}
 	if d != nil {
-		for _, p := range d.params {
+		for _, p := range d.Params() {
 			a.names = append(a.names, p.Name)
 		}
 	}

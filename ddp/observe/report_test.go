@@ -1,4 +1,4 @@
-package ddp
+package observe
 
 import (
 	"context"
@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/internal/ddptest"
 	"github.com/goddp/goddp/reducer"
 )
 
@@ -72,9 +74,9 @@ func TestOverlapAccumulatorOnDDP(t *testing.T) {
 	const steps = 3
 	accs := make([]*OverlapAccumulator, 2)
 	sums := make([]time.Duration, 2)
-	obsRun(t, 2, steps, -1, 0, Options{FindUnusedParameters: true},
-		func(rank int, d *DDP) error { accs[rank] = NewOverlapAccumulator(d); return nil },
-		func(rank, step int, d *DDP, st *reducer.IterStats) error {
+	ddptest.Run(t, 2, steps, -1, 0, ddp.Options{FindUnusedParameters: true},
+		func(rank int, d *ddp.DDP) error { accs[rank] = NewOverlapAccumulator(d); return nil },
+		func(rank, step int, d *ddp.DDP, st *reducer.IterStats) error {
 			accs[rank].Add(st)
 			sums[rank] += st.Comm()
 			return nil
@@ -134,13 +136,13 @@ func TestStragglerMonitorNamesSlowRank(t *testing.T) {
 	const size, steps, slow = 3, 12, 2
 	mons := make([]*StragglerMonitor, size)
 	kept := make([][]*reducer.IterStats, size)
-	obsRun(t, size, steps, slow, 5*time.Millisecond, Options{},
-		func(rank int, d *DDP) error {
+	ddptest.Run(t, size, steps, slow, 5*time.Millisecond, ddp.Options{},
+		func(rank int, d *ddp.DDP) error {
 			var err error
 			mons[rank], err = NewStragglerMonitor(d, 5)
 			return err
 		},
-		func(rank, step int, d *DDP, st *reducer.IterStats) error {
+		func(rank, step int, d *ddp.DDP, st *reducer.IterStats) error {
 			kept[rank] = append(kept[rank], st.Clone())
 			if err := mons[rank].Record(context.Background(), st); err != nil {
 				return err
