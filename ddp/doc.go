@@ -37,9 +37,9 @@
 // Param.Grad, and then the optimizer steps (Example_ownGradients runs this loop;
 // examples/mlp is a whole trainer):
 //
-//	pg, closePG, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{Logger: log})
+//	pg, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{Logger: log})
 //	if err != nil { ... }
-//	defer closePG()
+//	defer pg.Close() // the group, then the rendezvous store
 //	d, err := ddp.New(ctx, pg, []ddp.Param{
 //		{Name: "w1", Data: w1, Grad: gw1}, // index 0
 //		{Name: "w2", Data: w2, Grad: gw2}, // index 1

@@ -21,9 +21,9 @@ import (
 // The ranks are goroutines over a real gloo group here; in a job each rank is a process
 // started by ddprun, and train's pg comes from
 //
-//	pg, closePG, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{})
+//	pg, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{})
 //	if err != nil { ... }
-//	defer closePG()
+//	defer pg.Close()
 func Example_ownGradients() {
 	ctx := context.Background()
 	store := procgroup.NewMemStore()

@@ -90,13 +90,13 @@ func main() {
 	}
 	log, _ := zap.NewProduction()
 	ctx := context.Background()
-	pg, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
+	pg, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 	res, err := train(ctx, pg, f, os.Stdout)
-	if cerr := closePG(); err == nil {
+	if cerr := pg.Close(); err == nil {
 		err = cerr
 	}
 	if err != nil {

@@ -85,11 +85,11 @@ func run(ctx context.Context, f flags, stdout io.Writer) error {
 	}
 	var pg procgroup.ProcessGroup
 	if !f.noDDP {
-		g, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{})
+		g, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{})
 		if err != nil {
 			return err
 		}
-		defer closePG()
+		defer g.Close()
 		pg = g
 	}
 	m, err := train(ctx, f, pg, stdout)

@@ -305,7 +305,7 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 	if f.noDDP {
 		return m, trainWith(ctx, f, m, nil, log, stdout)
 	}
-	pg, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
+	pg, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
 	if err != nil {
 		return nil, err
 	}
@@ -323,7 +323,7 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 		// The other ranks must not wait for this one: fail their pending collectives.
 		pg.Abort(err)
 	}
-	if cerr := closePG(); cerr != nil && err == nil {
+	if cerr := pg.Close(); cerr != nil && err == nil {
 		return nil, fmt.Errorf("rank %d: closing the process group: %w", pg.Rank(), cerr)
 	}
 	return m, err
