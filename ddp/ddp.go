@@ -66,8 +66,8 @@ type Options struct {
 	// GradientAsBucketView: gradients live in the buckets (read them with Grad32/Grad64,
 	// again after each Finalize); nothing is copied back. Param.Grad must be nil.
 	GradientAsBucketView bool
-	// CommHook reduces each bucket (default: one all-reduce, reducer.AllReduceHook).
-	CommHook reducer.CommHook
+	// CommHook reduces each bucket (default: one all-reduce, AllReduceHook).
+	CommHook CommHook
 	// Device: parameters and gradients live on the GPU (reducer Note [Device buckets]):
 	// Param.Data and Param.Grad are procgroup.DeviceBuffers, gradients are reported with
 	// GradReadyDevice, and the process group must offer procgroup.Device (the nccl
@@ -282,16 +282,16 @@ func (d *DDP) Size() int { return d.pg.Size() }
 // Params returns the parameters as New checked them (Shape filled in). Do not modify it.
 func (d *DDP) Params() []Param { return d.params }
 
-// BeginBackward starts the backward pass of one micro-batch: synced (sync true: this pass's
-// gradients, added to those of the NoSync passes since the last synced Finalize, are
-// averaged across ranks) or not (sync false: PyTorch's no_sync; gradients only add up
-// locally). Then run backward, reporting each gradient with GradReady, and after
-// a synced pass call Finalize (after a NoSync pass Finalize is optional).
+// BeginBackward starts the backward pass of one micro-batch, in mode Sync (this pass's
+// gradients, added to those of the Accumulate passes since the last synced Finalize, are
+// averaged across ranks) or Accumulate (PyTorch's no_sync: the gradients only add up
+// locally). Then run backward, reporting each gradient with GradReady, and after a synced
+// pass call Finalize (after an Accumulate pass Finalize is optional).
 //
-// It never blocks and returns nothing: an error (for instance a previous synced pass that
-// was never finalized, naming the parameters that got no gradient) fails the DDP and is
-// returned by the next Finalize, as are the hooks' errors.
-func (d *DDP) BeginBackward(sync bool) {
+// It never blocks and returns nothing: an error (another mode, or a previous synced pass
+// that was never finalized, naming the parameters that got no gradient) fails the DDP and
+// is returned by the next Finalize, as are the hooks' errors.
+func (d *DDP) BeginBackward(mode SyncMode) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	switch d.phase {
@@ -301,9 +301,15 @@ func (d *DDP) BeginBackward(sync bool) {
 		d.failLocked(fmt.Errorf("BeginBackward during Finalize: %w", ErrPhase))
 		return
 	}
-	mode, next := reducer.Accumulate, phaseAccumulate
-	if sync {
-		mode, next = reducer.Sync, phaseSync
+	var next phase
+	switch mode {
+	case Sync:
+		next = phaseSync
+	case Accumulate:
+		next = phaseAccumulate
+	default:
+		d.failLocked(fmt.Errorf("%w: BeginBackward(%d): want Sync or Accumulate", ErrInvalidArgument, int(mode)))
+		return
 	}
 	if err := d.r.BeginBackward(mode); err != nil {
 		d.failLocked(err)
@@ -402,11 +408,11 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	return nil
 }
 
-// Backward runs one synced backward pass: BeginBackward(true), backward (which must report
-// every gradient with GradReady, directly or through an adapter's hook), Finalize(ctx). An error of backward fails the
-// DDP (see DDP).
+// Backward runs one synced backward pass: BeginBackward(Sync), backward (which must report
+// every gradient with GradReady, directly or through an adapter's hook), Finalize(ctx). An
+// error of backward fails the DDP (see DDP).
 func (d *DDP) Backward(ctx context.Context, backward func() error) error {
-	d.BeginBackward(true)
+	d.BeginBackward(Sync)
 	if err := backward(); err != nil {
 		return d.fail(fmt.Errorf("backward: %w", err))
 	}
@@ -417,7 +423,7 @@ func (d *DDP) Backward(ctx context.Context, backward func() error) error {
 // the next synced pass averages the sum. It returns the DDP's error, if any; an error of
 // backward fails the DDP (see DDP).
 func (d *DDP) NoSync(backward func() error) error {
-	d.BeginBackward(false)
+	d.BeginBackward(Accumulate)
 	if err := backward(); err != nil {
 		return d.fail(fmt.Errorf("NoSync backward: %w", err))
 	}
@@ -452,10 +458,15 @@ func (d *DDP) Grad32(i int) []float32 { g, _ := d.Grad(i).([]float32); return g 
 // Grad64 is Grad for a float64 parameter (nil for a float32 one).
 func (d *DDP) Grad64(i int) []float64 { g, _ := d.Grad(i).([]float64); return g }
 
-// Stats returns the reducer's measurements of the last finalized backward pass (per
-// gradient and bucket timestamps, communication and overlap), or nil before the first. It
-// is reused: valid until the second BeginBackward from now (Clone it to keep it).
-func (d *DDP) Stats() *reducer.IterStats { return d.r.Stats() }
+// Stats returns the measurements of the last finalized backward pass (per gradient and
+// bucket timestamps, communication and overlap), or nil before the first. It is a copy: the
+// caller may keep it.
+func (d *DDP) Stats() *IterStats {
+	if st := d.r.Stats(); st != nil {
+		return st.Clone()
+	}
+	return nil
+}
 
 // ProcessGroup is the group the DDP reduces over (the caller's: New's pg).
 func (d *DDP) ProcessGroup() procgroup.ProcessGroup { return d.pg }

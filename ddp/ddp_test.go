@@ -358,7 +358,7 @@ func TestAveragedGradients(t *testing.T) {
 							return fmt.Errorf("step %d: gradient of %s: %w", s, ps[k].Name, err)
 						}
 					}
-					if st := d.Stats(); st == nil || st.Mode != reducer.Sync || len(st.BucketBytes) != 3 {
+					if st := d.Stats(); st == nil || st.Mode != Sync || len(st.BucketBytes) != 3 {
 						return fmt.Errorf("step %d: stats %+v, want a synced pass over 3 buckets", s, st)
 					}
 					gW, gb, gv := d.Grad32(0), d.Grad32(1), d.Grad64(2)
@@ -414,7 +414,7 @@ func TestFailureReachesEveryRank(t *testing.T) {
 		if rank == 1 {
 			n = 3
 		}
-		d.BeginBackward(true)
+		d.BeginBackward(Sync)
 		d.GradReady(0, make([]float32, n))
 		errs[rank] = d.Finalize(context.Background())
 		if again := d.Finalize(context.Background()); again == nil || again.Error() != errs[rank].Error() {
@@ -452,10 +452,10 @@ func TestOutOfTurn(t *testing.T) {
 		t.Errorf("accumulated gradient %v, want [2 3 4 5]", g)
 	}
 	// A synced pass that misses a gradient: the next BeginBackward's error names it.
-	d.BeginBackward(true)
-	d.BeginBackward(true)
+	d.BeginBackward(Sync)
+	d.BeginBackward(Sync)
 	err = d.Finalize(context.Background())
-	if !errors.Is(err, reducer.ErrUnusedParameters) {
+	if !errors.Is(err, ErrUnusedParameters) {
 		t.Errorf("unfinished pass: %v, want ErrUnusedParameters", err)
 	}
 	d.Close()
@@ -563,11 +563,51 @@ func TestAdapterHooks(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d2.Close()
-	d2.BeginBackward(true)
+	d2.BeginBackward(Sync)
 	if err := d2.Fail(boom); !errors.Is(err, boom) {
 		t.Errorf("Fail = %v", err)
 	}
 	if err := d2.Finalize(ctx); !errors.Is(err, boom) {
 		t.Errorf("Finalize after Fail = %v, want boom", err)
+	}
+}
+
+// TestStatsSnapshotAndMode: Stats is the caller's to keep (later passes do not change it);
+// a mode other than Sync and Accumulate fails the DDP.
+func TestStatsSnapshotAndMode(t *testing.T) {
+	c := pgtest.NewCluster(1)
+	defer c.Close()
+	ctx := context.Background()
+	d, err := New(ctx, c.Group(0), []Param{{Name: "w", Data: make([]float32, 2), Grad: make([]float32, 2)}}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if d.Stats() != nil {
+		t.Error("Stats before the first pass is not nil")
+	}
+	pass := func() {
+		t.Helper()
+		if err := d.Backward(ctx, func() error { return d.GradReady(0, []float32{1, 2}) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pass()
+	first := d.Stats()
+	kept := *first
+	kept.GradReady = slices.Clone(first.GradReady)
+	for range 3 {
+		pass()
+	}
+	if first.Iter != 1 || first.Mode != Sync || first.Iter != kept.Iter || !slices.Equal(first.GradReady, kept.GradReady) {
+		t.Errorf("the first pass's stats changed: iter %d mode %v grads %v, kept iter %d grads %v",
+			first.Iter, first.Mode, first.GradReady, kept.Iter, kept.GradReady)
+	}
+	if st := d.Stats(); st == first || st.Iter != 4 {
+		t.Errorf("Stats after 4 passes: iter %d (same pointer: %v)", st.Iter, st == first)
+	}
+	d.BeginBackward(SyncMode(0))
+	if err := d.Finalize(ctx); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("BeginBackward(0): Finalize = %v, want ErrInvalidArgument", err)
 	}
 }

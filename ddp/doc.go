@@ -49,7 +49,11 @@
 //
 //	for step := 0; step < steps; step++ {
 //		for mb := 0; mb < accum; mb++ {
-//			d.BeginBackward(mb == accum-1)   // all but the last micro-batch: NoSync
+//			mode := ddp.Accumulate           // all but the last micro-batch: NoSync
+//			if mb == accum-1 {
+//				mode = ddp.Sync
+//			}
+//			d.BeginBackward(mode)
 //			forward(x[step][mb])             // this rank's shard of the micro-batch
 //			backward2(mw2, 1/float32(accum)) // w2's gradient first (scaled: see NoSync below)
 //			d.GradReady(1, mw2)              // never blocks; mw2 may be reused at once
@@ -100,7 +104,7 @@
 // package reducer). After the first synced Finalize the buckets are rebuilt, on every rank
 // alike, from the order rank 0 reported (Note [Rebuild]). A wrong order costs overlap (a
 // bucket waits for its predecessors), not correctness. Reporting a parameter twice in one
-// pass fails the DDP (reducer.ErrMarkedTwice): report a shared parameter once, after its
+// pass fails the DDP (ErrMarkedTwice): report a shared parameter once, after its
 // contributions are summed.
 //
 // # Errors

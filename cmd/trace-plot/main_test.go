@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/observe"
-	"github.com/goddp/goddp/reducer"
 )
 
 // synthetic writes a 2-rank trace of 3 steps per rank file: backward of 30 ms with 4
@@ -37,7 +37,7 @@ func synthetic(t *testing.T, dir string) []string {
 			tr.BeginStep(step)
 			start := epoch.Add(msd(100 * float64(step)))
 			lag := float64(rank)
-			st := &reducer.IterStats{Iter: step + 1, Mode: reducer.Sync, Start: start, GradReady: []time.Duration{msd(2)},
+			st := &ddp.IterStats{Iter: step + 1, Mode: ddp.Sync, Start: start, GradReady: []time.Duration{msd(2)},
 				BackwardEnd: msd(30 + lag), FinalizeEnd: msd(36 + lag)}
 			for b := range 4 {
 				l := msd(6*float64(b+1) + lag)

@@ -23,7 +23,11 @@
 //	for step := 0; step < steps; step++ {
 //		for mb := 0; mb < accum; mb++ {
 //			load(g, step, mb, pg.Rank())   // this rank's shard of the batch
-//			d.BeginBackward(mb == accum-1) // all but the last micro-batch: NoSync
+//			mode := ddp.Accumulate // all but the last micro-batch: NoSync
+//			if mb == accum-1 {
+//				mode = ddp.Sync
+//			}
+//			d.BeginBackward(mode)
 //			vm.Reset()
 //			if err := vm.RunAll(); err != nil { return err } // forward+backward; hooks fire
 //		}

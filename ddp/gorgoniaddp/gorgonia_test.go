@@ -203,7 +203,7 @@ func TestHookAllocs(t *testing.T) {
 	defer d.Close()
 	hook := Hook(d)
 	if n := testing.AllocsPerRun(100, func() {
-		d.BeginBackward(false)
+		d.BeginBackward(ddp.Accumulate)
 		hook(0, g)
 	}); n != 0 {
 		t.Errorf("BeginBackward+Hook: %v allocations, want 0", n)

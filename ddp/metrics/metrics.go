@@ -16,7 +16,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/goddp/goddp/ddp"
-	"github.com/goddp/goddp/reducer"
 )
 
 // Options configure a Recorder.
@@ -113,8 +112,8 @@ func (m *Recorder) ObserveStep(d time.Duration, loss float64) {
 
 // ObserveStats records one backward pass's communication (call it with d.Stats() after each
 // Finalize; NoSync passes and repeats are ignored).
-func (m *Recorder) ObserveStats(st *reducer.IterStats) {
-	if m == nil || st == nil || st.Mode != reducer.Sync {
+func (m *Recorder) ObserveStats(st *ddp.IterStats) {
+	if m == nil || st == nil || st.Mode != ddp.Sync {
 		return
 	}
 	m.mu.Lock()

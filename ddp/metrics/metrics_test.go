@@ -12,7 +12,6 @@ import (
 
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/internal/ddptest"
-	"github.com/goddp/goddp/reducer"
 )
 
 func scrape(t *testing.T, addr string) (string, error) {
@@ -48,7 +47,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	// Stats from a real run: the reference sums are computed from them here.
 	var wantBytes int64
 	var wantColl, passes int
-	ddptest.Run(t, 2, 3, -1, 0, ddp.Options{}, nil, func(rank, step int, d *ddp.DDP, st *reducer.IterStats) error {
+	ddptest.Run(t, 2, 3, -1, 0, ddp.Options{}, nil, func(rank, step int, d *ddp.DDP, st *ddp.IterStats) error {
 		if rank != 1 {
 			return nil
 		}
@@ -66,7 +65,7 @@ func TestMetricsEndpoint(t *testing.T) {
 	})
 	var nilM *Recorder
 	nilM.ObserveStep(time.Second, 1)
-	nilM.ObserveStats(&reducer.IterStats{})
+	nilM.ObserveStats(&ddp.IterStats{})
 
 	body, err := scrape(t, srv.Addr())
 	if err != nil {

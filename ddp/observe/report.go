@@ -9,7 +9,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/goddp/goddp/ddp"
-	"github.com/goddp/goddp/reducer"
 )
 
 // OverlapReport is the DDP logging data PyTorch users know (its DDPLoggingData), averaged
@@ -144,8 +143,8 @@ func NewOverlapAccumulator(d *ddp.DDP) *OverlapAccumulator {
 }
 
 // Add counts one backward pass (nil, NoSync passes and repeats are ignored).
-func (a *OverlapAccumulator) Add(st *reducer.IterStats) {
-	if st == nil || st.Mode != reducer.Sync || st.Iter == a.lastIter || st.BackwardEnd < 0 {
+func (a *OverlapAccumulator) Add(st *ddp.IterStats) {
+	if st == nil || st.Mode != ddp.Sync || st.Iter == a.lastIter || st.BackwardEnd < 0 {
 		return
 	}
 	a.lastIter = st.Iter

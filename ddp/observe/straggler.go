@@ -13,7 +13,6 @@ import (
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/procgroup"
-	"github.com/goddp/goddp/reducer"
 )
 
 // Arrival is one collective (a bucket's all-reduce in one backward pass) and the instant
@@ -235,8 +234,8 @@ func NewStragglerMonitor(d *ddp.DDP, every int) (*StragglerMonitor, error) {
 
 // Record notes this rank's launch instants of one synced pass (nil, NoSync passes and
 // repeats are ignored) and, every Every passes, exchanges them with the other ranks.
-func (m *StragglerMonitor) Record(ctx context.Context, st *reducer.IterStats) error {
-	if st == nil || st.Mode != reducer.Sync || st.Iter == m.lastIter {
+func (m *StragglerMonitor) Record(ctx context.Context, st *ddp.IterStats) error {
+	if st == nil || st.Mode != ddp.Sync || st.Iter == m.lastIter {
 		return nil
 	}
 	m.lastIter = st.Iter

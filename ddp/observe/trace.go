@@ -16,7 +16,6 @@ import (
 
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/tracefile"
-	"github.com/goddp/goddp/reducer"
 )
 
 // Note [Trace format]: a Tracer writes the Chrome trace event format (the JSON object form:
@@ -97,7 +96,7 @@ type TraceOptions struct {
 //	for step := ... {
 //		tr.BeginStep(step)
 //		end := tr.Span("forward+backward")
-//		... d.BeginBackward(true); g.Run() ...
+//		... d.BeginBackward(ddp.Sync); g.Run() ...
 //		end()
 //		err := d.Finalize(ctx)
 //		tr.Record(d.Stats()) // gradients, buckets, collectives, finalize wait
@@ -326,7 +325,7 @@ func (t *Tracer) Span(name string) (end func()) {
 // backward pass, each gradient's ready time, each bucket's copy-in, launch and collective,
 // and the finalize wait. Call it after each Finalize with d.Stats(); a pass already recorded
 // (same Iter) and a nil st are ignored.
-func (t *Tracer) Record(st *reducer.IterStats) {
+func (t *Tracer) Record(st *ddp.IterStats) {
 	if t == nil || st == nil {
 		return
 	}

@@ -15,7 +15,6 @@ import (
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/internal/ddptest"
 	"github.com/goddp/goddp/ddp/tracefile"
-	"github.com/goddp/goddp/reducer"
 )
 
 func TestTraceMatchesStats(t *testing.T) {
@@ -23,7 +22,7 @@ func TestTraceMatchesStats(t *testing.T) {
 	epoch0 := time.Now()
 	bufs := make([]bytes.Buffer, size)
 	trs := make([]*Tracer, size)
-	kept := make([][]*reducer.IterStats, size)
+	kept := make([][]*ddp.IterStats, size)
 	epochs := make([]time.Time, size)
 	ddptest.Run(t, size, steps, -1, 0, ddp.Options{},
 		func(rank int, d *ddp.DDP) error {
@@ -34,7 +33,7 @@ func TestTraceMatchesStats(t *testing.T) {
 			trs[rank].Attach(d)
 			return err
 		},
-		func(rank, step int, d *ddp.DDP, st *reducer.IterStats) error {
+		func(rank, step int, d *ddp.DDP, st *ddp.IterStats) error {
 			tr := trs[rank]
 			tr.BeginStep(step)
 			end := tr.Span("optimizer")
@@ -113,7 +112,7 @@ func paramNames(d *ddp.DDP) []string {
 
 // checkRankTrace compares rank's events in tf against its stats, computed from the stats
 // with the rank's epoch at shift µs after the file's.
-func checkRankTrace(t *testing.T, rank int, tf *tracefile.File, stats []*reducer.IterStats, epoch time.Time, shift float64) {
+func checkRankTrace(t *testing.T, rank int, tf *tracefile.File, stats []*ddp.IterStats, epoch time.Time, shift float64) {
 	t.Helper()
 	us := func(d time.Duration) float64 { return float64(d) / 1e3 }
 	near := func(what string, got, want float64) {
@@ -233,7 +232,7 @@ func TestNilTracerAndBadInput(t *testing.T) {
 	var tr *Tracer
 	tr.BeginStep(1)
 	tr.Span("x")()
-	tr.Record(&reducer.IterStats{Iter: 1})
+	tr.Record(&ddp.IterStats{Iter: 1})
 	tr.Attach(nil)
 	if err := tr.Close(); err != nil {
 		t.Error(err)
@@ -314,7 +313,7 @@ func TestAppendJSONStringAndMicros(t *testing.T) {
 // BenchmarkTracerRecord: the cost of tracing one backward pass of 100 parameters in 10
 // buckets (with and without the per-gradient events), written to io.Discard.
 func BenchmarkTracerRecord(b *testing.B) {
-	st := &reducer.IterStats{Mode: reducer.Sync, Start: time.Now(), BackwardEnd: time.Millisecond, FinalizeEnd: 2 * time.Millisecond}
+	st := &ddp.IterStats{Mode: ddp.Sync, Start: time.Now(), BackwardEnd: time.Millisecond, FinalizeEnd: 2 * time.Millisecond}
 	for i := range 100 {
 		st.GradReady = append(st.GradReady, time.Duration(i)*time.Microsecond)
 	}

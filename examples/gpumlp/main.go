@@ -295,7 +295,7 @@ func train(ctx context.Context, pg procgroup.ProcessGroup, f *flags, out io.Writ
 			return err
 		}
 		// backward: dY = (Y − T)/local batch; the reducer averages over ranks.
-		d.BeginBackward(true)
+		d.BeginBackward(ddp.Sync)
 		if err := gp.launch("gpumlp_sub_scale", bl*f.out, 1/float32(bl), true, ptr(dY), ptr(Y), ptr(t), uint64(bl*f.out)); err != nil {
 			return err
 		}

@@ -142,7 +142,11 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		var loss float32
 		for micro := range f.accum {
 			if d != nil {
-				d.BeginBackward(micro == f.accum-1) // NoSync for all but the last
+				mode := ddp.Accumulate // NoSync for all but the last
+				if micro == f.accum-1 {
+					mode = ddp.Sync
+				}
+				d.BeginBackward(mode)
 			}
 			first := ((step*f.accum+micro)*world + rank) * f.batch
 			samples(f.seed, first, f.batch, xs, ys)

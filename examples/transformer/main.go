@@ -31,7 +31,6 @@ import (
 	"github.com/goddp/goddp/examples/transformer/optim"
 	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
-	"github.com/goddp/goddp/reducer"
 )
 
 type flags struct {
@@ -182,9 +181,9 @@ func main() {
 // (--no_ddp) accumulates locally; a ddp wrapper implements the same three methods
 // with bucketed all-reduces (pre-dividing by the world size).
 type gradSync interface {
-	// BeginBackward precedes each micro-batch's backward; sync is false for all but
-	// the last micro-batch of an optimizer step (NoSync).
-	BeginBackward(sync bool)
+	// BeginBackward precedes each micro-batch's backward; mode is ddp.Accumulate for all
+	// but the last micro-batch of an optimizer step (NoSync).
+	BeginBackward(mode ddp.SyncMode)
 	// Hook receives parameter i's gradient of the current micro-batch. It runs on the
 	// tape machine's goroutine during backward and must not block.
 	Hook(i int, grad *tensor.Dense)
@@ -205,7 +204,7 @@ type localSync struct {
 	first  bool // next micro-batch is the first of the step: overwrite, not add
 }
 
-func (s *localSync) BeginBackward(bool) {}
+func (s *localSync) BeginBackward(ddp.SyncMode) {}
 
 func (s *localSync) Hook(i int, grad *tensor.Dense) {
 	p := s.params[i]
@@ -437,7 +436,11 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 			if local != nil {
 				local.first = mb == 0
 			}
-			sync.BeginBackward(mb == f.accum-1)
+			mode := ddp.Accumulate // NoSync for all but the last micro-batch
+			if mb == f.accum-1 {
+				mode = ddp.Sync
+			}
+			sync.BeginBackward(mode)
 			l, err := g.Run()
 			if err != nil {
 				return fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
@@ -521,7 +524,7 @@ type overlap struct {
 	compute, comm, overlapped, exposd time.Duration
 }
 
-func (o *overlap) add(s *reducer.IterStats) {
+func (o *overlap) add(s *ddp.IterStats) {
 	if s == nil {
 		return
 	}

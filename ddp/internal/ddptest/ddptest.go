@@ -12,7 +12,6 @@ import (
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
-	"github.com/goddp/goddp/reducer"
 )
 
 // RandF32 returns n normal deviates.
@@ -29,7 +28,7 @@ func RandF32(r *rand.Rand, n int) []float32 {
 // slow < 0). setup (if set) is called on every rank after New; each is called on every rank
 // after every Finalize, with the pass's stats. An error fails t.
 func Run(t testing.TB, size, steps, slow int, lag time.Duration, opts ddp.Options,
-	setup func(rank int, d *ddp.DDP) error, each func(rank, step int, d *ddp.DDP, st *reducer.IterStats) error) {
+	setup func(rank int, d *ddp.DDP) error, each func(rank, step int, d *ddp.DDP, st *ddp.IterStats) error) {
 	t.Helper()
 	sizes := []int{40, 24, 64, 8, 32}
 	c := pgtest.NewCluster(size)
@@ -57,7 +56,7 @@ func Run(t testing.TB, size, steps, slow int, lag time.Duration, opts ddp.Option
 			if rank == slow {
 				time.Sleep(lag)
 			}
-			d.BeginBackward(true)
+			d.BeginBackward(ddp.Sync)
 			for i := len(sizes) - 1; i >= 0; i-- { // reverse order, as backward does
 				if opts.FindUnusedParameters && i == 1 {
 					continue
