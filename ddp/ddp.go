@@ -54,7 +54,9 @@ type Buffer struct {
 }
 
 // Options configure a DDP. They mirror the arguments of PyTorch's
-// DistributedDataParallel.
+// DistributedDataParallel. The zero value of a field means its default; the defaults of
+// the fields the reducer shares (bucket caps, CommHook, Logger) are
+// reducer.Options.WithDefaults's.
 type Options struct {
 	// BucketCapMB caps every gradient bucket but the first, in MiB (default 25).
 	BucketCapMB float64
@@ -89,13 +91,11 @@ type Options struct {
 	AfterSync func(d *DDP) error
 }
 
+// validate fills in the defaults (the reducer's options from reducer.Options.WithDefaults,
+// the one place they are set) and checks the sizes.
 func (o *Options) validate() error {
-	if o.BucketCapMB == 0 {
-		o.BucketCapMB = 25
-	}
-	if o.FirstBucketCapMB == 0 {
-		o.FirstBucketCapMB = 1
-	}
+	r := o.reducerOptions().WithDefaults()
+	o.BucketCapMB, o.FirstBucketCapMB, o.CommHook, o.Logger = r.BucketCapMB, r.FirstBucketCapMB, r.CommHook, r.Logger
 	if o.BroadcastChunkMB == 0 {
 		o.BroadcastChunkMB = 64
 	}
@@ -103,10 +103,21 @@ func (o *Options) validate() error {
 		return fmt.Errorf("%w: BucketCapMB %v, FirstBucketCapMB %v, BroadcastChunkMB %v: want all positive",
 			ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB, o.BroadcastChunkMB)
 	}
-	if o.Logger == nil {
-		o.Logger = zap.NewNop()
-	}
 	return nil
+}
+
+// reducerOptions are the reducer's share of o.
+func (o *Options) reducerOptions() reducer.Options {
+	return reducer.Options{
+		BucketCapMB:          o.BucketCapMB,
+		FirstBucketCapMB:     o.FirstBucketCapMB,
+		FindUnusedParameters: o.FindUnusedParameters,
+		GradientAsBucketView: o.GradientAsBucketView,
+		CommHook:             o.CommHook,
+		Device:               o.Device,
+		Stream:               o.Stream,
+		Logger:               o.Logger,
+	}
 }
 
 // phase is where the DDP is in a training step: the one field that says it.
@@ -204,16 +215,7 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	for i, p := range d.params {
 		rp[i] = reducer.Param{Name: p.Name, Grad: p.Grad, DType: descs[i].dtype, Len: descs[i].n}
 	}
-	r, err := reducer.New(pg, rp, reducer.Options{
-		BucketCapMB:          opts.BucketCapMB,
-		FirstBucketCapMB:     opts.FirstBucketCapMB,
-		FindUnusedParameters: opts.FindUnusedParameters,
-		GradientAsBucketView: opts.GradientAsBucketView,
-		CommHook:             opts.CommHook,
-		Device:               opts.Device,
-		Stream:               opts.Stream,
-		Logger:               opts.Logger,
-	})
+	r, err := reducer.New(pg, rp, opts.reducerOptions())
 	if err != nil {
 		return nil, fmt.Errorf("ddp: %w", err)
 	}
