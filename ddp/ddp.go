@@ -520,15 +520,16 @@ func (d *DDP) Err() error {
 }
 
 // Close releases the DDP (not the process group, which stays the caller's). Closing during a
-// synced backward aborts the process group. It is idempotent and returns nil.
-func (d *DDP) Close() error {
+// synced backward aborts the process group. It is idempotent and cannot fail; Finalize and
+// BroadcastBuffers return ErrClosed after it.
+func (d *DDP) Close() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.phase == phaseClosed {
-		return nil
+		return
 	}
 	d.phase = phaseClosed
-	return d.r.Close()
+	_ = d.r.Close() // always nil: it only releases
 }
 
 // Fail ends the DDP with err, as a failed step does (see DDP): the process group is aborted

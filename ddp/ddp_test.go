@@ -180,7 +180,8 @@ func TestInitialBroadcast(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				return d.Close()
+				d.Close()
+				return nil
 			})
 			if err != nil {
 				t.Fatal(err)
@@ -459,8 +460,12 @@ func TestOutOfTurn(t *testing.T) {
 		t.Errorf("unfinished pass: %v, want ErrUnusedParameters", err)
 	}
 	d.Close()
-	if err := d.Close(); err != nil {
-		t.Errorf("second Close: %v", err)
+	d.Close() // idempotent
+	if err := d.Finalize(context.Background()); !errors.Is(err, ErrClosed) {
+		t.Errorf("Finalize after Close: %v, want ErrClosed", err)
+	}
+	if err := d.BroadcastBuffers(context.Background()); !errors.Is(err, ErrClosed) {
+		t.Errorf("BroadcastBuffers after Close: %v, want ErrClosed", err)
 	}
 }
 
