@@ -86,8 +86,8 @@ type Options struct {
 	BroadcastChunkMB float64
 	// AfterSync, if set, is called by every synced Finalize once the averaged gradients are
 	// in place, before it returns (an adapter copies them into its framework's tensors:
-	// gorgoniaddp.WrapNodes). It runs on the training goroutine, without the DDP's lock, so
-	// it may call the DDP's methods; its error fails the DDP and is Finalize's.
+	// gorgoniaddp.WrapNodes). It runs on Finalize's goroutine without the DDP's lock, so it
+	// may read the DDP (Grad32, Grad64, Err); its error fails the DDP and is Finalize's.
 	AfterSync func(d *DDP) error
 }
 
@@ -361,9 +361,9 @@ func (d *DDP) GradReady64(i int, grad []float64) error {
 // Finalize ends the backward pass. After a synced pass it waits for every bucket's
 // all-reduce and leaves the averaged gradients in each Param.Grad (with
 // GradientAsBucketView, in Grad32/Grad64) and then calls Options.AfterSync; after a NoSync
-// pass it returns at once. It returns the step's first error (see DDP), or
-// ctx's error if ctx ends first (which fails the DDP too), or ErrPhase without a
-// backward pass to finalize.
+// pass it returns at once. It returns the step's first error (see DDP), or ctx's error if
+// ctx ends first (which fails the DDP too), or ErrPhase without a backward pass to
+// finalize.
 func (d *DDP) Finalize(ctx context.Context) error {
 	d.mu.Lock()
 	switch d.phase {

@@ -111,7 +111,7 @@
 //
 // BeginBackward returns nothing, and an adapter's hook cannot return an error: their errors
 // (and GradReady's) fail the DDP (an adapter calls Fail) and are returned by Finalize, so
-// checking Finalize's error is enough. Failure is final: the
-// process group is aborted so that the other ranks fail too, instead of hanging (see DDP).
-// A mismatch between the ranks' models at New is a *MismatchError, the same on every rank.
+// checking Finalize's error is enough. Failure is final: the process group is aborted so
+// that the other ranks fail too, instead of hanging (see DDP). A mismatch between the
+// ranks' models at New is a *MismatchError, the same on every rank.
 package ddp

@@ -22,8 +22,8 @@
 //
 //	for step := 0; step < steps; step++ {
 //		for mb := 0; mb < accum; mb++ {
-//			load(g, step, mb, pg.Rank())   // this rank's shard of the batch
-//			mode := ddp.Accumulate // all but the last micro-batch: NoSync
+//			load(g, step, mb, pg.Rank()) // this rank's shard of the batch
+//			mode := ddp.Accumulate       // all but the last micro-batch: NoSync
 //			if mb == accum-1 {
 //				mode = ddp.Sync
 //			}
@@ -38,7 +38,8 @@
 //	}
 //
 // A model whose graph takes a grad hook option (examples/transformer/model) is given
-// Hook(d) and taps its learnables itself; its trainer wraps ParamsFromNodes with ddp.New.
-// A hook cannot return an error: Hook's errors fail the DDP (ddp.DDP.Fail) and are returned
-// by the next Finalize.
+// Hook(d) and taps its learnables itself; its trainer calls ddp.New (with ParamsFromNodes,
+// or Params of its own), and the averages are in each Param.Grad, not in the nodes'
+// gradients. A hook cannot return an error: Hook's errors fail the DDP (ddp.DDP.Fail) and
+// are returned by the next Finalize.
 package gorgoniaddp

@@ -7,5 +7,5 @@
 //
 // It is a package of its own so that package ddp stays small; Prometheus metrics are in
 // package metrics, and reading and merging trace files in package tracefile, which a tool
-// such as ddprun or trace-plot imports alone.
+// such as ddprun imports alone.
 package observe
