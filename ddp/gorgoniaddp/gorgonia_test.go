@@ -141,7 +141,16 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 		m := &mlp{g: gorgonia.NewGraph()}
 		m.learnables = newLearnables(m.g, uint64(rank))
-		d, taps, err := WrapNodes(context.Background(), pg, m.learnables, ddp.Options{BucketCapMB: 50.0 / (1 << 20), FirstBucketCapMB: 50.0 / (1 << 20)})
+		afterSyncs := 0 // the caller's AfterSync runs after WrapNodes has written the nodes
+		then := func(d *ddp.DDP) error {
+			afterSyncs++
+			g, err := m.learnables[0].Grad()
+			if err != nil || !slices.Equal(g.(*tensor.Dense).Float32s(), d.Grad32(0)) {
+				return fmt.Errorf("AfterSync %d: the node's gradient is not the average yet (%v)", afterSyncs, err)
+			}
+			return nil
+		}
+		d, taps, err := WrapNodes(context.Background(), pg, m.learnables, ddp.Options{BucketCapMB: 50.0 / (1 << 20), FirstBucketCapMB: 50.0 / (1 << 20), AfterSync: then})
 		if err != nil {
 			return err
 		}
@@ -179,6 +188,9 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 		}
 		for _, n := range m.learnables {
 			finals[rank] = append(finals[rank], n.Value().(*tensor.Dense).Float32s()...)
+		}
+		if afterSyncs != steps {
+			return fmt.Errorf("the caller's AfterSync ran %d times in %d steps", afterSyncs, steps)
 		}
 		return nil
 	})
