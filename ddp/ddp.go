@@ -8,8 +8,6 @@ import (
 	"sync/atomic"
 
 	"go.uber.org/zap"
-	"gorgonia.org/gorgonia"
-	"gorgonia.org/tensor"
 
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/reducer"
@@ -56,7 +54,9 @@ type Buffer struct {
 }
 
 // Options configure a DDP. They mirror the arguments of PyTorch's
-// DistributedDataParallel.
+// DistributedDataParallel. The zero value of a field means its default; the defaults of
+// the fields the reducer shares (bucket caps, CommHook, Logger) are
+// reducer.Options.WithDefaults's.
 type Options struct {
 	// BucketCapMB caps every gradient bucket but the first, in MiB (default 25).
 	BucketCapMB float64
@@ -68,8 +68,8 @@ type Options struct {
 	// GradientAsBucketView: gradients live in the buckets (read them with Grad32/Grad64,
 	// again after each Finalize); nothing is copied back. Param.Grad must be nil.
 	GradientAsBucketView bool
-	// CommHook reduces each bucket (default: one all-reduce, reducer.AllReduceHook).
-	CommHook reducer.CommHook
+	// CommHook reduces each bucket (default: one all-reduce, AllReduceHook).
+	CommHook CommHook
 	// Device: parameters and gradients live on the GPU (reducer Note [Device buckets]):
 	// Param.Data and Param.Grad are procgroup.DeviceBuffers, gradients are reported with
 	// GradReadyDevice, and the process group must offer procgroup.Device (the nccl
@@ -84,15 +84,18 @@ type Options struct {
 	// buffers at New, in MiB (default 64): tensors of one element type are packed into
 	// chunks of this size, so a model takes a few large broadcasts, not one per tensor.
 	BroadcastChunkMB float64
+	// AfterSync, if set, is called by every synced Finalize once the averaged gradients are
+	// in place, before it returns (an adapter copies them into its framework's tensors:
+	// gorgoniaddp.WrapNodes). It runs on Finalize's goroutine without the DDP's lock, so it
+	// may read the DDP (Grad32, Grad64, Err); its error fails the DDP and is Finalize's.
+	AfterSync func(d *DDP) error
 }
 
+// validate fills in the defaults (the reducer's options from reducer.Options.WithDefaults,
+// the one place they are set) and checks the sizes.
 func (o *Options) validate() error {
-	if o.BucketCapMB == 0 {
-		o.BucketCapMB = 25
-	}
-	if o.FirstBucketCapMB == 0 {
-		o.FirstBucketCapMB = 1
-	}
+	r := o.reducerOptions().WithDefaults()
+	o.BucketCapMB, o.FirstBucketCapMB, o.CommHook, o.Logger = r.BucketCapMB, r.FirstBucketCapMB, r.CommHook, r.Logger
 	if o.BroadcastChunkMB == 0 {
 		o.BroadcastChunkMB = 64
 	}
@@ -100,13 +103,24 @@ func (o *Options) validate() error {
 		return fmt.Errorf("%w: BucketCapMB %v, FirstBucketCapMB %v, BroadcastChunkMB %v: want all positive",
 			ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB, o.BroadcastChunkMB)
 	}
-	if o.Logger == nil {
-		o.Logger = zap.NewNop()
-	}
 	return nil
 }
 
-// phase is where the DDP is in a training step (STYLE 2: the one field that says it).
+// reducerOptions are the reducer's share of o.
+func (o *Options) reducerOptions() reducer.Options {
+	return reducer.Options{
+		BucketCapMB:          o.BucketCapMB,
+		FirstBucketCapMB:     o.FirstBucketCapMB,
+		FindUnusedParameters: o.FindUnusedParameters,
+		GradientAsBucketView: o.GradientAsBucketView,
+		CommHook:             o.CommHook,
+		Device:               o.Device,
+		Stream:               o.Stream,
+		Logger:               o.Logger,
+	}
+}
+
+// phase is where the DDP is in a training step: the one field that says it.
 type phase int
 
 const (
@@ -122,8 +136,9 @@ const (
 // PyTorch's DistributedDataParallel does: see the package documentation for the loop.
 //
 // A DDP is driven by one training goroutine (BeginBackward, Finalize, NoSync, Backward);
-// GradReady and Hook may be called from the goroutine that runs backward (gorgonia's tape
-// runs on the caller's); Stats, Err and Close may be called from any goroutine.
+// GradReady may be called from the goroutine that runs backward (an adapter's hook, such as
+// gorgoniaddp's, calls it there); Stats, Err, Fail and Close may be called from any
+// goroutine.
 //
 // Failure is final: once a step fails (a hook's error, an unused parameter, a failed
 // collective, a backward function's error), the ranks' collectives can no longer be matched,
@@ -136,7 +151,6 @@ type DDP struct {
 	log     *zap.Logger
 	params  []Param
 	buffers []Buffer
-	nodes   []*gorgonia.Node // set by WrapNodes: Finalize writes the averages into their gradients
 
 	failed atomic.Bool // the hot path's view of phase == phaseFailed
 
@@ -201,16 +215,7 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	for i, p := range d.params {
 		rp[i] = reducer.Param{Name: p.Name, Grad: p.Grad, DType: descs[i].dtype, Len: descs[i].n}
 	}
-	r, err := reducer.New(pg, rp, reducer.Options{
-		BucketCapMB:          opts.BucketCapMB,
-		FirstBucketCapMB:     opts.FirstBucketCapMB,
-		FindUnusedParameters: opts.FindUnusedParameters,
-		GradientAsBucketView: opts.GradientAsBucketView,
-		CommHook:             opts.CommHook,
-		Device:               opts.Device,
-		Stream:               opts.Stream,
-		Logger:               opts.Logger,
-	})
+	r, err := reducer.New(pg, rp, opts.reducerOptions())
 	if err != nil {
 		return nil, fmt.Errorf("ddp: %w", err)
 	}
@@ -279,16 +284,16 @@ func (d *DDP) Size() int { return d.pg.Size() }
 // Params returns the parameters as New checked them (Shape filled in). Do not modify it.
 func (d *DDP) Params() []Param { return d.params }
 
-// BeginBackward starts the backward pass of one micro-batch: synced (sync true: this pass's
-// gradients, added to those of the NoSync passes since the last synced Finalize, are
-// averaged across ranks) or not (sync false: PyTorch's no_sync; gradients only add up
-// locally). Then run backward, reporting each gradient with Hook or GradReady, and after
-// a synced pass call Finalize (after a NoSync pass Finalize is optional).
+// BeginBackward starts the backward pass of one micro-batch, in mode Sync (this pass's
+// gradients, added to those of the Accumulate passes since the last synced Finalize, are
+// averaged across ranks) or Accumulate (PyTorch's no_sync: the gradients only add up
+// locally). Then run backward, reporting each gradient with GradReady, and after a synced
+// pass call Finalize (after an Accumulate pass Finalize is optional).
 //
-// It never blocks and returns nothing: an error (for instance a previous synced pass that
-// was never finalized, naming the parameters that got no gradient) fails the DDP and is
-// returned by the next Finalize, as are the hooks' errors.
-func (d *DDP) BeginBackward(sync bool) {
+// It never blocks and returns nothing: an error (another mode, or a previous synced pass
+// that was never finalized, naming the parameters that got no gradient) fails the DDP and
+// is returned by the next Finalize, as are the hooks' errors.
+func (d *DDP) BeginBackward(mode SyncMode) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	switch d.phase {
@@ -298,9 +303,15 @@ func (d *DDP) BeginBackward(sync bool) {
 		d.failLocked(fmt.Errorf("BeginBackward during Finalize: %w", ErrPhase))
 		return
 	}
-	mode, next := reducer.Accumulate, phaseAccumulate
-	if sync {
-		mode, next = reducer.Sync, phaseSync
+	var next phase
+	switch mode {
+	case Sync:
+		next = phaseSync
+	case Accumulate:
+		next = phaseAccumulate
+	default:
+		d.failLocked(fmt.Errorf("%w: BeginBackward(%d): want Sync or Accumulate", ErrInvalidArgument, int(mode)))
+		return
 	}
 	if err := d.r.BeginBackward(mode); err != nil {
 		d.failLocked(err)
@@ -347,38 +358,12 @@ func (d *DDP) GradReady64(i int, grad []float64) error {
 	return nil
 }
 
-// Hook is a GradHook (for Tap, or a model's hook option) that reports a gorgonia gradient
-// with GradReady, without allocating. Errors are returned by the next Finalize.
-func (d *DDP) Hook(i int, grad *tensor.Dense) {
-	if d.failed.Load() {
-		return
-	}
-	var err error
-	switch grad.Dtype() {
-	case tensor.Float32:
-		var g []float32
-		if g, err = denseFloat32s(grad); err == nil {
-			err = d.r.GradReady(i, g)
-		}
-	case tensor.Float64:
-		var g []float64
-		if g, err = denseFloat64s(grad); err == nil {
-			err = d.r.GradReady64(i, g)
-		}
-	default:
-		err = fmt.Errorf("%w: gradient of parameter %d is %v, want float32 or float64", ErrInvalidArgument, i, grad.Dtype())
-	}
-	if err != nil {
-		d.fail(err)
-	}
-}
-
 // Finalize ends the backward pass. After a synced pass it waits for every bucket's
 // all-reduce and leaves the averaged gradients in each Param.Grad (with
-// GradientAsBucketView, in Grad32/Grad64; with WrapNodes, also in the nodes' gradients);
-// after a NoSync pass it returns at once. It returns the step's first error (see DDP), or
-// ctx's error if ctx ends first (which fails the DDP too), or ErrPhase without a
-// backward pass to finalize.
+// GradientAsBucketView, in Grad32/Grad64) and then calls Options.AfterSync; after a NoSync
+// pass it returns at once. It returns the step's first error (see DDP), or ctx's error if
+// ctx ends first (which fails the DDP too), or ErrPhase without a backward pass to
+// finalize.
 func (d *DDP) Finalize(ctx context.Context) error {
 	d.mu.Lock()
 	switch d.phase {
@@ -408,8 +393,16 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	case err != nil:
 		return d.failLocked(err)
 	}
-	if synced && d.nodes != nil {
-		if err := d.writeNodeGrads(); err != nil {
+	if synced && d.opts.AfterSync != nil {
+		d.mu.Unlock()
+		err = d.opts.AfterSync(d) // without d.mu: it may call the DDP's methods
+		d.mu.Lock()
+		switch {
+		case d.phase == phaseClosed:
+			return ErrClosed
+		case d.phase == phaseFailed:
+			return d.err
+		case err != nil:
 			return d.failLocked(err)
 		}
 	}
@@ -417,11 +410,11 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	return nil
 }
 
-// Backward runs one synced backward pass: BeginBackward(true), backward (which must report
-// every gradient, through Hook or GradReady), Finalize(ctx). An error of backward fails the
-// DDP (see DDP).
+// Backward runs one synced backward pass: BeginBackward(Sync), backward (which must report
+// every gradient with GradReady, directly or through an adapter's hook), Finalize(ctx). An
+// error of backward fails the DDP (see DDP).
 func (d *DDP) Backward(ctx context.Context, backward func() error) error {
-	d.BeginBackward(true)
+	d.BeginBackward(Sync)
 	if err := backward(); err != nil {
 		return d.fail(fmt.Errorf("backward: %w", err))
 	}
@@ -432,7 +425,7 @@ func (d *DDP) Backward(ctx context.Context, backward func() error) error {
 // the next synced pass averages the sum. It returns the DDP's error, if any; an error of
 // backward fails the DDP (see DDP).
 func (d *DDP) NoSync(backward func() error) error {
-	d.BeginBackward(false)
+	d.BeginBackward(Accumulate)
 	if err := backward(); err != nil {
 		return d.fail(fmt.Errorf("NoSync backward: %w", err))
 	}
@@ -467,10 +460,30 @@ func (d *DDP) Grad32(i int) []float32 { g, _ := d.Grad(i).([]float32); return g 
 // Grad64 is Grad for a float64 parameter (nil for a float32 one).
 func (d *DDP) Grad64(i int) []float64 { g, _ := d.Grad(i).([]float64); return g }
 
-// Stats returns the reducer's measurements of the last finalized backward pass (per
-// gradient and bucket timestamps, communication and overlap), or nil before the first. It
-// is reused: valid until the second BeginBackward from now (Clone it to keep it).
-func (d *DDP) Stats() *reducer.IterStats { return d.r.Stats() }
+// Stats returns the measurements of the last finalized backward pass (per gradient and
+// bucket timestamps, communication and overlap), or nil before the first. It is a copy: the
+// caller may keep it.
+func (d *DDP) Stats() *IterStats {
+	if st := d.r.Stats(); st != nil {
+		return st.Clone()
+	}
+	return nil
+}
+
+// ProcessGroup is the group the DDP reduces over (the caller's: New's pg).
+func (d *DDP) ProcessGroup() procgroup.ProcessGroup { return d.pg }
+
+// BucketParams returns the current bucket layout: the indices of the parameters in each
+// bucket, buckets in launch order. The layout changes once, at the first synced Finalize
+// (Generation tells which one this is). The slices are the caller's.
+func (d *DDP) BucketParams() [][]int {
+	bs := d.r.Buckets()
+	out := make([][]int, len(bs))
+	for b, bk := range bs {
+		out[b] = append([]int(nil), bk.Params...)
+	}
+	return out
+}
 
 // Generation counts the bucket layouts (0, then 1 after the first synced Finalize).
 func (d *DDP) Generation() int { return d.r.Generation() }
@@ -507,15 +520,28 @@ func (d *DDP) Err() error {
 }
 
 // Close releases the DDP (not the process group, which stays the caller's). Closing during a
-// synced backward aborts the process group. It is idempotent and returns nil.
-func (d *DDP) Close() error {
+// synced backward aborts the process group. It is idempotent and cannot fail; Finalize and
+// BroadcastBuffers return ErrClosed after it.
+func (d *DDP) Close() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.phase == phaseClosed {
-		return nil
+		return
 	}
 	d.phase = phaseClosed
-	return d.r.Close()
+	_ = d.r.Close() // always nil: it only releases
+}
+
+// Fail ends the DDP with err, as a failed step does (see DDP): the process group is aborted
+// and every later Finalize returns the error, which Fail returns too. The first error
+// counts: after an earlier failure Fail returns that one (ErrClosed after Close); a nil err
+// changes nothing and returns Err. It is for adapters whose hooks cannot return an error
+// (gorgoniaddp's GradHook).
+func (d *DDP) Fail(err error) error {
+	if err == nil {
+		return d.Err()
+	}
+	return d.fail(err)
 }
 
 func (d *DDP) fail(err error) error {

@@ -180,7 +180,8 @@ func TestInitialBroadcast(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				return d.Close()
+				d.Close()
+				return nil
 			})
 			if err != nil {
 				t.Fatal(err)
@@ -358,7 +359,7 @@ func TestAveragedGradients(t *testing.T) {
 							return fmt.Errorf("step %d: gradient of %s: %w", s, ps[k].Name, err)
 						}
 					}
-					if st := d.Stats(); st == nil || st.Mode != reducer.Sync || len(st.BucketBytes) != 3 {
+					if st := d.Stats(); st == nil || st.Mode != Sync || len(st.BucketBytes) != 3 {
 						return fmt.Errorf("step %d: stats %+v, want a synced pass over 3 buckets", s, st)
 					}
 					gW, gb, gv := d.Grad32(0), d.Grad32(1), d.Grad64(2)
@@ -414,7 +415,7 @@ func TestFailureReachesEveryRank(t *testing.T) {
 		if rank == 1 {
 			n = 3
 		}
-		d.BeginBackward(true)
+		d.BeginBackward(Sync)
 		d.GradReady(0, make([]float32, n))
 		errs[rank] = d.Finalize(context.Background())
 		if again := d.Finalize(context.Background()); again == nil || again.Error() != errs[rank].Error() {
@@ -452,15 +453,19 @@ func TestOutOfTurn(t *testing.T) {
 		t.Errorf("accumulated gradient %v, want [2 3 4 5]", g)
 	}
 	// A synced pass that misses a gradient: the next BeginBackward's error names it.
-	d.BeginBackward(true)
-	d.BeginBackward(true)
+	d.BeginBackward(Sync)
+	d.BeginBackward(Sync)
 	err = d.Finalize(context.Background())
-	if !errors.Is(err, reducer.ErrUnusedParameters) {
+	if !errors.Is(err, ErrUnusedParameters) {
 		t.Errorf("unfinished pass: %v, want ErrUnusedParameters", err)
 	}
 	d.Close()
-	if err := d.Close(); err != nil {
-		t.Errorf("second Close: %v", err)
+	d.Close() // idempotent
+	if err := d.Finalize(context.Background()); !errors.Is(err, ErrClosed) {
+		t.Errorf("Finalize after Close: %v, want ErrClosed", err)
+	}
+	if err := d.BroadcastBuffers(context.Background()); !errors.Is(err, ErrClosed) {
+		t.Errorf("BroadcastBuffers after Close: %v, want ErrClosed", err)
 	}
 }
 
@@ -507,5 +512,107 @@ func TestUnusedAndBuffers(t *testing.T) {
 		if !slices.Equal(bufs[rank], bufs[0]) || bufs[rank][0] != 10 {
 			t.Errorf("rank %d: buffer %v, want rank 0's %v", rank, bufs[rank], bufs[0])
 		}
+	}
+}
+
+// TestAdapterHooks: AfterSync runs after every synced Finalize only, with the averages in
+// place, and may call the DDP; its error fails the DDP. Fail ends the DDP from outside a
+// call that returns errors (an adapter's hook), and the first error counts.
+func TestAdapterHooks(t *testing.T) {
+	c := pgtest.NewCluster(1)
+	defer c.Close()
+	ctx := context.Background()
+	var calls int
+	var seen []float32
+	boom := errors.New("boom")
+	d, err := New(ctx, c.Group(0), []Param{{Name: "w", Data: make([]float32, 2), Grad: make([]float32, 2)}}, Options{
+		AfterSync: func(d *DDP) error {
+			calls++
+			seen = slices.Clone(d.Grad32(0))
+			if calls == 2 {
+				return boom
+			}
+			return d.Err()
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if err := d.NoSync(func() error { return d.GradReady(0, []float32{1, 2}) }); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 0 {
+		t.Fatalf("AfterSync ran %d times after a NoSync pass", calls)
+	}
+	if err := d.Backward(ctx, func() error { return d.GradReady(0, []float32{1, 1}) }); err != nil {
+		t.Fatal(err)
+	}
+	if calls != 1 || !slices.Equal(seen, []float32{2, 3}) {
+		t.Fatalf("AfterSync: %d calls, saw %v; want 1 call seeing [2 3]", calls, seen)
+	}
+	if err := d.Fail(nil); err != nil {
+		t.Fatalf("Fail(nil) = %v on a healthy DDP", err)
+	}
+	err = d.Backward(ctx, func() error { return d.GradReady(0, []float32{1, 1}) })
+	if !errors.Is(err, boom) || !errors.Is(d.Err(), boom) {
+		t.Fatalf("AfterSync's error: Finalize %v, Err %v; want boom", err, d.Err())
+	}
+	if err := d.Fail(errors.New("later")); !errors.Is(err, boom) {
+		t.Errorf("Fail after a failure = %v, want the first error", err)
+	}
+
+	// Fail on a healthy DDP: the next Finalize returns its error.
+	d2, err := New(ctx, c.Group(0), []Param{{Name: "w", Data: make([]float32, 2), Grad: make([]float32, 2)}}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d2.Close()
+	d2.BeginBackward(Sync)
+	if err := d2.Fail(boom); !errors.Is(err, boom) {
+		t.Errorf("Fail = %v", err)
+	}
+	if err := d2.Finalize(ctx); !errors.Is(err, boom) {
+		t.Errorf("Finalize after Fail = %v, want boom", err)
+	}
+}
+
+// TestStatsSnapshotAndMode: Stats is the caller's to keep (later passes do not change it);
+// a mode other than Sync and Accumulate fails the DDP.
+func TestStatsSnapshotAndMode(t *testing.T) {
+	c := pgtest.NewCluster(1)
+	defer c.Close()
+	ctx := context.Background()
+	d, err := New(ctx, c.Group(0), []Param{{Name: "w", Data: make([]float32, 2), Grad: make([]float32, 2)}}, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if d.Stats() != nil {
+		t.Error("Stats before the first pass is not nil")
+	}
+	pass := func() {
+		t.Helper()
+		if err := d.Backward(ctx, func() error { return d.GradReady(0, []float32{1, 2}) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pass()
+	first := d.Stats()
+	kept := *first
+	kept.GradReady = slices.Clone(first.GradReady)
+	for range 3 {
+		pass()
+	}
+	if first.Iter != 1 || first.Mode != Sync || first.Iter != kept.Iter || !slices.Equal(first.GradReady, kept.GradReady) {
+		t.Errorf("the first pass's stats changed: iter %d mode %v grads %v, kept iter %d grads %v",
+			first.Iter, first.Mode, first.GradReady, kept.Iter, kept.GradReady)
+	}
+	if st := d.Stats(); st == first || st.Iter != 4 {
+		t.Errorf("Stats after 4 passes: iter %d (same pointer: %v)", st.Iter, st == first)
+	}
+	d.BeginBackward(SyncMode(0))
+	if err := d.Finalize(ctx); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("BeginBackward(0): Finalize = %v, want ErrInvalidArgument", err)
 	}
 }

@@ -3,10 +3,18 @@
 //
 // New checks that every rank wraps the same model (Note [Model check]) and copies rank 0's
 // parameters and buffers to every rank. During each backward pass, every parameter's
-// gradient is reported as soon as it is computed (Hook, fired by a grad-ready tap, or
-// GradReady); the reducer (package reducer) packs the gradients into buckets and
+// gradient is reported as soon as it is computed (GradReady, called by the trainer or by an
+// adapter's hook); the reducer (package reducer) packs the gradients into buckets and
 // all-reduces each bucket the moment it is complete, overlapping with the rest of backward.
 // Finalize waits for the buckets and leaves the averaged gradients in place.
+//
+// The core links no tensor library and no metrics client. Around it:
+//
+//   - gorgoniaddp trains a gorgonia model: grad-ready taps in the graph report each
+//     gradient, and the averages land in the learnables' gradients;
+//   - observe writes a per-rank timeline (Chrome trace format), overlap and straggler
+//     reports and a progress line; tracefile reads and merges the traces;
+//   - metrics exports a rank's metrics to Prometheus.
 //
 // # Usage
 //
@@ -29,9 +37,9 @@
 // Param.Grad, and then the optimizer steps (Example_ownGradients runs this loop;
 // examples/mlp is a whole trainer):
 //
-//	pg, closePG, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{Logger: log})
+//	pg, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{Logger: log})
 //	if err != nil { ... }
-//	defer closePG()
+//	defer pg.Close() // the group, then the rendezvous store
 //	d, err := ddp.New(ctx, pg, []ddp.Param{
 //		{Name: "w1", Data: w1, Grad: gw1}, // index 0
 //		{Name: "w2", Data: w2, Grad: gw2}, // index 1
@@ -41,7 +49,11 @@
 //
 //	for step := 0; step < steps; step++ {
 //		for mb := 0; mb < accum; mb++ {
-//			d.BeginBackward(mb == accum-1)   // all but the last micro-batch: NoSync
+//			mode := ddp.Accumulate           // all but the last micro-batch: NoSync
+//			if mb == accum-1 {
+//				mode = ddp.Sync
+//			}
+//			d.BeginBackward(mode)
 //			forward(x[step][mb])             // this rank's shard of the micro-batch
 //			backward2(mw2, 1/float32(accum)) // w2's gradient first (scaled: see NoSync below)
 //			d.GradReady(1, mw2)              // never blocks; mw2 may be reused at once
@@ -54,30 +66,16 @@
 //		sgd(w1, gw1); sgd(w2, gw2) // gw1, gw2: the global batch's gradient
 //	}
 //
-// With a gorgonia model whose graph takes a grad hook (Tap each learnable right where it
-// is consumed, Note [Tap placement], or let WrapNodes hand out Taps that do so), the hook
-// calls GradReady for you:
-//
-//	d, err := ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: 25, Logger: log})
-//	g, err := m.NewGraph(model.GraphOptions{Hook: d.Hook, ...}) // the hook feeds d during backward
-//
-//	for step := 0; step < steps; step++ {
-//		for mb := 0; mb < accum; mb++ {
-//			load(g, step, mb, pg.Rank())     // this rank's shard of the batch
-//			d.BeginBackward(mb == accum-1)   // all but the last micro-batch: NoSync
-//			if _, err := g.Run(); err != nil { return err } // forward+backward; hooks fire
-//		}
-//		if err := d.Finalize(ctx); err != nil {
-//			return err
-//		}
-//		opt.Step(weights, grads)  // each Param.Grad holds the gradient averaged over ranks
-//		log(d.Stats())            // per-bucket timeline, communication/compute overlap
-//	}
+// A gorgonia model is wrapped by gorgoniaddp.WrapNodes, whose taps call GradReady from
+// inside the graph's backward (see package gorgoniaddp); the loop is the same, with the
+// graph's run in place of forward and backward. After Finalize, d.Stats() holds the pass's
+// measurements (per-bucket timeline, communication/compute overlap), which package observe
+// turns into traces and reports.
 //
 // The closure forms do the same for one micro-batch each:
 //
-//	err := d.NoSync(func() error { _, err := g.Run(); return err })        // accumulate
-//	err := d.Backward(ctx, func() error { _, err := g.Run(); return err }) // sync + Finalize
+//	err := d.NoSync(func() error { return forwardBackward(mb) })        // accumulate
+//	err := d.Backward(ctx, func() error { return forwardBackward(mb) }) // sync + Finalize
 //
 // # NoSync (gradient accumulation)
 //
@@ -106,13 +104,14 @@
 // package reducer). After the first synced Finalize the buckets are rebuilt, on every rank
 // alike, from the order rank 0 reported (Note [Rebuild]). A wrong order costs overlap (a
 // bucket waits for its predecessors), not correctness. Reporting a parameter twice in one
-// pass fails the DDP (reducer.ErrMarkedTwice): report a shared parameter once, after its
+// pass fails the DDP (ErrMarkedTwice): report a shared parameter once, after its
 // contributions are summed.
 //
 // # Errors
 //
-// BeginBackward and Hook return nothing: their errors (and GradReady's) fail the DDP and
-// are returned by Finalize, so checking Finalize's error is enough. Failure is final: the
-// process group is aborted so that the other ranks fail too, instead of hanging (see DDP).
-// A mismatch between the ranks' models at New is a *MismatchError, the same on every rank.
+// BeginBackward returns nothing, and an adapter's hook cannot return an error: their errors
+// (and GradReady's) fail the DDP (an adapter calls Fail) and are returned by Finalize, so
+// checking Finalize's error is enough. Failure is final: the process group is aborted so
+// that the other ranks fail too, instead of hanging (see DDP). A mismatch between the
+// ranks' models at New is a *MismatchError, the same on every rank.
 package ddp

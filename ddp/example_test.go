@@ -21,9 +21,9 @@ import (
 // The ranks are goroutines over a real gloo group here; in a job each rank is a process
 // started by ddprun, and train's pg comes from
 //
-//	pg, closePG, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{})
+//	pg, err := ddp.InitProcessGroup(ctx, "gloo", ddp.InitOptions{})
 //	if err != nil { ... }
-//	defer closePG()
+//	defer pg.Close()
 func Example_ownGradients() {
 	ctx := context.Background()
 	store := procgroup.NewMemStore()
@@ -81,7 +81,11 @@ func train(ctx context.Context, pg procgroup.ProcessGroup) (string, []float32, e
 	for step := range steps {
 		var loss float32
 		for micro := range accum {
-			d.BeginBackward(micro == accum-1) // NoSync for all but the last micro-batch
+			mode := ddp.Accumulate // NoSync for all but the last micro-batch
+			if micro == accum-1 {
+				mode = ddp.Sync
+			}
+			d.BeginBackward(mode)
 			xs, ys := shard(step*accum+micro, pg.Rank(), pg.Size())
 			// Forward and backward of this micro-batch's mean loss, scaled by 1/accum:
 			// the DDP sums the micro-batches' gradients, the scaling is the trainer's.

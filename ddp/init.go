@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"sync"
 	"time"
@@ -43,17 +44,43 @@ type InitOptions struct {
 // of the one before).
 const RunIDEnv = "GODDP_RUN_ID"
 
+// Group is this process's group as InitProcessGroup made it: a procgroup.ProcessGroup (the
+// backend's, inside the watchdog and, with debug on, the desync checker) that also owns the
+// rendezvous store it was made with. Pass it wherever a ProcessGroup goes (ddp.New, the
+// collectives); reach the backend underneath with procgroup.Find (or FindDevice), which
+// sees through Unwrap.
+type Group struct {
+	procgroup.ProcessGroup
+	store io.Closer // the rendezvous store's release
+
+	once     sync.Once
+	closeErr error
+}
+
+// Close closes the group, then releases the rendezvous store; call it after the last
+// collective. It is idempotent: later calls return the first one's result.
+func (g *Group) Close() error {
+	g.once.Do(func() { g.closeErr = errors.Join(g.ProcessGroup.Close(), g.store.Close()) })
+	return g.closeErr
+}
+
+// Unwrap returns the group inside (procgroup.Unwrapper), so that procgroup.Find reaches
+// the backend's group through a Group.
+func (g *Group) Unwrap() procgroup.ProcessGroup { return g.ProcessGroup }
+
+var _ procgroup.Unwrapper = (*Group)(nil)
+
 // InitProcessGroup creates this process's group as its launcher (ddprun, torchrun-style
 // variables, srun or mpirun) describes it: procgroup.InitFromEnv, then procgroup.Rendezvous
 // for the store, then procgroup.New with the named backend (which must be linked in, for
 // instance with a blank import of backends/gloo). It blocks until every rank has joined or
-// ctx ends. The returned close func closes the group, then releases the store; call it
-// after the last collective (later calls return the first call's result).
+// ctx ends. The Group's Close closes the group and then releases the store, so a plain
+// defer g.Close() leaks nothing.
 //
 // With GODDP_TLS_CERT, GODDP_TLS_KEY and GODDP_TLS_CA set (and GODDP_TLS_MTLS=1 for mutual
 // TLS; see procgroup.TLSFromEnv) the store and the data plane's connections between hosts
 // use TLS (procgroup.RendezvousTLS, procgroup.Options.TLS).
-func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (procgroup.ProcessGroup, func() error, error) {
+func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (*Group, error) {
 	lookup := opts.LookupEnv
 	if lookup == nil {
 		lookup = os.LookupEnv
@@ -64,10 +91,10 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 	}
 	env, err := procgroup.EnvFrom(lookup)
 	if err != nil {
-		return nil, nil, fmt.Errorf("ddp: init: %w", err)
+		return nil, fmt.Errorf("ddp: init: %w", err)
 	}
 	if _, err := procgroup.Lookup(backend); err != nil {
-		return nil, nil, fmt.Errorf("ddp: init: %w", err) // before starting a store for nothing
+		return nil, fmt.Errorf("ddp: init: %w", err) // before starting a store for nothing
 	}
 	logger = logger.With(zap.Int("rank", env.Rank), zap.Int("local_rank", env.LocalRank))
 	wdOpts := procgroup.WatchdogOptions{
@@ -75,33 +102,33 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 		OnAbort: opts.OnAbort, LookupEnv: lookup,
 	}
 	if err := wdOpts.Validate(); err != nil {
-		return nil, nil, fmt.Errorf("ddp: init: %w", err)
+		return nil, fmt.Errorf("ddp: init: %w", err)
 	}
 	debug, err := procgroup.DebugFromEnv(lookup)
 	if err != nil {
-		return nil, nil, fmt.Errorf("ddp: init: %w", err)
+		return nil, fmt.Errorf("ddp: init: %w", err)
 	}
 	debug = debug || opts.Debug
 	// GODDP_TLS_*: the store's connections and the data plane's between hosts.
 	tlsFiles, err := procgroup.TLSFromEnv(lookup)
 	if err != nil {
-		return nil, nil, fmt.Errorf("ddp: init: %w", err)
+		return nil, fmt.Errorf("ddp: init: %w", err)
 	}
 	peerTLS, err := dataPlaneTLS(tlsFiles)
 	if err != nil {
-		return nil, nil, fmt.Errorf("ddp: init: rank %d: %w", env.Rank, err)
+		return nil, fmt.Errorf("ddp: init: rank %d: %w", env.Rank, err)
 	}
 	store, release, err := procgroup.RendezvousTLS(ctx, env, tlsFiles, logger)
 	if err != nil {
-		return nil, nil, fmt.Errorf("ddp: init: %w", err)
+		return nil, fmt.Errorf("ddp: init: %w", err)
 	}
 	token, err := procgroup.JobToken(env, env.StoreAddress(), tlsFiles.Enabled(), nil) // Rendezvous checked and logged it
 	if err != nil {
-		return nil, nil, errors.Join(fmt.Errorf("ddp: init: %w", err), release.Close())
+		return nil, errors.Join(fmt.Errorf("ddp: init: %w", err), release.Close())
 	}
 	connectTimeout, err := procgroup.ConnectTimeoutFrom(lookup)
 	if err != nil {
-		return nil, nil, errors.Join(fmt.Errorf("ddp: init: %w", err), release.Close())
+		return nil, errors.Join(fmt.Errorf("ddp: init: %w", err), release.Close())
 	}
 	prefix, _ := lookup(RunIDEnv)
 	if prefix != "" {
@@ -117,19 +144,13 @@ func InitProcessGroup(ctx context.Context, backend string, opts InitOptions) (pr
 		StoreAddr: env.StoreAddress(), ConnectTimeout: connectTimeout, LookupEnv: lookup,
 	})
 	if err != nil {
-		return nil, nil, errors.Join(fmt.Errorf("ddp: init: rank %d: %s group: %w", env.Rank, backend, err), release.Close())
+		return nil, errors.Join(fmt.Errorf("ddp: init: rank %d: %s group: %w", env.Rank, backend, err), release.Close())
 	}
 	pg, err = wrapGroup(pg, procgroup.PrefixStore{Prefix: prefix + "/watchdog", Store: store}, wdOpts, debug, logger)
 	if err != nil {
-		return nil, nil, errors.Join(fmt.Errorf("ddp: init: rank %d: %w", env.Rank, err), release.Close())
+		return nil, errors.Join(fmt.Errorf("ddp: init: rank %d: %w", env.Rank, err), release.Close())
 	}
-	var once sync.Once
-	var closeErr error
-	closeFn := func() error {
-		once.Do(func() { closeErr = errors.Join(pg.Close(), release.Close()) })
-		return closeErr
-	}
-	return pg, closeFn, nil
+	return &Group{ProcessGroup: pg, store: release}, nil
 }
 
 // wrapGroup puts the debug wrapper (when debug) and the watchdog around pg, the watchdog

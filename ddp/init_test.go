@@ -68,7 +68,7 @@ func TestInitProcessGroup(t *testing.T) {
 		}
 		wg.Go(func() {
 			lookup := func(k string) (string, bool) { v, ok := env[k]; return v, ok }
-			pg, closePG, err := InitProcessGroup(context.Background(), "ddptest", InitOptions{LookupEnv: lookup})
+			pg, err := InitProcessGroup(context.Background(), "ddptest", InitOptions{LookupEnv: lookup})
 			if err != nil {
 				errs[rank] = err
 				return
@@ -77,12 +77,21 @@ func TestInitProcessGroup(t *testing.T) {
 			err = pg.AllReduce(context.Background(), buf, procgroup.Sum).Wait(context.Background())
 			sums[rank] = buf
 			errs[rank] = err
-			if err := closePG(); err != nil && errs[rank] == nil {
+			if err := pg.Close(); err != nil && errs[rank] == nil {
 				errs[rank] = err
+			}
+			if err := pg.Close(); err != nil && errs[rank] == nil {
+				errs[rank] = fmt.Errorf("second Close: %w", err)
 			}
 		})
 	}
 	wg.Wait()
+	// Close released the store: rank 0's port is free again.
+	if l, err := net.Listen("tcp", "127.0.0.1:"+port); err != nil {
+		t.Errorf("the store's port after Close: %v", err)
+	} else {
+		l.Close()
+	}
 	for rank := 0; rank < size; rank++ {
 		if errs[rank] != nil {
 			t.Fatalf("rank %d: %v", rank, errs[rank])
@@ -108,7 +117,7 @@ func TestInitProcessGroupErrors(t *testing.T) {
 			`ddp: init: procgroup: unknown backend "nosuch": no backend of that name exists (known backends: gloo → github.com/goddp/goddp/backends/gloo, nccl → github.com/goddp/goddp/backends/nccl; linked in: `},
 	} {
 		lookup := func(k string) (string, bool) { v, ok := tc.env[k]; return v, ok }
-		_, _, err := InitProcessGroup(context.Background(), tc.backend, InitOptions{LookupEnv: lookup})
+		_, err := InitProcessGroup(context.Background(), tc.backend, InitOptions{LookupEnv: lookup})
 		if err == nil || !strings.HasPrefix(err.Error(), tc.want) {
 			t.Errorf("env %v backend %s: %v, want %s…", tc.env, tc.backend, err, tc.want)
 		}
@@ -121,18 +130,27 @@ func TestInitProcessGroupSingleProcess(t *testing.T) {
 	testCluster = pgtest.NewCluster(1)
 	defer testCluster.Close()
 	lookup := func(k string) (string, bool) { return "", false }
-	pg, closePG, err := InitProcessGroup(context.Background(), "ddptest", InitOptions{LookupEnv: lookup})
+	pg, err := InitProcessGroup(context.Background(), "ddptest", InitOptions{LookupEnv: lookup})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if pg.Rank() != 0 || pg.Size() != 1 {
 		t.Errorf("rank %d of %d, want 0 of 1", pg.Rank(), pg.Size())
 	}
+	// The backend's group is reached through Unwrap, as procgroup.Find walks it.
+	var g procgroup.ProcessGroup = pg
+	for g != testCluster.Group(0) {
+		u, ok := g.(procgroup.Unwrapper)
+		if !ok {
+			t.Fatalf("%T does not unwrap to the backend's group", g)
+		}
+		g = u.Unwrap()
+	}
 	buf := []float32{2.5, -1}
 	if err := pg.AllReduce(context.Background(), buf, procgroup.Sum).Wait(context.Background()); err != nil || buf[0] != 2.5 || buf[1] != -1 {
 		t.Errorf("all-reduce over one rank: %v, %v", buf, err)
 	}
-	if err := closePG(); err != nil {
+	if err := pg.Close(); err != nil {
 		t.Fatal(err)
 	}
 }

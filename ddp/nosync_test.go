@@ -76,7 +76,11 @@ func TestNoSyncSemantics(t *testing.T) {
 				}
 			}
 			for micro := range accum {
-				d.BeginBackward(micro == accum-1)
+				mode := Accumulate
+				if micro == accum-1 {
+					mode = Sync
+				}
+				d.BeginBackward(mode)
 				for _, p := range order(rank, step, micro) {
 					if p == 0 { // the trainer computes into Param.Grad itself and reports it
 						copy(params[0].Grad.([]float32), grad(rank, step, micro, 0))

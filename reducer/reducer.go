@@ -55,21 +55,29 @@ type Options struct {
 	Logger *zap.Logger
 }
 
-func (o *Options) validate() error {
+// WithDefaults returns o with its zero fields set to their defaults: BucketCapMB 25,
+// FirstBucketCapMB 1, CommHook AllReduceHook, Logger zap.NewNop(). It is the one place those
+// defaults are set (package ddp fills its Options from it).
+func (o Options) WithDefaults() Options {
 	if o.BucketCapMB == 0 {
 		o.BucketCapMB = 25
 	}
 	if o.FirstBucketCapMB == 0 {
 		o.FirstBucketCapMB = 1
 	}
-	if !(o.BucketCapMB > 0) || !(o.FirstBucketCapMB > 0) {
-		return fmt.Errorf("%w: bucket caps %v MiB and first %v MiB, want both positive", ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB)
-	}
 	if o.CommHook == nil {
 		o.CommHook = AllReduceHook()
 	}
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
+	}
+	return o
+}
+
+func (o *Options) validate() error {
+	*o = o.WithDefaults()
+	if !(o.BucketCapMB > 0) || !(o.FirstBucketCapMB > 0) {
+		return fmt.Errorf("%w: bucket caps %v MiB and first %v MiB, want both positive", ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB)
 	}
 	return nil
 }

@@ -808,3 +808,21 @@ func TestCloseMidPass(t *testing.T) {
 	}
 	rs[1].Close()
 }
+
+// TestOptionsWithDefaults: the zero fields get their defaults, the set ones are kept.
+func TestOptionsWithDefaults(t *testing.T) {
+	o := Options{}.WithDefaults()
+	if o.BucketCapMB != 25 || o.FirstBucketCapMB != 1 || o.CommHook == nil || o.Logger == nil {
+		t.Errorf("defaults: %+v", o)
+	}
+	if _, ok := o.CommHook.(allReduceHook); !ok {
+		t.Errorf("default hook %T, want the all-reduce", o.CommHook)
+	}
+	set := Options{BucketCapMB: 5, FirstBucketCapMB: -1, CommHook: FP16CompressHook()}.WithDefaults()
+	if set.BucketCapMB != 5 || set.FirstBucketCapMB != -1 {
+		t.Errorf("set fields changed: %+v", set)
+	}
+	if _, ok := set.CommHook.(allReduceHook); ok {
+		t.Error("a set hook was replaced")
+	}
+}

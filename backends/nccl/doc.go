@@ -34,9 +34,9 @@
 //		LocalRank: localRank, LocalSize: localSize, Store: store})
 //	// host buffers, as with gloo:
 //	err = pg.AllReduce(ctx, grads, procgroup.Sum).Wait(ctx)
-//	// device buffers, stream-ordered. ddp.InitProcessGroup wraps the group (watchdog, and
-//	// debug with GODDP_DEBUG=detail): reach the backend through the wrappers with
-//	// procgroup.Find / FindWork, and issue collectives on the outer group.
+//	// device buffers, stream-ordered. ddp.InitProcessGroup wraps the group (its ddp.Group,
+//	// the watchdog, and debug with GODDP_DEBUG=detail): reach the backend through the
+//	// wrappers with procgroup.Find / FindWork, and issue collectives on the outer group.
 //	g, _ := procgroup.Find[*nccl.Group](pg)
 //	buf, _ := g.Alloc(procgroup.Float32, n) // or nccl.DeviceBuffer{Ptr: ..., Stream: computeStream}
 //	buf.Stream = computeStream

@@ -166,7 +166,7 @@ func newFlagSet(c *config) (fs *flag.FlagSet, aliases map[string]bool) {
 	fs.StringVar(&c.goBuildFlags, "go_build_flags", "", "extra flags for 'go build' when PROGRAM is a Go package (env GODDP_GO_TAGS adds -tags)")
 	fs.DurationVar(&c.stopTimeout, "stop_timeout", defaultStopTimeout, "grace period between SIGTERM and SIGKILL when stopping ranks")
 	fs.DurationVar(&c.rdzvTimeout, "rdzv_timeout", defaultRdzvTimeout, "how long a node other than node 0 waits for the store, and each rank's set-up bound (GODDP_CONNECT_TIMEOUT) unless the environment sets one")
-	fs.StringVar(&c.traceMerge, "trace_merge", "", "have each rank trace its timeline (ddp.OpenTrace) and merge this node's traces into this file at the end")
+	fs.StringVar(&c.traceMerge, "trace_merge", "", "have each rank trace its timeline (observe.OpenTrace) and merge this node's traces into this file at the end")
 	tlsFlags(fs, &c.tlsFlags) // tls.go
 	aliases = map[string]bool{}
 	var names []string

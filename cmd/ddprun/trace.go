@@ -15,7 +15,7 @@ import (
 
 // Note [Trace merge]: with --trace_merge OUT, every rank gets GODDP_TRACE naming its own
 // file, LOG_DIR/trace/trace.rank{rank}.a{attempt}.json (under ddprun's work directory
-// without --log_dir); a trainer that calls ddp.OpenTrace with an empty path (its --trace
+// without --log_dir); a trainer that calls observe.OpenTrace with an empty path (its --trace
 // flag unset) writes its timeline there, and one that gives a path writes it there and
 // links GODDP_TRACE's file to it. OUT's folder is made, and OUT checked, before the ranks
 // start. When the job ends, ddprun merges the files of the
@@ -49,7 +49,7 @@ func (j *job) setupTraceMerge(workDir string) (merge func(), err error) {
 			return
 		}
 		if len(local) == 0 {
-			j.con.msg(fmt.Sprintf("ddprun: --trace_merge: no rank wrote a trace in %s (does the program call ddp.OpenTrace?)\n", dir))
+			j.con.msg(fmt.Sprintf("ddprun: --trace_merge: no rank wrote a trace in %s (does the program call observe.OpenTrace?)\n", dir))
 			return
 		}
 		if err := writeMerged(j.cfg.traceMerge, local); err != nil {
@@ -101,7 +101,7 @@ func (j *job) mergeAcrossNodes(local []*tracefile.File) error {
 		all = append([]*tracefile.File{mine}, others...)
 	}
 	if len(all) == 0 {
-		return fmt.Errorf("no rank of any node wrote a trace (does the program call ddp.OpenTrace?)")
+		return fmt.Errorf("no rank of any node wrote a trace (does the program call observe.OpenTrace?)")
 	}
 	m, err := tracefile.Merge(all...)
 	if err != nil {

@@ -6,7 +6,8 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/observe"
+	"github.com/goddp/goddp/ddp/tracefile"
 )
 
 func TestMergeTraceDir(t *testing.T) {
@@ -17,7 +18,7 @@ func TestMergeTraceDir(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer f.Close()
-		tr, err := ddp.NewTracer(f, ddp.TraceOptions{Rank: rank, WorldSize: 2})
+		tr, err := observe.NewTracer(f, observe.TraceOptions{Rank: rank, WorldSize: 2})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -43,13 +44,13 @@ func TestMergeTraceDir(t *testing.T) {
 	if err := writeMerged(out, fs); err != nil {
 		t.Fatal(err)
 	}
-	tf, err := ddp.ReadTraceFile(out)
+	tf, err := tracefile.ReadFile(out)
 	if err != nil {
 		t.Fatal(err)
 	}
 	spans := map[int]int{}
 	for _, e := range tf.TraceEvents {
-		if e.Cat == ddp.CatCompute {
+		if e.Cat == observe.CatCompute {
 			spans[e.PID]++
 		}
 	}

@@ -1,4 +1,4 @@
-// Command trace-plot draws one training step of a goddp trace (ddp.Tracer's Chrome trace
+// Command trace-plot draws one training step of a goddp trace (observe.Tracer's Chrome trace
 // event files, one per rank or merged by ddprun) as a Gantt chart without a browser: a row
 // pair per rank, compute on top (the trainer's spans and the finalize wait) and
 // communication below (each bucket's all-reduce, with a tick at its launch), so the overlap
@@ -28,7 +28,8 @@ import (
 	"gonum.org/v1/plot/vg"
 	"gonum.org/v1/plot/vg/draw"
 
-	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/observe"
+	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/internal/outpath"
 )
 
@@ -71,7 +72,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	if *strag {
-		rep := ddp.AnalyzeArrivals(ddp.ArrivalsFromTrace(tf))
+		rep := observe.AnalyzeArrivals(observe.ArrivalsFromTrace(tf))
 		rep.Hosts = tf.OtherData.Hosts
 		fmt.Fprintln(stdout, rep)
 	}
@@ -100,24 +101,24 @@ func run(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-func load(paths []string) (*ddp.TraceFile, error) {
-	var files []*ddp.TraceFile
+func load(paths []string) (*tracefile.File, error) {
+	var files []*tracefile.File
 	for _, p := range paths {
-		tf, err := ddp.ReadTraceFile(strings.TrimSpace(p))
+		tf, err := tracefile.ReadFile(strings.TrimSpace(p))
 		if err != nil {
 			return nil, err
 		}
 		files = append(files, tf)
 	}
-	return ddp.MergeTraces(files...)
+	return tracefile.Merge(files...)
 }
 
-func writeTrace(path string, tf *ddp.TraceFile) error {
+func writeTrace(path string, tf *tracefile.File) error {
 	f, err := os.Create(path)
 	if err != nil {
 		return err
 	}
-	if err := ddp.WriteTrace(f, tf); err != nil {
+	if err := tracefile.Write(f, tf); err != nil {
 		f.Close()
 		return err
 	}
@@ -125,7 +126,7 @@ func writeTrace(path string, tf *ddp.TraceFile) error {
 }
 
 // ranksOf lists the ranks (pids) with events, ascending.
-func ranksOf(tf *ddp.TraceFile) []int {
+func ranksOf(tf *tracefile.File) []int {
 	var rs []int
 	for _, e := range tf.TraceEvents {
 		if e.Ph != "M" && !slices.Contains(rs, e.PID) {
@@ -138,11 +139,11 @@ func ranksOf(tf *ddp.TraceFile) []int {
 
 // lastCompleteStep is the highest step for which every rank has a finalize wait (the end of
 // a synced pass), or failing that any event.
-func lastCompleteStep(tf *ddp.TraceFile) (int, error) {
+func lastCompleteStep(tf *tracefile.File) (int, error) {
 	ranks := ranksOf(tf)
 	best := map[int]int64{}
 	for _, e := range tf.TraceEvents {
-		if e.Cat != ddp.CatWait {
+		if e.Cat != observe.CatWait {
 			continue
 		}
 		if s, ok := e.Arg("step"); ok {
@@ -222,12 +223,12 @@ func row(n, i int, comm bool) float64 {
 }
 
 // gantt collects the bars of step.
-func gantt(tf *ddp.TraceFile, step int) (*chart, error) {
+func gantt(tf *tracefile.File, step int) (*chart, error) {
 	ranks := ranksOf(tf)
-	var sel []ddp.TraceEvent
+	var sel []tracefile.Event
 	origin := 0.0
 	for _, e := range tf.TraceEvents {
-		if e.Ph == "M" || e.Cat == ddp.CatStep || e.Cat == ddp.CatGrad {
+		if e.Ph == "M" || e.Cat == observe.CatStep || e.Cat == observe.CatGrad {
 			continue
 		}
 		if s, ok := e.Arg("step"); ok && int(s) == step {
@@ -243,7 +244,7 @@ func gantt(tf *ddp.TraceFile, step int) (*chart, error) {
 	c := &chart{step: step, ranks: ranks, bars: map[kind][]bar{}}
 	hasCompute := map[int]bool{}
 	for _, e := range sel {
-		if e.Cat == ddp.CatCompute {
+		if e.Cat == observe.CatCompute {
 			hasCompute[e.PID] = true
 		}
 	}
@@ -259,30 +260,30 @@ func gantt(tf *ddp.TraceFile, step int) (*chart, error) {
 		a := per[e.PID]
 		a.end = max(a.end, x1)
 		switch e.Cat {
-		case ddp.CatCompute:
+		case observe.CatCompute:
 			k := computeKind(e.Name)
 			c.bars[k] = append(c.bars[k], bar{x0, x1, row(n, i, false)})
 			a.compute += x1 - x0
-		case ddp.CatBackward:
+		case observe.CatBackward:
 			a.bwdEnd = max(a.bwdEnd, x1)
 			if !hasCompute[e.PID] {
 				c.bars[kReducer] = append(c.bars[kReducer], bar{x0, x1, row(n, i, false)})
 				a.compute += x1 - x0
 			}
-		case ddp.CatWait:
+		case observe.CatWait:
 			c.bars[kWait] = append(c.bars[kWait], bar{x0, x1, row(n, i, false)})
 			a.wait += x1 - x0
-		case ddp.CatComm:
+		case observe.CatComm:
 			c.bars[kComm] = append(c.bars[kComm], bar{x0, x1, row(n, i, true)})
 			a.comm += x1 - x0
-		case ddp.CatLaunch:
+		case observe.CatLaunch:
 			c.ticks = append(c.ticks, bar{x0, x0, row(n, i, true)})
 		}
 		c.maxEnd = max(c.maxEnd, x1)
 	}
 	// The all-reduce time after the end of backward: what the step waited for.
 	for _, e := range sel {
-		if e.Cat == ddp.CatComm {
+		if e.Cat == observe.CatComm {
 			a := per[e.PID]
 			x0, x1 := (e.TS-origin)/1e3, (e.End()-origin)/1e3
 			a.commAfter += max(0, x1-max(x0, a.bwdEnd))

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/goddp/goddp/ddp"
-	"github.com/goddp/goddp/reducer"
+	"github.com/goddp/goddp/ddp/observe"
 )
 
 // synthetic writes a 2-rank trace of 3 steps per rank file: backward of 30 ms with 4
@@ -22,14 +22,14 @@ func synthetic(t *testing.T, dir string) []string {
 	epoch := time.Now()
 	var paths []string
 	for rank := range 2 {
-		p := filepath.Join(dir, ddp.TracePath("trace.json", rank, 2))
+		p := filepath.Join(dir, observe.TracePath("trace.json", rank, 2))
 		f, err := os.Create(p)
 		if err != nil {
 			t.Fatal(err)
 		}
 		// Rank 1's process started 2 ms later: a different epoch.
 		repoch := epoch.Add(time.Duration(rank) * 2 * time.Millisecond)
-		tr, err := ddp.NewTracer(f, ddp.TraceOptions{Rank: rank, WorldSize: 2, Epoch: repoch})
+		tr, err := observe.NewTracer(f, observe.TraceOptions{Rank: rank, WorldSize: 2, Epoch: repoch})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -37,7 +37,7 @@ func synthetic(t *testing.T, dir string) []string {
 			tr.BeginStep(step)
 			start := epoch.Add(msd(100 * float64(step)))
 			lag := float64(rank)
-			st := &reducer.IterStats{Iter: step + 1, Mode: reducer.Sync, Start: start, GradReady: []time.Duration{msd(2)},
+			st := &ddp.IterStats{Iter: step + 1, Mode: ddp.Sync, Start: start, GradReady: []time.Duration{msd(2)},
 				BackwardEnd: msd(30 + lag), FinalizeEnd: msd(36 + lag)}
 			for b := range 4 {
 				l := msd(6*float64(b+1) + lag)

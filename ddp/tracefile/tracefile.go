@@ -19,7 +19,7 @@ import (
 	"slices"
 )
 
-// EnvVar names the environment variable ddp.OpenTrace falls back to for its path;
+// EnvVar names the environment variable observe.OpenTrace falls back to for its path;
 // ddprun --trace_merge sets it for every rank.
 const EnvVar = "GODDP_TRACE"
 

@@ -90,13 +90,13 @@ func main() {
 	}
 	log, _ := zap.NewProduction()
 	ctx := context.Background()
-	pg, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
+	pg, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 	res, err := train(ctx, pg, f, os.Stdout)
-	if cerr := closePG(); err == nil {
+	if cerr := pg.Close(); err == nil {
 		err = cerr
 	}
 	if err != nil {
@@ -295,7 +295,7 @@ func train(ctx context.Context, pg procgroup.ProcessGroup, f *flags, out io.Writ
 			return err
 		}
 		// backward: dY = (Y − T)/local batch; the reducer averages over ranks.
-		d.BeginBackward(true)
+		d.BeginBackward(ddp.Sync)
 		if err := gp.launch("gpumlp_sub_scale", bl*f.out, 1/float32(bl), true, ptr(dY), ptr(Y), ptr(t), uint64(bl*f.out)); err != nil {
 			return err
 		}

@@ -85,11 +85,11 @@ func run(ctx context.Context, f flags, stdout io.Writer) error {
 	}
 	var pg procgroup.ProcessGroup
 	if !f.noDDP {
-		g, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{})
+		g, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{})
 		if err != nil {
 			return err
 		}
-		defer closePG()
+		defer g.Close()
 		pg = g
 	}
 	m, err := train(ctx, f, pg, stdout)
@@ -142,7 +142,11 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		var loss float32
 		for micro := range f.accum {
 			if d != nil {
-				d.BeginBackward(micro == f.accum-1) // NoSync for all but the last
+				mode := ddp.Accumulate // NoSync for all but the last
+				if micro == f.accum-1 {
+					mode = ddp.Sync
+				}
+				d.BeginBackward(mode)
 			}
 			first := ((step*f.accum+micro)*world + rank) * f.batch
 			samples(f.seed, first, f.batch, xs, ys)

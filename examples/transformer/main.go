@@ -26,11 +26,11 @@ import (
 
 	_ "github.com/goddp/goddp/backends/gloo" // --backend gloo
 	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/gorgoniaddp"
 	"github.com/goddp/goddp/examples/transformer/model"
 	"github.com/goddp/goddp/examples/transformer/optim"
 	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
-	"github.com/goddp/goddp/reducer"
 )
 
 type flags struct {
@@ -181,9 +181,9 @@ func main() {
 // (--no_ddp) accumulates locally; a ddp wrapper implements the same three methods
 // with bucketed all-reduces (pre-dividing by the world size).
 type gradSync interface {
-	// BeginBackward precedes each micro-batch's backward; sync is false for all but
-	// the last micro-batch of an optimizer step (NoSync).
-	BeginBackward(sync bool)
+	// BeginBackward precedes each micro-batch's backward; mode is ddp.Accumulate for all
+	// but the last micro-batch of an optimizer step (NoSync).
+	BeginBackward(mode ddp.SyncMode)
 	// Hook receives parameter i's gradient of the current micro-batch. It runs on the
 	// tape machine's goroutine during backward and must not block.
 	Hook(i int, grad *tensor.Dense)
@@ -204,7 +204,7 @@ type localSync struct {
 	first  bool // next micro-batch is the first of the step: overwrite, not add
 }
 
-func (s *localSync) BeginBackward(bool) {}
+func (s *localSync) BeginBackward(ddp.SyncMode) {}
 
 func (s *localSync) Hook(i int, grad *tensor.Dense) {
 	p := s.params[i]
@@ -219,6 +219,15 @@ func (s *localSync) Hook(i int, grad *tensor.Dense) {
 }
 
 func (s *localSync) Finalize(context.Context) error { return nil }
+
+// ddpSync is a DDP as a gradSync: its hook is gorgoniaddp's, which reports the gorgonia
+// gradients to the DDP.
+type ddpSync struct {
+	*ddp.DDP
+	hook gorgoniaddp.GradHook
+}
+
+func (s ddpSync) Hook(i int, grad *tensor.Dense) { s.hook(i, grad) }
 
 // world is this process's place in the job: rank and size.
 type world struct{ rank, size int }
@@ -256,7 +265,7 @@ func checkOutputs(f flags) error {
 		return err
 	}
 	// The trace's file name may hold {rank} and {attempt}; its folder is checked here,
-	// and made again by ddp.OpenTrace if that too holds them.
+	// and made again by observe.OpenTrace if that too holds them.
 	if dir := filepath.Dir(f.trace); f.trace != "" && !strings.Contains(dir, "{") {
 		return outpath.Dir("--trace", dir)
 	}
@@ -295,7 +304,7 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 	if f.noDDP {
 		return m, trainWith(ctx, f, m, nil, log, stdout)
 	}
-	pg, closePG, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
+	pg, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
 	if err != nil {
 		return nil, err
 	}
@@ -313,7 +322,7 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 		// The other ranks must not wait for this one: fail their pending collectives.
 		pg.Abort(err)
 	}
-	if cerr := closePG(); cerr != nil && err == nil {
+	if cerr := pg.Close(); cerr != nil && err == nil {
 		return nil, fmt.Errorf("rank %d: closing the process group: %w", pg.Rank(), cerr)
 	}
 	return m, err
@@ -354,7 +363,7 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 			return err
 		}
 		defer d.Close()
-		sync = d
+		sync = ddpSync{d, gorgoniaddp.Hook(d)}
 	}
 
 	graphBuild.Lock()
@@ -427,7 +436,11 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 			if local != nil {
 				local.first = mb == 0
 			}
-			sync.BeginBackward(mb == f.accum-1)
+			mode := ddp.Accumulate // NoSync for all but the last micro-batch
+			if mb == f.accum-1 {
+				mode = ddp.Sync
+			}
+			sync.BeginBackward(mode)
 			l, err := g.Run()
 			if err != nil {
 				return fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
@@ -511,7 +524,7 @@ type overlap struct {
 	compute, comm, overlapped, exposd time.Duration
 }
 
-func (o *overlap) add(s *reducer.IterStats) {
+func (o *overlap) add(s *ddp.IterStats) {
 	if s == nil {
 		return
 	}

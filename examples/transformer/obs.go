@@ -12,27 +12,29 @@ import (
 	"time"
 
 	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/metrics"
+	"github.com/goddp/goddp/ddp/observe"
 )
 
 // observer is what the trainer shows of a run besides its result (issue 7): the timeline
 // (--trace, or GODDP_TRACE from ddprun --trace_merge), the overlap report every
 // --report_every steps and at the end, the straggler report at the end, the Prometheus
 // metrics (--metrics_addr) and the progress display. A part that is off costs nothing: the
-// Tracer, Metrics and Progress are nil then, and their methods return at once.
+// Tracer, Recorder and Progress are nil then, and their methods return at once.
 type observer struct {
 	rank  int
 	every int
 	total int
 
-	tr        *ddp.Tracer
-	traceFile io.Closer               // the --no_ddp trace's file, closed after tr
-	acc       *ddp.OverlapAccumulator // nil without ddp
-	sm        *ddp.StragglerMonitor   // nil without ddp
-	m         *ddp.Metrics
-	srv       *ddp.MetricsServer
+	tr        *observe.Tracer
+	traceFile io.Closer                   // the --no_ddp trace's file, closed after tr
+	acc       *observe.OverlapAccumulator // nil without ddp
+	sm        *observe.StragglerMonitor   // nil without ddp
+	m         *metrics.Recorder
+	srv       *metrics.Server
 
-	out  io.Writer     // rank 0's stdout; nil on the other ranks
-	prog *ddp.Progress // rank 0 on a terminal: one line redrawn in place
+	out  io.Writer         // rank 0's stdout; nil on the other ranks
+	prog *observe.Progress // rank 0 on a terminal: one line redrawn in place
 
 	// The plain progress lines (not a terminal): the mean ms/step since the previous line,
 	// and the ETA from the mean since the first step of this attempt.
@@ -51,28 +53,28 @@ func newObserver(f flags, w world, d *ddp.DDP, stdout io.Writer, total int) (o *
 	}()
 	if w.rank == 0 {
 		o.out = stdout
-		if ddp.IsUserTerminal(stdout, nil) {
-			o.prog = ddp.NewProgress(stdout, ddp.ProgressOptions{Total: total, Mode: ddp.ProgressTerminal})
+		if observe.IsUserTerminal(stdout, nil) {
+			o.prog = observe.NewProgress(stdout, observe.ProgressOptions{Total: total, Mode: observe.ProgressTerminal})
 		}
 	}
 	if o.tr, o.traceFile, err = openTrace(f, d); err != nil {
 		return o, err
 	}
 	if d != nil {
-		o.acc = ddp.NewOverlapAccumulator(d)
-		if o.sm, err = ddp.NewStragglerMonitor(d, o.every); err != nil {
+		o.acc = observe.NewOverlapAccumulator(d)
+		if o.sm, err = observe.NewStragglerMonitor(d, o.every); err != nil {
 			return o, err
 		}
 	}
 	if f.metricsAddr != "" {
-		if o.m, err = ddp.NewMetrics(ddp.MetricsOptions{Rank: w.rank, Getenv: f.getenv, GoCollectors: true}); err != nil {
+		if o.m, err = metrics.New(metrics.Options{Rank: w.rank, Getenv: f.getenv, GoCollectors: true}); err != nil {
 			return o, fmt.Errorf("rank %d: %w", w.rank, err)
 		}
 		addr, err := rankAddr(f.metricsAddr, localRank(f, w))
 		if err != nil {
 			return o, fmt.Errorf("rank %d: --metrics_addr: %w", w.rank, err)
 		}
-		if o.srv, err = ddp.ServeMetrics(addr, o.m); err != nil {
+		if o.srv, err = metrics.Serve(addr, o.m); err != nil {
 			return o, fmt.Errorf("rank %d: --metrics_addr: %w", w.rank, err)
 		}
 		fmt.Fprintf(stdout, "rank %d metrics on http://%s/metrics\n", w.rank, o.srv.Addr())
@@ -83,23 +85,23 @@ func newObserver(f flags, w world, d *ddp.DDP, stdout io.Writer, total int) (o *
 	return o, nil
 }
 
-// openTrace opens the timeline: with ddp through ddp.OpenTrace (which falls back to
+// openTrace opens the timeline: with ddp through observe.OpenTrace (which falls back to
 // GODDP_TRACE); without, a trace of the trainer's own spans on rank 0's track.
 // The file of the latter is returned to close after the Tracer (OpenTrace's Tracer closes
 // its own).
-func openTrace(f flags, d *ddp.DDP) (*ddp.Tracer, io.Closer, error) {
+func openTrace(f flags, d *ddp.DDP) (*observe.Tracer, io.Closer, error) {
 	if d != nil {
-		tr, err := ddp.OpenTrace(f.trace, d)
+		tr, err := observe.OpenTrace(f.trace, d)
 		return tr, nil, err
 	}
 	path := f.trace
 	if path == "" {
-		path = f.getenv(ddp.TraceEnvVar)
+		path = f.getenv(observe.TraceEnvVar)
 	}
 	if path == "" {
 		return nil, nil, nil
 	}
-	path = ddp.TracePath(path, 0, 1)
+	path = observe.TracePath(path, 0, 1)
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, nil, fmt.Errorf("trace: %w", err)
 	}
@@ -107,7 +109,7 @@ func openTrace(f flags, d *ddp.DDP) (*ddp.Tracer, io.Closer, error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("trace: %w", err)
 	}
-	tr, err := ddp.NewTracer(fh, ddp.TraceOptions{Rank: 0, WorldSize: 1})
+	tr, err := observe.NewTracer(fh, observe.TraceOptions{Rank: 0, WorldSize: 1})
 	if err != nil {
 		fh.Close()
 		return nil, nil, err

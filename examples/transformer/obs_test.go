@@ -12,7 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/observe"
+	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/examples/transformer/model"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -78,9 +79,9 @@ func TestObservability(t *testing.T) {
 	}
 
 	// The trace: per rank, every step's spans and all-reduce; rank 1's sleeps.
-	var files []*ddp.TraceFile
+	var files []*tracefile.File
 	for r := range 2 {
-		tf, err := ddp.ReadTraceFile(filepath.Join(dir, fmt.Sprintf("tr.%d.json", r)))
+		tf, err := tracefile.ReadFile(filepath.Join(dir, fmt.Sprintf("tr.%d.json", r)))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -104,11 +105,11 @@ func TestObservability(t *testing.T) {
 			}
 		}
 	}
-	merged, err := ddp.MergeTraces(files...)
+	merged, err := tracefile.Merge(files...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rep := ddp.AnalyzeArrivals(ddp.ArrivalsFromTrace(merged)); rep.Straggler != 1 || rep.Collectives != steps {
+	if rep := observe.AnalyzeArrivals(observe.ArrivalsFromTrace(merged)); rep.Straggler != 1 || rep.Collectives != steps {
 		t.Errorf("the merged trace's straggler report: %v", rep)
 	}
 }
@@ -131,7 +132,7 @@ func TestTraceNoDDP(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "t.json")
 	_, out := trainArgs(t, tinyFlags+" --batch_size 2 --warmup_steps 0 --bench_steps 3 --trace "+path)
-	tf, err := ddp.ReadTraceFile(path)
+	tf, err := tracefile.ReadFile(path)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, out)
 	}

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/tracefile"
 )
 
 // TestOutputFlagsCheckedFirst: a --trace, --checkpoint_dir or --cpuprofile that cannot be
@@ -70,7 +70,7 @@ func TestTraceWithTraceMerge(t *testing.T) {
 			t.Errorf("%s: %v; want the rank's trace file", p, err)
 		}
 	}
-	tf, err := ddp.ReadTraceFile(merged)
+	tf, err := tracefile.ReadFile(merged)
 	if err != nil {
 		t.Fatal(err)
 	}

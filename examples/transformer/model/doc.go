@@ -1,6 +1,6 @@
 // Package model is the example's Transformer in gorgonia: parameters in one flat
 // buffer in PyTorch's registration order and names, a graph per batch shape with
-// optional grad-ready taps (ddp.Tap) on every learnable, deterministic synthetic data
+// optional grad-ready taps (gorgoniaddp.Tap) on every learnable, deterministic synthetic data
 // and dropout masks.
 //
 // # Usage

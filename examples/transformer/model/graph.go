@@ -5,9 +5,10 @@ import (
 	"math"
 	"math/rand/v2"
 
-	"github.com/goddp/goddp/ddp"
 	G "gorgonia.org/gorgonia"
 	"gorgonia.org/tensor"
+
+	"github.com/goddp/goddp/ddp/gorgoniaddp"
 )
 
 // GraphOptions configure one forward/backward graph over a Model.
@@ -15,9 +16,9 @@ type GraphOptions struct {
 	Batch  int // samples per run (per rank)
 	SeqLen int // tokens per sample
 
-	// Hook, when set, taps every learnable (ddp.Tap) so that Hook(i, grad) runs during
+	// Hook, when set, taps every learnable (gorgoniaddp.Tap) so that Hook(i, grad) runs during
 	// backward as soon as parameter i's gradient is complete (reverse layer order).
-	Hook ddp.GradHook
+	Hook gorgoniaddp.GradHook
 
 	// Train enables dropout (Config.Dropout) with masks drawn by Load.
 	Train bool
@@ -114,7 +115,7 @@ func (gr *Graph) build() error {
 		if o.Hook == nil || c.err != nil {
 			return params[i]
 		}
-		return c.do(ddp.Tap(params[i], i, o.Hook))
+		return c.do(gorgoniaddp.Tap(params[i], i, o.Hook))
 	}
 	next := 0
 	take := func() *G.Node { next++; return param(next - 1) }

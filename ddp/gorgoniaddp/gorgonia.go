@@ -1,4 +1,4 @@
-package ddp
+package gorgoniaddp
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"gorgonia.org/gorgonia"
 	"gorgonia.org/tensor"
 
+	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -29,27 +30,27 @@ func denseFloat64s(t *tensor.Dense) ([]float64, error) {
 
 func contiguous(t *tensor.Dense) error {
 	if t.RequiresIterator() {
-		return fmt.Errorf("%w: gradient tensor of shape %v is a non-contiguous view", ErrInvalidArgument, t.Shape())
+		return fmt.Errorf("%w: gradient tensor of shape %v is a non-contiguous view", ddp.ErrInvalidArgument, t.Shape())
 	}
 	return nil
 }
 
-// ParamsFromNodes describes gorgonia learnables as Params: Name is the node's name, Shape
-// its shape, Data its value's elements (shared: New's broadcast writes into the node's
+// ParamsFromNodes describes gorgonia learnables as ddp.Params: Name is the node's name, Shape
+// its shape, Data its value's elements (shared: ddp.New's broadcast writes into the node's
 // value), Grad a new slice (nil when gradientAsBucketView). Each node must hold a
 // contiguous float32 or float64 *tensor.Dense value (create it WithValue or WithInit).
-func ParamsFromNodes(nodes []*gorgonia.Node, gradientAsBucketView bool) ([]Param, error) {
-	ps := make([]Param, len(nodes))
+func ParamsFromNodes(nodes []*gorgonia.Node, gradientAsBucketView bool) ([]ddp.Param, error) {
+	ps := make([]ddp.Param, len(nodes))
 	for i, n := range nodes {
 		if n == nil {
-			return nil, fmt.Errorf("%w: parameter %d: nil node", ErrInvalidArgument, i)
+			return nil, fmt.Errorf("%w: parameter %d: nil node", ddp.ErrInvalidArgument, i)
 		}
 		t, ok := n.Value().(*tensor.Dense)
 		if !ok {
 			return nil, fmt.Errorf("%w: parameter %d (%s): value is %T, want a *tensor.Dense (create the node WithValue or WithInit)",
-				ErrInvalidArgument, i, n.Name(), n.Value())
+				ddp.ErrInvalidArgument, i, n.Name(), n.Value())
 		}
-		p := Param{Name: n.Name(), Shape: append([]int(nil), t.Shape()...)}
+		p := ddp.Param{Name: n.Name(), Shape: append([]int(nil), t.Shape()...)}
 		switch t.Dtype() {
 		case tensor.Float32:
 			data, err := denseFloat32s(t)
@@ -70,7 +71,7 @@ func ParamsFromNodes(nodes []*gorgonia.Node, gradientAsBucketView bool) ([]Param
 				p.Grad = make([]float64, len(data))
 			}
 		default:
-			return nil, fmt.Errorf("%w: parameter %d (%s): element type %v, want float32 or float64", ErrInvalidArgument, i, n.Name(), t.Dtype())
+			return nil, fmt.Errorf("%w: parameter %d (%s): element type %v, want float32 or float64", ddp.ErrInvalidArgument, i, n.Name(), t.Dtype())
 		}
 		ps[i] = p
 	}
@@ -119,7 +120,7 @@ func NewTaps(nodes []*gorgonia.Node, hook GradHook) *Taps {
 // return the same node, so a parameter used twice (tied weights) is tapped once.
 func (t *Taps) Use(i int) (*gorgonia.Node, error) {
 	if i < 0 || i >= len(t.nodes) {
-		return nil, fmt.Errorf("%w: parameter %d of %d", ErrInvalidArgument, i, len(t.nodes))
+		return nil, fmt.Errorf("%w: parameter %d of %d", ddp.ErrInvalidArgument, i, len(t.nodes))
 	}
 	if t.tapped[i] == nil {
 		n, err := Tap(t.nodes[i], i, t.hook)
@@ -131,30 +132,66 @@ func (t *Taps) Use(i int) (*gorgonia.Node, error) {
 	return t.tapped[i], nil
 }
 
-// WrapNodes wraps the learnables of a gorgonia graph: New over ParamsFromNodes (so every
-// node's value becomes rank 0's), and the Taps that feed the DDP's Hook. Build the model
-// with taps.Use(i) at each place learnable i is consumed, call gorgonia.Grad with respect to
-// learnables, and run backward between BeginBackward and Finalize. After a synced Finalize
-// the averaged gradient is in Grad32/Grad64(i) and also in learnables[i].Grad(), so
-// gorgonia's solvers see it.
-func WrapNodes(ctx context.Context, pg procgroup.ProcessGroup, learnables []*gorgonia.Node, opts Options) (*DDP, *Taps, error) {
+// WrapNodes wraps the learnables of a gorgonia graph: ddp.New over ParamsFromNodes (so every
+// node's value becomes rank 0's), and the Taps that feed the DDP through Hook. Build the
+// model with taps.Use(i) at each place learnable i is consumed, call gorgonia.Grad with
+// respect to learnables, and run backward between BeginBackward and Finalize. After a synced
+// Finalize the averaged gradient is in Grad32/Grad64(i) and also in learnables[i].Grad(), so
+// gorgonia's solvers see it (opts.AfterSync, if set, runs after that copy).
+func WrapNodes(ctx context.Context, pg procgroup.ProcessGroup, learnables []*gorgonia.Node, opts ddp.Options) (*ddp.DDP, *Taps, error) {
 	params, err := ParamsFromNodes(learnables, opts.GradientAsBucketView)
 	if err != nil {
 		return nil, nil, err
 	}
-	d, err := New(ctx, pg, params, opts)
+	nodes := append([]*gorgonia.Node(nil), learnables...)
+	then := opts.AfterSync
+	opts.AfterSync = func(d *ddp.DDP) error {
+		if err := writeNodeGrads(d, nodes); err != nil {
+			return err
+		}
+		if then != nil {
+			return then(d)
+		}
+		return nil
+	}
+	d, err := ddp.New(ctx, pg, params, opts)
 	if err != nil {
 		return nil, nil, err
 	}
-	d.nodes = append([]*gorgonia.Node(nil), learnables...)
-	return d, NewTaps(learnables, d.Hook), nil
+	return d, NewTaps(learnables, Hook(d)), nil
 }
 
-// writeNodeGrads copies the averaged gradients into the learnables' gradient values (the
-// tensors the hooks received). A node without a gradient value (unused this step) is
-// skipped. d.mu must be held.
-func (d *DDP) writeNodeGrads() error {
-	for i, n := range d.nodes {
+// Hook returns the GradHook (for Tap, or a model's hook option) that reports a gorgonia
+// gradient to d with GradReady (or GradReady64), without allocating. A hook cannot return
+// an error: its errors fail d (DDP.Fail) and are returned by the next Finalize.
+func Hook(d *ddp.DDP) GradHook {
+	return func(i int, grad *tensor.Dense) {
+		var err error
+		switch grad.Dtype() {
+		case tensor.Float32:
+			var g []float32
+			if g, err = denseFloat32s(grad); err == nil {
+				d.GradReady(i, g) // its error has failed d already
+			}
+		case tensor.Float64:
+			var g []float64
+			if g, err = denseFloat64s(grad); err == nil {
+				d.GradReady64(i, g)
+			}
+		default:
+			err = fmt.Errorf("%w: gradient of parameter %d is %v, want float32 or float64", ddp.ErrInvalidArgument, i, grad.Dtype())
+		}
+		if err != nil {
+			d.Fail(err)
+		}
+	}
+}
+
+// writeNodeGrads copies d's averaged gradients into the nodes' gradient values (the tensors
+// the hooks received): the DDP's AfterSync under WrapNodes. A node without a gradient value
+// (unused this step) is skipped.
+func writeNodeGrads(d *ddp.DDP, nodes []*gorgonia.Node) error {
+	for i, n := range nodes {
 		v, err := n.Grad()
 		if err != nil {
 			continue

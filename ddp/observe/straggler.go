@@ -1,4 +1,4 @@
-package ddp
+package observe
 
 import (
 	"context"
@@ -10,8 +10,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/procgroup"
-	"github.com/goddp/goddp/reducer"
 )
 
 // Arrival is one collective (a bucket's all-reduce in one backward pass) and the instant
@@ -154,7 +155,7 @@ func AnalyzeArrivals(arrivals []Arrival) StragglerReport {
 // ArrivalsFromTrace extracts every collective's arrivals from a merged trace: the launch
 // events, keyed by (iter, bucket), placed by rank (pid). Collectives not seen on every rank
 // of the file are left out.
-func ArrivalsFromTrace(tf *TraceFile) []Arrival {
+func ArrivalsFromTrace(tf *tracefile.File) []Arrival {
 	type key struct{ iter, bucket int64 }
 	ranks := slices.Clone(tf.OtherData.Ranks)
 	byKey := map[key][]time.Duration{}
@@ -221,20 +222,20 @@ type StragglerMonitor struct {
 
 // NewStragglerMonitor returns a monitor for d's collectives that exchanges arrivals every
 // every synced passes (default 50 when every ≤ 0).
-func NewStragglerMonitor(d *DDP, every int) (*StragglerMonitor, error) {
+func NewStragglerMonitor(d *ddp.DDP, every int) (*StragglerMonitor, error) {
 	if d == nil {
-		return nil, fmt.Errorf("%w: NewStragglerMonitor: nil DDP", ErrInvalidArgument)
+		return nil, fmt.Errorf("%w: NewStragglerMonitor: nil DDP", ddp.ErrInvalidArgument)
 	}
 	if every <= 0 {
 		every = 50
 	}
-	return &StragglerMonitor{pg: d.pg, every: every}, nil
+	return &StragglerMonitor{pg: d.ProcessGroup(), every: every}, nil
 }
 
 // Record notes this rank's launch instants of one synced pass (nil, NoSync passes and
 // repeats are ignored) and, every Every passes, exchanges them with the other ranks.
-func (m *StragglerMonitor) Record(ctx context.Context, st *reducer.IterStats) error {
-	if st == nil || st.Mode != reducer.Sync || st.Iter == m.lastIter {
+func (m *StragglerMonitor) Record(ctx context.Context, st *ddp.IterStats) error {
+	if st == nil || st.Mode != ddp.Sync || st.Iter == m.lastIter {
 		return nil
 	}
 	m.lastIter = st.Iter

@@ -1,4 +1,4 @@
-package ddp
+package observe
 
 import (
 	"context"
@@ -8,13 +8,14 @@ import (
 	"testing"
 	"time"
 
-	"github.com/goddp/goddp/reducer"
+	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/internal/ddptest"
 )
 
 func TestOverlapAccumulatorArithmetic(t *testing.T) {
 	// Two passes, times in µs: buckets [launched, finished].
-	mk := func(iter, gen int, bwdEnd, finEnd time.Duration, launched, finished []time.Duration, bytes []int64, unused []int) *reducer.IterStats {
-		return &reducer.IterStats{Iter: iter, Mode: reducer.Sync, Generation: gen, BackwardEnd: bwdEnd * time.Microsecond,
+	mk := func(iter, gen int, bwdEnd, finEnd time.Duration, launched, finished []time.Duration, bytes []int64, unused []int) *ddp.IterStats {
+		return &ddp.IterStats{Iter: iter, Mode: ddp.Sync, Generation: gen, BackwardEnd: bwdEnd * time.Microsecond,
 			FinalizeEnd: finEnd * time.Microsecond, BucketLaunched: us(launched), BucketFinished: us(finished), BucketBytes: bytes,
 			HookTime: 10 * time.Microsecond, CopyTime: 4 * time.Microsecond, Unused: unused}
 	}
@@ -23,7 +24,7 @@ func TestOverlapAccumulatorArithmetic(t *testing.T) {
 	// finalize wait is 150.
 	a.Add(mk(1, 0, 300, 450, []time.Duration{100, 250}, []time.Duration{300, 400}, []int64{1 << 20, 3 << 20}, []int{2}))
 	a.Add(mk(1, 0, 300, 450, []time.Duration{100, 250}, []time.Duration{300, 400}, []int64{1 << 20, 3 << 20}, []int{2})) // repeat
-	a.Add(&reducer.IterStats{Iter: 2, Mode: reducer.Accumulate, BackwardEnd: time.Second})                               // NoSync
+	a.Add(&ddp.IterStats{Iter: 2, Mode: ddp.Accumulate, BackwardEnd: time.Second})                                       // NoSync
 	// Pass 3: one bucket [500, 900], backward ends at 1000: all overlapped; wait 50.
 	a.Add(mk(3, 1, 1000, 1050, []time.Duration{500}, []time.Duration{900}, []int64{4 << 20}, nil))
 	a.AddForward(2 * time.Millisecond)
@@ -72,9 +73,9 @@ func TestOverlapAccumulatorOnDDP(t *testing.T) {
 	const steps = 3
 	accs := make([]*OverlapAccumulator, 2)
 	sums := make([]time.Duration, 2)
-	obsRun(t, 2, steps, -1, 0, Options{FindUnusedParameters: true},
-		func(rank int, d *DDP) error { accs[rank] = NewOverlapAccumulator(d); return nil },
-		func(rank, step int, d *DDP, st *reducer.IterStats) error {
+	ddptest.Run(t, 2, steps, -1, 0, ddp.Options{FindUnusedParameters: true},
+		func(rank int, d *ddp.DDP) error { accs[rank] = NewOverlapAccumulator(d); return nil },
+		func(rank, step int, d *ddp.DDP, st *ddp.IterStats) error {
 			accs[rank].Add(st)
 			sums[rank] += st.Comm()
 			return nil
@@ -133,14 +134,14 @@ func TestAnalyzeArrivals(t *testing.T) {
 func TestStragglerMonitorNamesSlowRank(t *testing.T) {
 	const size, steps, slow = 3, 12, 2
 	mons := make([]*StragglerMonitor, size)
-	kept := make([][]*reducer.IterStats, size)
-	obsRun(t, size, steps, slow, 5*time.Millisecond, Options{},
-		func(rank int, d *DDP) error {
+	kept := make([][]*ddp.IterStats, size)
+	ddptest.Run(t, size, steps, slow, 5*time.Millisecond, ddp.Options{},
+		func(rank int, d *ddp.DDP) error {
 			var err error
 			mons[rank], err = NewStragglerMonitor(d, 5)
 			return err
 		},
-		func(rank, step int, d *DDP, st *reducer.IterStats) error {
+		func(rank, step int, d *ddp.DDP, st *ddp.IterStats) error {
 			kept[rank] = append(kept[rank], st.Clone())
 			if err := mons[rank].Record(context.Background(), st); err != nil {
 				return err

@@ -1,4 +1,4 @@
-package ddp
+package observe
 
 import (
 	"context"
@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
 
@@ -15,7 +17,7 @@ import (
 func TestOpenTracePaths(t *testing.T) {
 	c := pgtest.NewCluster(1)
 	defer c.Close()
-	d, err := New(context.Background(), c.Group(0), []Param{{Name: "w", Data: make([]float32, 2), Grad: make([]float32, 2)}}, Options{})
+	d, err := ddp.New(context.Background(), c.Group(0), []ddp.Param{{Name: "w", Data: make([]float32, 2), Grad: make([]float32, 2)}}, ddp.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -28,7 +30,7 @@ func TestOpenTracePaths(t *testing.T) {
 	t.Setenv(TraceEnvVar, envPath)
 	readBack := func(path string) {
 		t.Helper()
-		tf, err := ReadTraceFile(path)
+		tf, err := tracefile.ReadFile(path)
 		if err != nil || len(tf.TraceEvents) == 0 {
 			t.Fatalf("%s: %v", path, err)
 		}

@@ -1,4 +1,4 @@
-package ddp
+package observe
 
 import (
 	"bufio"
@@ -14,8 +14,8 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/tracefile"
-	"github.com/goddp/goddp/reducer"
 )
 
 // Note [Trace format]: a Tracer writes the Chrome trace event format (the JSON object form:
@@ -24,10 +24,10 @@ import (
 // timestamp is in microseconds since the file's epoch, a wall-clock instant recorded in
 // otherData.goddp_epoch_unix_us; the times themselves are measured on the monotonic clock
 // from that epoch, so they do not jump with the wall clock during a run. Files of several
-// ranks merge by shifting each file by the difference of the epochs (MergeTraces): the
+// ranks merge by shifting each file by the difference of the epochs (tracefile.Merge): the
 // ranks' clocks are aligned to the extent that their wall clocks agree (exactly, for ranks
 // on one host). Events are written one per line as they are recorded, so the file of a rank
-// that crashes is complete up to its last flushed step, and ReadTrace repairs its missing
+// that crashes is complete up to its last flushed step, and tracefile.Read repairs its missing
 // tail.
 //
 // Every event's args carry "step" (the trainer's step, from BeginStep, or the backward
@@ -91,12 +91,12 @@ type TraceOptions struct {
 // Tracer writes one rank's timeline in the Chrome trace event format (Note [Trace format]).
 // A nil *Tracer is valid and does nothing, so a trainer calls it unconditionally:
 //
-//	tr, err := ddp.OpenTrace(*traceFile, d) // nil, nil when tracing is off
+//	tr, err := observe.OpenTrace(*traceFile, d) // nil, nil when tracing is off
 //	defer tr.Close()
 //	for step := ... {
 //		tr.BeginStep(step)
 //		end := tr.Span("forward+backward")
-//		... d.BeginBackward(true); g.Run() ...
+//		... d.BeginBackward(ddp.Sync); g.Run() ...
 //		end()
 //		err := d.Finalize(ctx)
 //		tr.Record(d.Stats()) // gradients, buckets, collectives, finalize wait
@@ -118,7 +118,7 @@ type Tracer struct {
 	mu        sync.Mutex // guards the fields below
 	w         *bufio.Writer
 	closer    io.Closer // the file OpenTrace created; nil for a caller's writer
-	d         *DDP
+	d         *ddp.DDP
 	where     map[int][]int // generation → bucket of each parameter
 	step      int
 	stepSet   bool
@@ -134,10 +134,10 @@ type Tracer struct {
 // it) and writes the file's header.
 func NewTracer(w io.Writer, opts TraceOptions) (*Tracer, error) {
 	if w == nil {
-		return nil, fmt.Errorf("%w: NewTracer: nil writer", ErrInvalidArgument)
+		return nil, fmt.Errorf("%w: NewTracer: nil writer", ddp.ErrInvalidArgument)
 	}
 	if opts.Rank < 0 {
-		return nil, fmt.Errorf("%w: NewTracer: negative rank %d", ErrInvalidArgument, opts.Rank)
+		return nil, fmt.Errorf("%w: NewTracer: negative rank %d", ddp.ErrInvalidArgument, opts.Rank)
 	}
 	if opts.Epoch.IsZero() {
 		opts.Epoch = time.Now()
@@ -190,7 +190,7 @@ func TracePath(path string, rank, worldSize int) string {
 // GODDP_TRACE set, the trace goes to path and a symbolic link at GODDP_TRACE's path points
 // to it, so that ddprun --trace_merge finds it too. With neither set it returns a nil
 // *Tracer and no error: tracing is off and every method of the nil Tracer does nothing.
-func OpenTrace(path string, d *DDP) (*Tracer, error) {
+func OpenTrace(path string, d *ddp.DDP) (*Tracer, error) {
 	merge := os.Getenv(TraceEnvVar)
 	if path == "" {
 		path, merge = merge, ""
@@ -199,7 +199,7 @@ func OpenTrace(path string, d *DDP) (*Tracer, error) {
 		return nil, nil
 	}
 	if d == nil {
-		return nil, fmt.Errorf("%w: OpenTrace: nil DDP", ErrInvalidArgument)
+		return nil, fmt.Errorf("%w: OpenTrace: nil DDP", ddp.ErrInvalidArgument)
 	}
 	path = TracePath(path, d.Rank(), d.Size())
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
@@ -218,8 +218,8 @@ func OpenTrace(path string, d *DDP) (*Tracer, error) {
 			return nil, fmt.Errorf("ddp: rank %d: trace: %s: %w", d.Rank(), TraceEnvVar, err)
 		}
 	}
-	names := make([]string, len(d.params))
-	for i, p := range d.params {
+	names := make([]string, len(d.Params()))
+	for i, p := range d.Params() {
 		names[i] = p.Name
 	}
 	t, err := NewTracer(f, TraceOptions{Rank: d.Rank(), WorldSize: d.Size(), ParamNames: names})
@@ -254,14 +254,14 @@ func linkTrace(target, link string) error {
 // Attach lets the Tracer read d's bucket layouts, which the copy-in events need. Call it
 // before the first backward pass (OpenTrace does) so that the layout of the first pass,
 // before the rebuild, is known.
-func (t *Tracer) Attach(d *DDP) {
+func (t *Tracer) Attach(d *ddp.DDP) {
 	if t == nil || d == nil {
 		return
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.d = d
-	t.layoutLocked(d.r.Generation())
+	t.layoutLocked(d.Generation())
 }
 
 // layoutLocked returns the bucket of each parameter in layout generation gen, or nil if it
@@ -270,12 +270,12 @@ func (t *Tracer) layoutLocked(gen int) []int {
 	if w, ok := t.where[gen]; ok {
 		return w
 	}
-	if t.d == nil || t.d.r.Generation() != gen {
+	if t.d == nil || t.d.Generation() != gen {
 		return nil
 	}
-	w := make([]int, len(t.d.params))
-	for b, bk := range t.d.r.Buckets() {
-		for _, i := range bk.Params {
+	w := make([]int, len(t.d.Params()))
+	for b, ps := range t.d.BucketParams() {
+		for _, i := range ps {
 			w[i] = b
 		}
 	}
@@ -325,7 +325,7 @@ func (t *Tracer) Span(name string) (end func()) {
 // backward pass, each gradient's ready time, each bucket's copy-in, launch and collective,
 // and the finalize wait. Call it after each Finalize with d.Stats(); a pass already recorded
 // (same Iter) and a nil st are ignored.
-func (t *Tracer) Record(st *reducer.IterStats) {
+func (t *Tracer) Record(st *ddp.IterStats) {
 	if t == nil || st == nil {
 		return
 	}

@@ -1,4 +1,4 @@
-package ddp
+package gorgoniaddp
 
 import (
 	"errors"
@@ -31,7 +31,7 @@ import (
 type GradHook func(param int, grad *tensor.Dense)
 
 // ErrBadTap is returned by Tap for a nil node, a nil hook or a negative index.
-var ErrBadTap = errors.New("ddp: bad tap")
+var ErrBadTap = errors.New("gorgoniaddp: bad tap")
 
 // Tap returns p' = tap(p), a copy of learnable p whose gradient, once complete, is
 // passed to hook with the given index. Every use of p in the graph must go through
@@ -53,7 +53,7 @@ func Tap(p *gorgonia.Node, index int, hook GradHook) (*gorgonia.Node, error) {
 	}
 	n, err := gorgonia.ApplyOp(&tapOp{index: index, hook: hook}, p)
 	if err != nil {
-		return nil, fmt.Errorf("ddp: tap param %d (%s): %w", index, p.Name(), err)
+		return nil, fmt.Errorf("gorgoniaddp: tap param %d (%s): %w", index, p.Name(), err)
 	}
 	return n, nil
 }
@@ -71,11 +71,11 @@ func (identity) Type() hm.Type {
 
 func (identity) InferShape(in ...gorgonia.DimSizer) (tensor.Shape, error) {
 	if len(in) != 1 {
-		return nil, fmt.Errorf("ddp: tap: want 1 input, got %d", len(in))
+		return nil, fmt.Errorf("gorgoniaddp: tap: want 1 input, got %d", len(in))
 	}
 	s, ok := in[0].(tensor.Shape)
 	if !ok {
-		return nil, fmt.Errorf("ddp: tap: input shape is %T", in[0])
+		return nil, fmt.Errorf("gorgoniaddp: tap: input shape is %T", in[0])
 	}
 	return s.Clone(), nil
 }
@@ -124,7 +124,7 @@ func (op *tapOp) Do(in ...gorgonia.Value) (gorgonia.Value, error) {
 func (op *tapOp) UsePreallocDo(prealloc gorgonia.Value, in ...gorgonia.Value) (gorgonia.Value, error) {
 	v, err := copyInto(prealloc, in)
 	if err != nil {
-		return nil, fmt.Errorf("ddp: tap param %d: %w", op.index, err)
+		return nil, fmt.Errorf("gorgoniaddp: tap param %d: %w", op.index, err)
 	}
 	return v, nil
 }
@@ -134,7 +134,7 @@ func (op *tapOp) DiffWRT(n int) []bool { return []bool{true} }
 func (op *tapOp) SymDiff(inputs gorgonia.Nodes, output, grad *gorgonia.Node) (gorgonia.Nodes, error) {
 	g, err := gorgonia.ApplyOp(&gradReadyOp{index: op.index, hook: op.hook}, grad)
 	if err != nil {
-		return nil, fmt.Errorf("ddp: grad-ready param %d: %w", op.index, err)
+		return nil, fmt.Errorf("gorgoniaddp: grad-ready param %d: %w", op.index, err)
 	}
 	return gorgonia.Nodes{g}, nil
 }
@@ -159,7 +159,7 @@ func (op *gradReadyOp) Do(in ...gorgonia.Value) (gorgonia.Value, error) {
 func (op *gradReadyOp) UsePreallocDo(prealloc gorgonia.Value, in ...gorgonia.Value) (gorgonia.Value, error) {
 	v, err := copyInto(prealloc, in)
 	if err != nil {
-		return nil, fmt.Errorf("ddp: grad-ready param %d: %w", op.index, err)
+		return nil, fmt.Errorf("gorgoniaddp: grad-ready param %d: %w", op.index, err)
 	}
 	op.hook(op.index, v)
 	return v, nil

@@ -1,8 +1,7 @@
-package ddp
+package observe
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,76 +12,20 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/internal/ddptest"
 	"github.com/goddp/goddp/ddp/tracefile"
-	"github.com/goddp/goddp/procgroup"
-	"github.com/goddp/goddp/procgroup/pgtest"
-	"github.com/goddp/goddp/reducer"
 )
-
-// obsRun trains a small model (five float32 parameters, small buckets) for steps synced
-// passes on a pgtest cluster of size ranks. Before each pass, rank slow sleeps lag (no rank
-// when slow < 0). each is called on every rank after every Finalize, with the pass's stats.
-func obsRun(t *testing.T, size, steps, slow int, lag time.Duration, opts Options,
-	setup func(rank int, d *DDP) error, each func(rank, step int, d *DDP, st *reducer.IterStats) error) {
-	t.Helper()
-	sizes := []int{40, 24, 64, 8, 32}
-	c := pgtest.NewCluster(size)
-	defer c.Close()
-	if opts.BucketCapMB == 0 {
-		opts.BucketCapMB, opts.FirstBucketCapMB = 200.0/(1<<20), 100.0/(1<<20) // several buckets
-	}
-	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
-		r := rand.New(rand.NewPCG(uint64(rank), 5))
-		ps := make([]Param, len(sizes))
-		for i, n := range sizes {
-			ps[i] = Param{Name: fmt.Sprintf("layer%d.w", i), Data: randF32(r, n), Grad: make([]float32, n)}
-		}
-		d, err := New(context.Background(), pg, ps, opts)
-		if err != nil {
-			return err
-		}
-		defer d.Close()
-		if setup != nil {
-			if err := setup(rank, d); err != nil {
-				return err
-			}
-		}
-		for s := 0; s < steps; s++ {
-			if rank == slow {
-				time.Sleep(lag)
-			}
-			d.BeginBackward(true)
-			for i := len(sizes) - 1; i >= 0; i-- { // reverse order, as backward does
-				if opts.FindUnusedParameters && i == 1 {
-					continue
-				}
-				if err := d.GradReady(i, randF32(r, sizes[i])); err != nil {
-					return err
-				}
-			}
-			if err := d.Finalize(context.Background()); err != nil {
-				return fmt.Errorf("step %d: %w", s, err)
-			}
-			if err := each(rank, s, d, d.Stats()); err != nil {
-				return err
-			}
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-}
 
 func TestTraceMatchesStats(t *testing.T) {
 	const size, steps = 3, 4
 	epoch0 := time.Now()
 	bufs := make([]bytes.Buffer, size)
 	trs := make([]*Tracer, size)
-	kept := make([][]*reducer.IterStats, size)
+	kept := make([][]*ddp.IterStats, size)
 	epochs := make([]time.Time, size)
-	obsRun(t, size, steps, -1, 0, Options{},
-		func(rank int, d *DDP) error {
+	ddptest.Run(t, size, steps, -1, 0, ddp.Options{},
+		func(rank int, d *ddp.DDP) error {
 			// Different epochs per rank, as separate processes would have.
 			epochs[rank] = epoch0.Add(time.Duration(rank) * 1500 * time.Microsecond)
 			var err error
@@ -90,7 +33,7 @@ func TestTraceMatchesStats(t *testing.T) {
 			trs[rank].Attach(d)
 			return err
 		},
-		func(rank, step int, d *DDP, st *reducer.IterStats) error {
+		func(rank, step int, d *ddp.DDP, st *ddp.IterStats) error {
 			tr := trs[rank]
 			tr.BeginStep(step)
 			end := tr.Span("optimizer")
@@ -103,9 +46,9 @@ func TestTraceMatchesStats(t *testing.T) {
 			}
 			return nil
 		})
-	files := make([]*TraceFile, size)
+	files := make([]*tracefile.File, size)
 	for rank := range size {
-		tf, err := ReadTrace(bytes.NewReader(bufs[rank].Bytes()))
+		tf, err := tracefile.Read(bytes.NewReader(bufs[rank].Bytes()))
 		if err != nil {
 			t.Fatalf("rank %d: %v\n%s", rank, err, bufs[rank].String())
 		}
@@ -115,7 +58,7 @@ func TestTraceMatchesStats(t *testing.T) {
 		}
 		checkRankTrace(t, rank, tf, kept[rank], epochs[rank], 0)
 	}
-	merged, err := MergeTraces(files...)
+	merged, err := tracefile.Merge(files...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,10 +68,10 @@ func TestTraceMatchesStats(t *testing.T) {
 	// Round trip through WriteTrace, then each rank's events must sit at the same wall
 	// instants as before, on rank 0's epoch.
 	var out bytes.Buffer
-	if err := WriteTrace(&out, merged); err != nil {
+	if err := tracefile.Write(&out, merged); err != nil {
 		t.Fatal(err)
 	}
-	back, err := ReadTrace(&out)
+	back, err := tracefile.Read(&out)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,12 +97,12 @@ func TestTraceMatchesStats(t *testing.T) {
 			}
 		}
 	}
-	if _, err := MergeTraces(files[0], files[0]); !errors.Is(err, tracefile.ErrInvalidArgument) {
+	if _, err := tracefile.Merge(files[0], files[0]); !errors.Is(err, tracefile.ErrInvalidArgument) {
 		t.Errorf("merging a rank twice: %v", err)
 	}
 }
 
-func paramNames(d *DDP) []string {
+func paramNames(d *ddp.DDP) []string {
 	var s []string
 	for _, p := range d.Params() {
 		s = append(s, p.Name)
@@ -169,7 +112,7 @@ func paramNames(d *DDP) []string {
 
 // checkRankTrace compares rank's events in tf against its stats, computed from the stats
 // with the rank's epoch at shift µs after the file's.
-func checkRankTrace(t *testing.T, rank int, tf *TraceFile, stats []*reducer.IterStats, epoch time.Time, shift float64) {
+func checkRankTrace(t *testing.T, rank int, tf *tracefile.File, stats []*ddp.IterStats, epoch time.Time, shift float64) {
 	t.Helper()
 	us := func(d time.Duration) float64 { return float64(d) / 1e3 }
 	near := func(what string, got, want float64) {
@@ -183,7 +126,7 @@ func checkRankTrace(t *testing.T, rank int, tf *TraceFile, stats []*reducer.Iter
 		b    int64
 		p    int64
 	}
-	evs := map[key]TraceEvent{}
+	evs := map[key]tracefile.Event{}
 	counts := map[string]int{}
 	for _, e := range tf.TraceEvents {
 		if e.PID != rank || e.Ph == "M" {
@@ -214,7 +157,7 @@ func checkRankTrace(t *testing.T, rank int, tf *TraceFile, stats []*reducer.Iter
 		fw := evs[key{CatWait, it, -1, -1}]
 		near("finalize wait end", fw.End(), shift+us(base+st.FinalizeEnd))
 		for i, at := range st.GradReady {
-			var e TraceEvent
+			var e tracefile.Event
 			for k, v := range evs {
 				if k.cat == CatGrad && k.iter == it && k.p == int64(i) {
 					e = v
@@ -261,13 +204,13 @@ func TestReadTraceRepairsTruncation(t *testing.T) {
 	if err := tr.Close(); err != nil {
 		t.Fatal(err)
 	}
-	full, err := ReadTrace(bytes.NewReader(buf.Bytes()))
+	full, err := tracefile.Read(bytes.NewReader(buf.Bytes()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	data := buf.Bytes()
 	for cut := len(data) - 1; cut > len(data)/2; cut -= 7 {
-		tf, err := ReadTrace(bytes.NewReader(data[:cut]))
+		tf, err := tracefile.Read(bytes.NewReader(data[:cut]))
 		if err != nil {
 			t.Fatalf("cut at %d of %d: %v", cut, len(data), err)
 		}
@@ -280,7 +223,7 @@ func TestReadTraceRepairsTruncation(t *testing.T) {
 			}
 		}
 	}
-	if _, err := ReadTrace(strings.NewReader("not json")); err == nil {
+	if _, err := tracefile.Read(strings.NewReader("not json")); err == nil {
 		t.Error("garbage read without error")
 	}
 }
@@ -289,7 +232,7 @@ func TestNilTracerAndBadInput(t *testing.T) {
 	var tr *Tracer
 	tr.BeginStep(1)
 	tr.Span("x")()
-	tr.Record(&reducer.IterStats{Iter: 1})
+	tr.Record(&ddp.IterStats{Iter: 1})
 	tr.Attach(nil)
 	if err := tr.Close(); err != nil {
 		t.Error(err)
@@ -298,13 +241,13 @@ func TestNilTracerAndBadInput(t *testing.T) {
 	if tr, err := OpenTrace("", nil); tr != nil || err != nil {
 		t.Errorf("OpenTrace with tracing off: %v, %v", tr, err)
 	}
-	if _, err := OpenTrace("x.json", nil); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := OpenTrace("x.json", nil); !errors.Is(err, ddp.ErrInvalidArgument) {
 		t.Errorf("OpenTrace(nil DDP): %v", err)
 	}
-	if _, err := NewTracer(nil, TraceOptions{}); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := NewTracer(nil, TraceOptions{}); !errors.Is(err, ddp.ErrInvalidArgument) {
 		t.Errorf("NewTracer(nil): %v", err)
 	}
-	if _, err := NewTracer(&bytes.Buffer{}, TraceOptions{Rank: -1}); !errors.Is(err, ErrInvalidArgument) {
+	if _, err := NewTracer(&bytes.Buffer{}, TraceOptions{Rank: -1}); !errors.Is(err, ddp.ErrInvalidArgument) {
 		t.Errorf("NewTracer(rank -1): %v", err)
 	}
 	// A failing writer: the error comes back from Close.
@@ -370,7 +313,7 @@ func TestAppendJSONStringAndMicros(t *testing.T) {
 // BenchmarkTracerRecord: the cost of tracing one backward pass of 100 parameters in 10
 // buckets (with and without the per-gradient events), written to io.Discard.
 func BenchmarkTracerRecord(b *testing.B) {
-	st := &reducer.IterStats{Mode: reducer.Sync, Start: time.Now(), BackwardEnd: time.Millisecond, FinalizeEnd: 2 * time.Millisecond}
+	st := &ddp.IterStats{Mode: ddp.Sync, Start: time.Now(), BackwardEnd: time.Millisecond, FinalizeEnd: 2 * time.Millisecond}
 	for i := range 100 {
 		st.GradReady = append(st.GradReady, time.Duration(i)*time.Microsecond)
 	}

@@ -1,4 +1,4 @@
-package ddp
+package metrics
 
 import (
 	"context"
@@ -15,11 +15,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/goddp/goddp/reducer"
+	"github.com/goddp/goddp/ddp"
 )
 
-// MetricsOptions configure Metrics.
-type MetricsOptions struct {
+// Options configure a Recorder.
+type Options struct {
 	// Rank labels every metric (label "rank").
 	Rank int
 	// Getenv reads TORCHELASTIC_RESTART_COUNT for the restarts gauge (default os.Getenv).
@@ -28,11 +28,11 @@ type MetricsOptions struct {
 	GoCollectors bool
 }
 
-// Metrics are a rank's Prometheus metrics, in a registry of their own (never the global
+// Recorder holds a rank's Prometheus metrics, in a registry of their own (never the global
 // one): step time, steps, loss, bytes reduced, the latency of each bucket's collective, the
-// exposed communication, and the group's restarts. A nil *Metrics is valid and records
+// exposed communication, and the group's restarts. A nil *Recorder is valid and records
 // nothing. Its methods are safe for concurrent use.
-type Metrics struct {
+type Recorder struct {
 	reg        *prometheus.Registry
 	stepTime   prometheus.Histogram
 	steps      prometheus.Counter
@@ -47,14 +47,14 @@ type Metrics struct {
 	lastIter int
 }
 
-// NewMetrics returns a rank's metrics, registered in a new registry.
-func NewMetrics(opts MetricsOptions) (*Metrics, error) {
+// New returns a rank's metrics, registered in a new registry.
+func New(opts Options) (*Recorder, error) {
 	if opts.Getenv == nil {
 		opts.Getenv = os.Getenv
 	}
 	labels := prometheus.Labels{"rank": strconv.Itoa(opts.Rank)}
 	lat := prometheus.ExponentialBuckets(50e-6, 2, 18) // 50µs … 6.5s
-	m := &Metrics{
+	m := &Recorder{
 		reg: prometheus.NewRegistry(),
 		stepTime: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "goddp_step_seconds",
 			Help: "Wall time of a training step.", ConstLabels: labels, Buckets: prometheus.ExponentialBuckets(1e-3, 1.5, 24)}),
@@ -85,7 +85,7 @@ func NewMetrics(opts MetricsOptions) (*Metrics, error) {
 	if s := opts.Getenv("TORCHELASTIC_RESTART_COUNT"); s != "" {
 		n, err := strconv.Atoi(s)
 		if err != nil || n < 0 {
-			return nil, fmt.Errorf("%w: TORCHELASTIC_RESTART_COUNT=%q: want a count", ErrInvalidArgument, s)
+			return nil, fmt.Errorf("%w: TORCHELASTIC_RESTART_COUNT=%q: want a count", ddp.ErrInvalidArgument, s)
 		}
 		m.restarts.Set(float64(n))
 	}
@@ -93,15 +93,15 @@ func NewMetrics(opts MetricsOptions) (*Metrics, error) {
 }
 
 // Registry is the metrics' registry, to add the trainer's own collectors to.
-func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
+func (m *Recorder) Registry() *prometheus.Registry { return m.reg }
 
 // Handler serves the metrics in the Prometheus exposition format.
-func (m *Metrics) Handler() http.Handler {
+func (m *Recorder) Handler() http.Handler {
 	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{Registry: m.reg})
 }
 
 // ObserveStep records one training step: its wall time and its loss.
-func (m *Metrics) ObserveStep(d time.Duration, loss float64) {
+func (m *Recorder) ObserveStep(d time.Duration, loss float64) {
 	if m == nil {
 		return
 	}
@@ -112,8 +112,8 @@ func (m *Metrics) ObserveStep(d time.Duration, loss float64) {
 
 // ObserveStats records one backward pass's communication (call it with d.Stats() after each
 // Finalize; NoSync passes and repeats are ignored).
-func (m *Metrics) ObserveStats(st *reducer.IterStats) {
-	if m == nil || st == nil || st.Mode != reducer.Sync {
+func (m *Recorder) ObserveStats(st *ddp.IterStats) {
+	if m == nil || st == nil || st.Mode != ddp.Sync {
 		return
 	}
 	m.mu.Lock()
@@ -135,19 +135,19 @@ func (m *Metrics) ObserveStats(st *reducer.IterStats) {
 	}
 }
 
-// MetricsServer serves a Metrics registry over HTTP at /metrics.
-type MetricsServer struct {
+// Server serves a Recorder's registry over HTTP at /metrics.
+type Server struct {
 	srv  *http.Server
 	ln   net.Listener
 	done chan struct{} // closed when the serving goroutine has returned
 	err  error         // Serve's error, set before done is closed
 }
 
-// ServeMetrics listens on addr (host:port; port 0 picks a free one) and serves m at
-// /metrics until Close. It returns once it is listening.
-func ServeMetrics(addr string, m *Metrics) (*MetricsServer, error) {
+// Serve listens on addr (host:port; port 0 picks a free one) and serves m at /metrics
+// until Close. It returns once it is listening.
+func Serve(addr string, m *Recorder) (*Server, error) {
 	if m == nil {
-		return nil, fmt.Errorf("%w: ServeMetrics: nil Metrics", ErrInvalidArgument)
+		return nil, fmt.Errorf("%w: metrics.Serve: nil Recorder", ddp.ErrInvalidArgument)
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -155,7 +155,7 @@ func ServeMetrics(addr string, m *Metrics) (*MetricsServer, error) {
 	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", m.Handler())
-	s := &MetricsServer{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}, ln: ln, done: make(chan struct{})}
+	s := &Server{srv: &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}, ln: ln, done: make(chan struct{})}
 	go func() {
 		defer close(s.done)
 		if err := s.srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
@@ -166,11 +166,11 @@ func ServeMetrics(addr string, m *Metrics) (*MetricsServer, error) {
 }
 
 // Addr is the address the server listens on.
-func (s *MetricsServer) Addr() string { return s.ln.Addr().String() }
+func (s *Server) Addr() string { return s.ln.Addr().String() }
 
 // Close stops the server: it stops listening, lets in-flight scrapes finish until ctx ends
 // (then drops them), and waits for the serving goroutine. It is idempotent.
-func (s *MetricsServer) Close(ctx context.Context) error {
+func (s *Server) Close(ctx context.Context) error {
 	err := s.srv.Shutdown(ctx)
 	if err != nil {
 		err = errors.Join(err, s.srv.Close())

@@ -1,9 +1,10 @@
-package ddp
+package gorgoniaddp
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -12,9 +13,39 @@ import (
 	"gorgonia.org/gorgonia"
 	"gorgonia.org/tensor"
 
+	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
+
+func randF32(r *rand.Rand, n int) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = float32(r.NormFloat64())
+	}
+	return v
+}
+
+func toF64[T float32 | float64](v []T) []float64 {
+	out := make([]float64, len(v))
+	for i, x := range v {
+		out[i] = float64(x)
+	}
+	return out
+}
+
+// closeTo reports the first index where got and want differ by more than tol·(1+|want|).
+func closeTo[T float32 | float64](got []T, want []float64, tol float64) error {
+	if len(got) != len(want) {
+		return fmt.Errorf("length %d, want %d", len(got), len(want))
+	}
+	for i := range want {
+		if math.Abs(float64(got[i])-want[i]) > tol*(1+math.Abs(want[i])) {
+			return fmt.Errorf("[%d] = %v, want %v", i, got[i], want[i])
+		}
+	}
+	return nil
+}
 
 // mlp is loss = scale · Σ (tanh(x·W1 + b1)·W2 − t)² in float32.
 type mlp struct {
@@ -110,7 +141,16 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 		m := &mlp{g: gorgonia.NewGraph()}
 		m.learnables = newLearnables(m.g, uint64(rank))
-		d, taps, err := WrapNodes(context.Background(), pg, m.learnables, Options{BucketCapMB: 50.0 / (1 << 20), FirstBucketCapMB: 50.0 / (1 << 20)})
+		afterSyncs := 0 // the caller's AfterSync runs after WrapNodes has written the nodes
+		then := func(d *ddp.DDP) error {
+			afterSyncs++
+			g, err := m.learnables[0].Grad()
+			if err != nil || !slices.Equal(g.(*tensor.Dense).Float32s(), d.Grad32(0)) {
+				return fmt.Errorf("AfterSync %d: the node's gradient is not the average yet (%v)", afterSyncs, err)
+			}
+			return nil
+		}
+		d, taps, err := WrapNodes(context.Background(), pg, m.learnables, ddp.Options{BucketCapMB: 50.0 / (1 << 20), FirstBucketCapMB: 50.0 / (1 << 20), AfterSync: then})
 		if err != nil {
 			return err
 		}
@@ -149,6 +189,9 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 		for _, n := range m.learnables {
 			finals[rank] = append(finals[rank], n.Value().(*tensor.Dense).Float32s()...)
 		}
+		if afterSyncs != steps {
+			return fmt.Errorf("the caller's AfterSync ran %d times in %d steps", afterSyncs, steps)
+		}
 		return nil
 	})
 	if err != nil {
@@ -165,14 +208,15 @@ func TestHookAllocs(t *testing.T) {
 	c := pgtest.NewCluster(1)
 	defer c.Close()
 	g := tensor.New(tensor.WithShape(4, 8), tensor.WithBacking(randF32(rand.New(rand.NewPCG(1, 1)), 32)))
-	d, err := New(context.Background(), c.Group(0), []Param{{Name: "w", Data: make([]float32, 32), Grad: make([]float32, 32)}}, Options{})
+	d, err := ddp.New(context.Background(), c.Group(0), []ddp.Param{{Name: "w", Data: make([]float32, 32), Grad: make([]float32, 32)}}, ddp.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer d.Close()
+	hook := Hook(d)
 	if n := testing.AllocsPerRun(100, func() {
-		d.BeginBackward(false)
-		d.Hook(0, g)
+		d.BeginBackward(ddp.Accumulate)
+		hook(0, g)
 	}); n != 0 {
 		t.Errorf("BeginBackward+Hook: %v allocations, want 0", n)
 	}
@@ -180,7 +224,7 @@ func TestHookAllocs(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A float64 tensor for a float32 parameter fails the step with a clear error.
-	d.Hook(0, tensor.New(tensor.WithShape(32), tensor.WithBacking(make([]float64, 32))))
+	hook(0, tensor.New(tensor.WithShape(32), tensor.WithBacking(make([]float64, 32))))
 	if err := d.Finalize(context.Background()); err == nil {
 		t.Fatal("wrong gradient type accepted")
 	}
@@ -202,7 +246,7 @@ func TestTapsUse(t *testing.T) {
 		t.Fatal("Use(1) returned the learnable itself, not its tap")
 	}
 	for _, i := range []int{-1, len(ls)} {
-		if _, err := taps.Use(i); !errors.Is(err, ErrInvalidArgument) {
+		if _, err := taps.Use(i); !errors.Is(err, ddp.ErrInvalidArgument) {
 			t.Errorf("Use(%d) = %v, want ErrInvalidArgument", i, err)
 		}
 	}

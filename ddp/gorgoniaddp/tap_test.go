@@ -1,4 +1,4 @@
-package ddp
+package gorgoniaddp
 
 import (
 	"errors"

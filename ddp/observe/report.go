@@ -1,4 +1,4 @@
-package ddp
+package observe
 
 import (
 	"fmt"
@@ -8,7 +8,7 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/goddp/goddp/reducer"
+	"github.com/goddp/goddp/ddp"
 )
 
 // OverlapReport is the DDP logging data PyTorch users know (its DDPLoggingData), averaged
@@ -104,7 +104,7 @@ func mbList(v []int64) string {
 // OverlapAccumulator sums IterStats over training steps and reports their averages
 // (OverlapReport). Feed it d.Stats() after each Finalize:
 //
-//	acc := ddp.NewOverlapAccumulator(d)
+//	acc := observe.NewOverlapAccumulator(d)
 //	for step := ... {
 //		... d.Finalize(ctx) ...
 //		acc.Add(d.Stats())
@@ -132,10 +132,10 @@ type OverlapAccumulator struct {
 
 // NewOverlapAccumulator returns an empty accumulator; d (which may be nil) names the unused
 // parameters.
-func NewOverlapAccumulator(d *DDP) *OverlapAccumulator {
+func NewOverlapAccumulator(d *ddp.DDP) *OverlapAccumulator {
 	a := &OverlapAccumulator{unused: map[int]bool{}}
 	if d != nil {
-		for _, p := range d.params {
+		for _, p := range d.Params() {
 			a.names = append(a.names, p.Name)
 		}
 	}
@@ -143,8 +143,8 @@ func NewOverlapAccumulator(d *DDP) *OverlapAccumulator {
 }
 
 // Add counts one backward pass (nil, NoSync passes and repeats are ignored).
-func (a *OverlapAccumulator) Add(st *reducer.IterStats) {
-	if st == nil || st.Mode != reducer.Sync || st.Iter == a.lastIter || st.BackwardEnd < 0 {
+func (a *OverlapAccumulator) Add(st *ddp.IterStats) {
+	if st == nil || st.Mode != ddp.Sync || st.Iter == a.lastIter || st.BackwardEnd < 0 {
 		return
 	}
 	a.lastIter = st.Iter

@@ -1,0 +1,53 @@
+package ddp
+
+import "github.com/goddp/goddp/reducer"
+
+// The reducer's names a trainer uses, so that it needs no other import than ddp.
+
+// SyncMode says what a backward pass does with its gradients: Sync or Accumulate
+// (BeginBackward; IterStats.Mode).
+type SyncMode = reducer.Mode
+
+const (
+	// Sync: the pass's gradients, added to those of the Accumulate passes since the last
+	// synced Finalize, are averaged across ranks by Finalize.
+	Sync = reducer.Sync
+	// Accumulate: PyTorch's no_sync. The pass's gradients only add up locally; nothing is
+	// communicated.
+	Accumulate = reducer.Accumulate
+)
+
+// IterStats are the measurements of one backward pass (DDP.Stats): when each gradient was
+// reported, when each bucket was ready, launched and seen complete, and the communication
+// and its overlap with backward (Comm, Overlap, Exposed). See reducer.IterStats.
+type IterStats = reducer.IterStats
+
+// CommHook reduces the gradient buckets (Options.CommHook); BucketView is what it sees of
+// one bucket. See reducer.CommHook.
+type (
+	CommHook   = reducer.CommHook
+	BucketView = reducer.BucketView
+)
+
+// AllReduceHook is the default CommHook: one all-reduce (sum) of each bucket.
+func AllReduceHook() CommHook { return reducer.AllReduceHook() }
+
+// FP16CompressHook all-reduces each bucket in IEEE half precision: half the bytes on the
+// wire, about 3 significant digits kept, and values beyond ±65504 overflow to infinity.
+func FP16CompressHook() CommHook { return reducer.FP16CompressHook() }
+
+// BF16CompressHook is FP16CompressHook with bfloat16: float32's range, about 2 significant
+// digits.
+func BF16CompressHook() CommHook { return reducer.BF16CompressHook() }
+
+var (
+	// ErrUnusedParameters is wrapped by *UnusedError: parameters got no gradient in a synced
+	// pass without Options.FindUnusedParameters.
+	ErrUnusedParameters = reducer.ErrUnusedParameters
+	// ErrMarkedTwice: a parameter's gradient was reported twice in one backward pass.
+	ErrMarkedTwice = reducer.ErrMarkedTwice
+)
+
+// UnusedError names the parameters that got no gradient in a synced pass run without
+// Options.FindUnusedParameters (errors.Is(err, ErrUnusedParameters) holds).
+type UnusedError = reducer.UnusedError
