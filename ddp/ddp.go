@@ -385,6 +385,25 @@ func (d *DDP) Finalize(ctx context.Context) error {
 
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if err := d.settleLocked(err); err != nil {
+		return err
+	}
+	if synced && d.opts.AfterSync != nil {
+		d.mu.Unlock()
+		err = d.opts.AfterSync(d) // without d.mu: it may call the DDP's methods
+		d.mu.Lock()
+		if err := d.settleLocked(err); err != nil {
+			return err
+		}
+	}
+	d.phase = phaseIdle
+	return nil
+}
+
+// settleLocked is what Finalize returns after a part that ran without d.mu and returned
+// err: ErrClosed or the DDP's error if Close or a failure came meanwhile, else err, which
+// fails the DDP; nil if none of these. d.mu must be held.
+func (d *DDP) settleLocked(err error) error {
 	switch {
 	case d.phase == phaseClosed:
 		return ErrClosed
@@ -393,20 +412,6 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	case err != nil:
 		return d.failLocked(err)
 	}
-	if synced && d.opts.AfterSync != nil {
-		d.mu.Unlock()
-		err = d.opts.AfterSync(d) // without d.mu: it may call the DDP's methods
-		d.mu.Lock()
-		switch {
-		case d.phase == phaseClosed:
-			return ErrClosed
-		case d.phase == phaseFailed:
-			return d.err
-		case err != nil:
-			return d.failLocked(err)
-		}
-	}
-	d.phase = phaseIdle
 	return nil
 }
 
