@@ -5,7 +5,9 @@ import (
 	"fmt"
 )
 
-// ErrInvalid is wrapped by every error about bad input to this package.
+// ErrInvalid is wrapped by every error about bad input to this package. It is its own, not
+// procgroup's, as this package imports only the standard library (the reducer wraps it
+// in reducer.ErrInvalidArgument).
 var ErrInvalid = errors.New("bucket: invalid argument")
 
 // DType is a parameter's element type. Its values match procgroup.DType's one for one (the

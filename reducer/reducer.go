@@ -108,7 +108,7 @@ type slot struct {
 // the Reducer's lock, so they have the same order on every rank. Stats may be called at any
 // time.
 //
-// Failure is final (the fail-stop model of DESIGN.md): once an iteration fails — an unused
+// Failure is final (docs/DESIGN.md, failure model): once an iteration fails — an unused
 // or twice-marked parameter, a wrong gradient, a failed collective, Finalize's ctx ending —
 // the ranks' collective sequences can no longer be trusted to match, so the Reducer aborts
 // the process group with the error (peers fail at once instead of hanging) and every later
