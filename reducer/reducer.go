@@ -56,14 +56,15 @@ type Options struct {
 }
 
 // WithDefaults returns o with its zero fields set to their defaults: BucketCapMB 25,
-// FirstBucketCapMB 1, CommHook AllReduceHook, Logger zap.NewNop(). It is the one place those
-// defaults are set (package ddp fills its Options from it).
+// FirstBucketCapMB 1 (bucket.DefaultCapBytes and DefaultFirstCapBytes), CommHook
+// AllReduceHook, Logger zap.NewNop(). It is the one place those defaults are set (package
+// ddp fills its Options from it).
 func (o Options) WithDefaults() Options {
 	if o.BucketCapMB == 0 {
-		o.BucketCapMB = 25
+		o.BucketCapMB = float64(bucket.DefaultCapBytes) / (1 << 20)
 	}
 	if o.FirstBucketCapMB == 0 {
-		o.FirstBucketCapMB = 1
+		o.FirstBucketCapMB = float64(bucket.DefaultFirstCapBytes) / (1 << 20)
 	}
 	if o.CommHook == nil {
 		o.CommHook = AllReduceHook()
