@@ -339,20 +339,6 @@ func (r *Reducer) GradViewDevice(i int) (procgroup.DeviceBuffer, error) {
 	return d, nil
 }
 
-// GradView32 is GradView for a float32 parameter (nil for a float64 one).
-func (r *Reducer) GradView32(i int) []float32 {
-	v, _ := r.GradView(i)
-	g, _ := v.([]float32)
-	return g
-}
-
-// GradView64 is GradView for a float64 parameter (nil for a float32 one).
-func (r *Reducer) GradView64(i int) []float64 {
-	v, _ := r.GradView(i)
-	g, _ := v.([]float64)
-	return g
-}
-
 // fail ends the reducer with err and aborts the process group (see Reducer).
 // r.mu must be held.
 func (r *Reducer) failLocked(err error) error {

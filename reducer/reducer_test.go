@@ -216,7 +216,11 @@ func checkEquivalence(t *testing.T, n int, view, noSync bool, seed uint64, batch
 			out := make([][]float32, len(params))
 			for p := range params {
 				if view {
-					out[p] = append([]float32(nil), red.GradView32(p)...)
+					v, err := red.GradView(p)
+					if err != nil {
+						return err
+					}
+					out[p] = append([]float32(nil), v.([]float32)...)
 				} else {
 					out[p] = append([]float32(nil), params[p].Grad.([]float32)...)
 				}
