@@ -5,7 +5,9 @@ import (
 	"fmt"
 )
 
-// ErrInvalid is wrapped by every error about bad input to this package.
+// ErrInvalid is wrapped by every error about bad input to this package. It is its own, not
+// procgroup's, as this package imports only the standard library (the reducer wraps it
+// in reducer.ErrInvalidArgument).
 var ErrInvalid = errors.New("bucket: invalid argument")
 
 // DType is a parameter's element type. Its values match procgroup.DType's one for one (the
@@ -60,13 +62,11 @@ const (
 	DefaultCapBytes      int64 = 25 << 20
 )
 
-// Param describes one parameter's gradient: its element type, its number of elements and
-// the device it lives on (buckets never mix devices).
+// Param describes one parameter's gradient: its element type and its number of elements.
 type Param struct {
-	Name   string
-	DType  DType
-	Len    int
-	Device int
+	Name  string
+	DType DType
+	Len   int
 }
 
 // Bytes is the size of the parameter's gradient in bytes.
@@ -76,9 +76,8 @@ func (p Param) Bytes() int64 { return int64(p.Len) * int64(p.DType.Size()) }
 type Bucket struct {
 	// Index is the bucket's position in launch order.
 	Index int
-	// DType and Device are shared by every parameter in the bucket.
-	DType  DType
-	Device int
+	// DType is shared by every parameter in the bucket.
+	DType DType
 	// Params lists the parameter indices in the bucket, in order; Offsets[j] is where
 	// parameter Params[j] starts in the flat buffer (in elements).
 	Params  []int
@@ -130,10 +129,6 @@ func AssignOrdered(params []Param, order []int, firstCapBytes, capBytes int64) (
 		seen[i] = true
 	}
 
-	type key struct {
-		dtype  DType
-		device int
-	}
 	type open struct {
 		b     *Bucket
 		bytes int64
@@ -141,21 +136,20 @@ func AssignOrdered(params []Param, order []int, firstCapBytes, capBytes int64) (
 	}
 	var (
 		all     []*Bucket // in order of creation = order of their first parameter
-		current = map[key]*open{}
+		current = map[DType]*open{}
 	)
 	for _, i := range order {
 		p := params[i]
-		k := key{p.DType, p.Device}
-		o := current[k]
+		o := current[p.DType]
 		if o == nil {
 			o = &open{cap: firstCapBytes}
-			current[k] = o
+			current[p.DType] = o
 		}
 		if o.b != nil && o.bytes+p.Bytes() > o.cap {
 			o.b, o.bytes, o.cap = nil, 0, capBytes // close it; later buckets get the full cap
 		}
 		if o.b == nil {
-			o.b = &Bucket{DType: p.DType, Device: p.Device}
+			o.b = &Bucket{DType: p.DType}
 			all = append(all, o.b)
 		}
 		o.b.Params = append(o.b.Params, i)
@@ -210,9 +204,8 @@ func NewLayout(params []Param, buckets []Bucket) (*Layout, error) {
 			}
 			seen[i] = true
 			p := params[i]
-			if p.DType != b.DType || p.Device != b.Device {
-				return nil, fmt.Errorf("%w: parameter %d (%s, %v on device %d) in bucket %d of %v on device %d",
-					ErrInvalid, i, p.Name, p.DType, p.Device, bi, b.DType, b.Device)
+			if p.DType != b.DType {
+				return nil, fmt.Errorf("%w: parameter %d (%s, %v) in bucket %d of %v", ErrInvalid, i, p.Name, p.DType, bi, b.DType)
 			}
 			if b.Offsets[j] != off {
 				return nil, fmt.Errorf("%w: bucket %d: parameter %d at offset %d, want %d", ErrInvalid, bi, i, b.Offsets[j], off)

@@ -54,15 +54,6 @@ func TestAssignTable(t *testing.T) {
 			want: want{params: [][]int{{3, 1}, {2, 0}}, lens: []int{2, 2}},
 		},
 		{
-			name: "devices never mix",
-			params: []Param{
-				{Name: "a", DType: Float32, Len: 1, Device: 0},
-				{Name: "b", DType: Float32, Len: 1, Device: 1},
-			},
-			first: 1 << 10, cap: 1 << 10,
-			want: want{params: [][]int{{1}, {0}}, lens: []int{1, 1}},
-		},
-		{
 			name:   "no parameters",
 			params: nil,
 			first:  1, cap: 1,
@@ -188,15 +179,11 @@ func checkAssignment(t *testing.T, params []Param, order []int, first, capb int6
 	for k, i := range order {
 		pos[i] = k
 	}
-	type key struct {
-		d   DType
-		dev int
-	}
-	firstOfKey := map[key]bool{}
+	firstOfKey := map[DType]bool{}
 	lastFirst := -1
 	for bi := range bs {
 		b := &bs[bi]
-		k := key{b.DType, b.Device}
+		k := b.DType
 		limit := capb
 		if !firstOfKey[k] {
 			limit, firstOfKey[k] = first, true
@@ -216,11 +203,11 @@ func checkAssignment(t *testing.T, params []Param, order []int, first, capb int6
 	}
 	// Maximality: the first parameter of each bucket did not fit in the previous bucket of
 	// its kind.
-	prev := map[key]*Bucket{}
-	seenKey := map[key]int{}
+	prev := map[DType]*Bucket{}
+	seenKey := map[DType]int{}
 	for bi := range bs {
 		b := &bs[bi]
-		k := key{b.DType, b.Device}
+		k := b.DType
 		if p := prev[k]; p != nil {
 			limit := capb
 			if seenKey[k] == 1 {
@@ -239,7 +226,7 @@ func randomParams(r *rand.Rand, n int) []Param {
 	dts := []DType{Float32, Float64, BFloat16}
 	ps := make([]Param, n)
 	for i := range ps {
-		ps[i] = Param{Name: "p", DType: dts[r.IntN(len(dts))], Len: r.IntN(64), Device: r.IntN(2)}
+		ps[i] = Param{Name: "p", DType: dts[r.IntN(len(dts))], Len: r.IntN(64)}
 	}
 	return ps
 }
@@ -267,7 +254,7 @@ func FuzzAssign(f *testing.F) {
 		}
 		params := make([]Param, len(spec))
 		for i, b := range spec {
-			params[i] = Param{DType: DType(1 + int(b)%6), Len: int(b >> 2), Device: int(b>>1) & 1}
+			params[i] = Param{DType: DType(1 + int(b)%6), Len: int(b >> 2)}
 		}
 		order := rand.New(rand.NewPCG(uint64(len(spec)), uint64(first))).Perm(len(params))
 		bs, err := AssignOrdered(params, order, int64(first), int64(capb))

@@ -14,9 +14,9 @@
 //
 // Note [Bucket assignment]: parameters are taken in reverse registration order (the order in
 // which backward usually produces their gradients), or in an observed order given to
-// AssignOrdered. Each (element type, device) pair fills its own current bucket; the first
-// bucket of each pair is capped at firstCapBytes (small, so that the first all-reduce starts
-// early) and the others at capBytes. A parameter is never split: when it does not fit in the
+// AssignOrdered. Each element type fills its own current bucket; the first bucket of each
+// type is capped at firstCapBytes (small, so that the first all-reduce starts early) and the
+// others at capBytes. A parameter is never split: when it does not fit in the
 // current bucket, that bucket is closed and a new one started; a parameter larger than the
 // cap gets a bucket of its own. Buckets are numbered by the position, in the order, of their
 // first parameter, so bucket 0 is the one whose gradients are expected first. Inside a bucket

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"math"
+	"slices"
 	"strings"
 
 	"github.com/goddp/goddp/procgroup"
@@ -156,6 +157,8 @@ const (
 	recHeader = 3 + recDims + 1
 )
 
+// verify compares the ranks' models (Note [Model check]): nil if they agree, otherwise a
+// *MismatchError (or an error wrapping ErrMismatch) that every rank returns alike.
 func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error {
 	size := pg.Size()
 	var ps, bs []desc
@@ -166,13 +169,8 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 			bs = append(bs, d)
 		}
 	}
-	all := fnv.New64a()
-	for _, d := range descs {
-		binary.Write(all, binary.LittleEndian, d.hash())
-	}
-	mine := []int64{int64(len(ps)), int64(len(bs)), int64(all.Sum64())}
-	sum := make([]int64, 3*size)
-	if err := gather(ctx, pg, sum, mine, "model summary"); err != nil {
+	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs))
+	if err != nil {
 		return err
 	}
 	same := true
@@ -186,28 +184,78 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 		return nil
 	}
 
-	// Round 2: per-tensor hashes, params padded to maxP, then buffers padded to maxB.
-	width := maxP + maxB
-	hs := make([]int64, width)
+	hs, err := gatherHashes(ctx, pg, ps, bs, maxP, maxB)
+	if err != nil {
+		return err
+	}
+	at := firstDiffering(sum, hs, maxP)
+	if err := countMismatch(sum); err != nil { // count mismatches come first
+		return err
+	}
+	if at == nil {
+		// Same counts and per-tensor hashes but different summaries cannot happen; say so
+		// rather than pretend the models agree.
+		return fmt.Errorf("%w: model summaries differ across ranks", ErrMismatch)
+	}
+	list := ps
+	if at.k == kindBuffer {
+		list = bs
+	}
+	return tensorMismatch(ctx, pg, list[at.index], at, hs)
+}
+
+// gatherSummary runs round 1 of the model check: every rank's counts of parameters (np) and
+// buffers (nb) and a hash of all its descriptions, three int64s per rank.
+func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb int) ([]int64, error) {
+	all := fnv.New64a()
+	for _, d := range descs {
+		binary.Write(all, binary.LittleEndian, d.hash())
+	}
+	mine := []int64{int64(np), int64(nb), int64(all.Sum64())}
+	sum := make([]int64, 3*pg.Size())
+	if err := gather(ctx, pg, sum, mine, "model summary"); err != nil {
+		return nil, err
+	}
+	return sum, nil
+}
+
+// hashTable is round 2 of the model check: a row per rank of one hash per tensor, its
+// parameters padded to maxP and then its buffers (an absent tensor's hash is 0).
+type hashTable struct {
+	all   []int64
+	width int
+}
+
+func (t hashTable) row(r int) []int64 { return t.all[r*t.width : (r+1)*t.width] }
+
+// gatherHashes runs round 2: every rank's per-tensor hashes.
+func gatherHashes(ctx context.Context, pg procgroup.ProcessGroup, ps, bs []desc, maxP, maxB int) (hashTable, error) {
+	t := hashTable{width: maxP + maxB}
+	hs := make([]int64, t.width)
 	for i, d := range ps {
 		hs[i] = d.hash()
 	}
 	for i, d := range bs {
 		hs[maxP+i] = d.hash()
 	}
-	allHs := make([]int64, width*size)
-	if err := gather(ctx, pg, allHs, hs, "tensor hashes"); err != nil {
-		return err
+	t.all = make([]int64, t.width*pg.Size())
+	if err := gather(ctx, pg, t.all, hs, "tensor hashes"); err != nil {
+		return hashTable{}, err
 	}
-	row := func(r int) []int64 { return allHs[r*width : (r+1)*width] }
+	return t, nil
+}
 
-	// The first differing tensor in the common prefix of each list.
-	type site struct {
-		k     kind
-		index int // in its list
-		col   int // in the rows
-	}
-	var at *site
+// site is a tensor where the ranks differ.
+type site struct {
+	k     kind
+	index int // in its list
+	col   int // in the hash rows
+}
+
+// firstDiffering returns the first tensor whose hash differs between the ranks within the
+// common prefix of each list (the parameters first), or nil. sum is round 1's gather.
+func firstDiffering(sum []int64, hs hashTable, maxP int) *site {
+	size := len(sum) / 3
 	for _, l := range []struct {
 		k        kind
 		off, col int
@@ -216,20 +264,21 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 		for r := 0; r < size; r++ {
 			n = min(n, int(sum[3*r+l.off]))
 		}
-		for i := 0; i < n && at == nil; i++ {
+		for i := 0; i < n; i++ {
 			for r := 1; r < size; r++ {
-				if row(r)[l.col+i] != row(0)[l.col+i] {
-					at = &site{l.k, i, l.col + i}
-					break
+				if hs.row(r)[l.col+i] != hs.row(0)[l.col+i] {
+					return &site{l.k, i, l.col + i}
 				}
 			}
 		}
-		if at != nil {
-			break
-		}
 	}
+	return nil
+}
 
-	// Count mismatches come first.
+// countMismatch reports the first list (parameters, then buffers) whose length differs
+// between rank 0 and another rank, or nil. sum is round 1's gather.
+func countMismatch(sum []int64) error {
+	size := len(sum) / 3
 	for _, l := range []struct {
 		k   kind
 		off int
@@ -251,19 +300,13 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 			return e
 		}
 	}
-	if at == nil {
-		// Same counts and per-tensor hashes but different summaries cannot happen; say so
-		// rather than pretend the models agree.
-		return fmt.Errorf("%w: model summaries differ across ranks", ErrMismatch)
-	}
+	return nil
+}
 
-	// Round 3: the records of the differing tensor.
-	var d desc
-	if at.k == kindParam {
-		d = ps[at.index]
-	} else {
-		d = bs[at.index]
-	}
+// tensorMismatch runs round 3, the records of the differing tensor at (d on this rank),
+// and says how rank 0's differs from the first other rank's.
+func tensorMismatch(ctx context.Context, pg procgroup.ProcessGroup, d desc, at *site, hs hashTable) error {
+	size := pg.Size()
 	recs := make([]int64, recLen*size)
 	if err := gather(ctx, pg, recs, encode(d), "description of "+d.label()); err != nil {
 		return err
@@ -271,7 +314,7 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 	zero := decode(recs[:recLen])
 	var diff []int
 	for r := 1; r < size; r++ {
-		if row(r)[at.col] != row(0)[at.col] {
+		if hs.row(r)[at.col] != hs.row(0)[at.col] {
 			diff = append(diff, r)
 		}
 	}
@@ -282,7 +325,7 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 		subject += " (" + zero.name + ")"
 	}
 	var want, got []string
-	if !equalInts(zero.shape, other.shape) {
+	if !slices.Equal(zero.shape, other.shape) {
 		want, got = append(want, fmt.Sprintf("shape %v", zero.shape)), append(got, fmt.Sprintf("shape %v", other.shape))
 	}
 	if zero.dtype != other.dtype {
@@ -303,18 +346,6 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 	}
 	e.Want, e.Got = "one description", "another (beyond the compared detail)"
 	return e.finish(subject, "has ")
-}
-
-func equalInts(a, b []int) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 func gather(ctx context.Context, pg procgroup.ProcessGroup, out, in []int64, what string) error {

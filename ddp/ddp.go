@@ -13,7 +13,9 @@ import (
 	"github.com/goddp/goddp/reducer"
 )
 
-// Sentinel errors.
+// Sentinel errors. They are ddp's own, so that a message names the layer that refused the
+// call; an error from the reducer below wraps the reducer's (ErrUnusedParameters and
+// ErrMarkedTwice are the reducer's too).
 var (
 	// ErrInvalidArgument: a bad parameter, buffer or option (wrapped with the details).
 	ErrInvalidArgument = errors.New("ddp: invalid argument")

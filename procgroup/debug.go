@@ -12,7 +12,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// CollectiveOp names a collective in reports and fingerprints.
+// CollectiveOp names a collective in reports, fingerprints and the backends' errors.
 type CollectiveOp uint8
 
 // The collectives of ProcessGroup.

@@ -119,7 +119,7 @@ func TestDebugDesyncNotIssued(t *testing.T) {
 	for r := range 2 {
 		var ops []string
 		for _, rec := range c.Issued(r) {
-			ops = append(ops, rec.Op)
+			ops = append(ops, rec.Op.String())
 		}
 		if got := strings.Join(ops, " "); got != "allgather allreduce allgather" {
 			t.Errorf("rank %d issued %s, want allgather allreduce allgather", r, got)

@@ -31,7 +31,8 @@ func (m Mode) String() string {
 }
 
 // Errors of the Machine (and so of the Reducer). Rich diagnostics are typed: see
-// UnusedError.
+// UnusedError. They are the reducer's own: procgroup.ErrInvalidArgument means a collective
+// refused before it took a sequence number, and the watchdog counts on that.
 var (
 	// ErrUnusedParameters is wrapped by *UnusedError.
 	ErrUnusedParameters = errors.New("reducer: parameters received no gradient")
@@ -140,7 +141,7 @@ func (a Action) String() string {
 	return a.Kind.String()
 }
 
-// phase is where the Machine is in an iteration: the one field that says it (STYLE 2).
+// phase is where the Machine is in an iteration; no other field says it.
 type phase int
 
 const (

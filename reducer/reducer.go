@@ -56,14 +56,15 @@ type Options struct {
 }
 
 // WithDefaults returns o with its zero fields set to their defaults: BucketCapMB 25,
-// FirstBucketCapMB 1, CommHook AllReduceHook, Logger zap.NewNop(). It is the one place those
-// defaults are set (package ddp fills its Options from it).
+// FirstBucketCapMB 1 (bucket.DefaultCapBytes and DefaultFirstCapBytes), CommHook
+// AllReduceHook, Logger zap.NewNop(). It is the one place those defaults are set (package
+// ddp fills its Options from it).
 func (o Options) WithDefaults() Options {
 	if o.BucketCapMB == 0 {
-		o.BucketCapMB = 25
+		o.BucketCapMB = float64(bucket.DefaultCapBytes) / (1 << 20)
 	}
 	if o.FirstBucketCapMB == 0 {
-		o.FirstBucketCapMB = 1
+		o.FirstBucketCapMB = float64(bucket.DefaultFirstCapBytes) / (1 << 20)
 	}
 	if o.CommHook == nil {
 		o.CommHook = AllReduceHook()
@@ -108,7 +109,7 @@ type slot struct {
 // the Reducer's lock, so they have the same order on every rank. Stats may be called at any
 // time.
 //
-// Failure is final (the fail-stop model of DESIGN.md): once an iteration fails — an unused
+// Failure is final (docs/DESIGN.md, failure model): once an iteration fails — an unused
 // or twice-marked parameter, a wrong gradient, a failed collective, Finalize's ctx ending —
 // the ranks' collective sequences can no longer be trusted to match, so the Reducer aborts
 // the process group with the error (peers fail at once instead of hanging) and every later
@@ -336,20 +337,6 @@ func (r *Reducer) GradViewDevice(i int) (procgroup.DeviceBuffer, error) {
 		return procgroup.DeviceBuffer{}, fmt.Errorf("%w: GradViewDevice(%d): the buckets are in host memory (Options.Device is off)", ErrInvalidArgument, i)
 	}
 	return d, nil
-}
-
-// GradView32 is GradView for a float32 parameter (nil for a float64 one).
-func (r *Reducer) GradView32(i int) []float32 {
-	v, _ := r.GradView(i)
-	g, _ := v.([]float32)
-	return g
-}
-
-// GradView64 is GradView for a float64 parameter (nil for a float32 one).
-func (r *Reducer) GradView64(i int) []float64 {
-	v, _ := r.GradView(i)
-	g, _ := v.([]float64)
-	return g
 }
 
 // fail ends the reducer with err and aborts the process group (see Reducer).

@@ -216,7 +216,11 @@ func checkEquivalence(t *testing.T, n int, view, noSync bool, seed uint64, batch
 			out := make([][]float32, len(params))
 			for p := range params {
 				if view {
-					out[p] = append([]float32(nil), red.GradView32(p)...)
+					v, err := red.GradView(p)
+					if err != nil {
+						return err
+					}
+					out[p] = append([]float32(nil), v.([]float32)...)
 				} else {
 					out[p] = append([]float32(nil), params[p].Grad.([]float32)...)
 				}
@@ -290,7 +294,7 @@ func TestOverlap(t *testing.T) {
 		events := make([][]string, n)
 		c.OnIssue = func(rank int, rec pgtest.Record) {
 			mu.Lock()
-			events[rank] = append(events[rank], rec.Op)
+			events[rank] = append(events[rank], rec.Op.String())
 			mu.Unlock()
 		}
 		buckets := make([]int, n)
@@ -354,7 +358,7 @@ func TestOverlap(t *testing.T) {
 				firstAR, lastGrad := -1, -1
 				for k, e := range log {
 					switch e {
-					case pgtest.OpAllReduce:
+					case procgroup.OpAllReduce.String():
 						nb++
 						if firstAR < 0 {
 							firstAR = k
@@ -559,7 +563,7 @@ func TestCompressionHooks(t *testing.T) {
 				}
 			}
 			for _, rec := range c.Issued(0) {
-				if rec.Op == pgtest.OpAllReduce && rec.DType != map[string]procgroup.DType{"fp16": procgroup.Float16, "bf16": procgroup.BFloat16}[tc.name] {
+				if rec.Op == procgroup.OpAllReduce && rec.DType != map[string]procgroup.DType{"fp16": procgroup.Float16, "bf16": procgroup.BFloat16}[tc.name] {
 					t.Fatalf("issued %v", rec)
 				}
 			}

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Side-by-side all-reduce benchmark: goddp's allreduce-perf against PyTorch's Gloo backend
-# (../shared/bench/torch/allreduce_bench.py), float32 sum, interleaved and repeated because
+# (allreduce_bench.py in $TORCH_DIR), float32 sum, interleaved and repeated because
 # the machine is shared and noisy. Prints, per world size and size, the median busbw of each
 # system over the repeats and the ratio goddp/torch.
 #
 #   scripts/bench_allreduce.sh                         # world sizes 2 and 4, 3 repeats
 #   WORLD_SIZES=2 REPEATS=5 EXTRA="--transport tcp" scripts/bench_allreduce.sh
 #
-# Needs the PyTorch peer installed (../shared/bench/torch/setup.sh).
+# Needs the PyTorch peer installed ($TORCH_DIR/setup.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_DIR=${TORCH_DIR:-../shared/bench/torch}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gpu_check.sh: the one-call GPU check of backends/nccl (issue 5).
+# gpu_check.sh: the one-call GPU check of backends/nccl.
 #
 #   scripts/gpu_check.sh build [OUT]   on a machine with Go: builds into OUT (default
 #                                      .cache/gpu_check) the backend's test binary, allreduce-perf,

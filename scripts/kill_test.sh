@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The kill test (issue 6, "restart without losing work"): the 2-rank transformer run without
+# The kill test (restart without losing work): the 2-rank transformer run without
 # interruption gives the reference params_crc32; then, for each RANK:STEP pair, the same run
 # under `ddprun --max_restarts 1` has that rank's process killed with a real `kill -9` (its
 # pid read from the rank<R>.pid file the trainer writes in its --checkpoint_dir) as soon as

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# strangers.sh — issue 6's "strangers" must-show.
+# strangers.sh — strangers at every port of a TLS job are refused.
 #
 # Starts a 2-rank transformer job under ddprun with mutual TLS (store and data plane, the
 # data plane forced onto TCP), finds every TCP port the job listens on (ss -ltnp: ddprun's

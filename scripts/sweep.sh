@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The seed article's bucket_cap_mb sweep (section 3) for goddp's transformer at world size 2,
-# with the compute-only time (two --no_ddp processes at once, sharing the cores as the two
-# ranks do) and, when PyTorch is installed (../shared/bench/torch/setup.sh), PyTorch DDP's
+# The bucket_cap_mb sweep for goddp's transformer at world size 2, with the compute-only
+# time (two --no_ddp processes at once, sharing the cores as the two ranks do) and, when PyTorch is installed ($TORCH_DIR/setup.sh), PyTorch DDP's
 # ddp_bench.py on the same model shape in the same run, interleaved. Writes raw.csv,
 # summary.csv, table.md, sweep.svg and sweep.png under $OUT, and every run's output under
 # $OUT/logs (goddp's include the per-step overlap figures and each rank's peak RSS).

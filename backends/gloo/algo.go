@@ -17,11 +17,11 @@ func (g *group) run(o *op) error {
 	}
 	n := g.size
 	g.seg = g.cfg.SegmentSize
-	if (o.kind == opAllReduce || o.kind == opReduceScatter) && n > 1 && (o.dt == procgroup.BFloat16 || o.dt == procgroup.Float16) {
+	if (o.kind == procgroup.OpAllReduce || o.kind == procgroup.OpReduceScatter) && n > 1 && (o.dt == procgroup.BFloat16 || o.dt == procgroup.Float16) {
 		return g.runWide(o)
 	}
 	switch o.kind {
-	case opAllReduce:
+	case procgroup.OpAllReduce:
 		if n == 1 || len(o.buf) == 0 {
 			return nil
 		}
@@ -51,12 +51,12 @@ func (g *group) run(o *op) error {
 			return err
 		}
 		return g.waitSends()
-	case opBroadcast:
+	case procgroup.OpBroadcast:
 		if n == 1 || len(o.buf) == 0 {
 			return nil
 		}
 		return g.broadcast(o)
-	case opAllGather:
+	case procgroup.OpAllGather:
 		copy(o.buf[g.rank*len(o.in):], o.in)
 		if n == 1 || len(o.in) == 0 {
 			return nil
@@ -69,7 +69,7 @@ func (g *group) run(o *op) error {
 			return err
 		}
 		return g.waitSends()
-	case opReduceScatter:
+	case procgroup.OpReduceScatter:
 		if n == 1 {
 			copy(o.buf, o.in)
 			return nil
@@ -91,7 +91,7 @@ func (g *group) run(o *op) error {
 		}
 		copy(o.buf, w[g.offs[g.rank]:g.offs[g.rank+1]])
 		return nil
-	case opBarrier:
+	case procgroup.OpBarrier:
 		if n == 1 {
 			return nil
 		}
@@ -121,7 +121,7 @@ func (g *group) runWide(o *op) error {
 		g.wideBuf = kernels.Aligned(2 * len(o.buf))
 	}
 	w.buf = g.wideBuf[:2*len(o.buf)]
-	if o.kind == opReduceScatter {
+	if o.kind == procgroup.OpReduceScatter {
 		if cap(g.wideIn) < 2*len(o.in) {
 			g.wideIn = kernels.Aligned(2 * len(o.in))
 		}

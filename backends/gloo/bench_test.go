@@ -26,7 +26,7 @@ func newPairRunner(t testing.TB, cfg *Config, bufs [2][]float32, rop procgroup.R
 	for r := range 2 {
 		pr.gs[r] = groups[r].(*group)
 		b, dt, _, _ := kernels.Bytes(bufs[r])
-		pr.ops[r] = op{kind: opAllReduce, dt: dt, rop: rop, buf: b, ctx: ctx}
+		pr.ops[r] = op{kind: procgroup.OpAllReduce, dt: dt, rop: rop, buf: b, ctx: ctx}
 	}
 	go func() {
 		for {

@@ -18,35 +18,9 @@ import (
 
 func init() { procgroup.Register("gloo", New) }
 
-type opKind uint8
-
-const (
-	opAllReduce opKind = iota + 1
-	opBroadcast
-	opAllGather
-	opReduceScatter
-	opBarrier
-)
-
-func (k opKind) String() string {
-	switch k {
-	case opAllReduce:
-		return "allreduce"
-	case opBroadcast:
-		return "broadcast"
-	case opAllGather:
-		return "allgather"
-	case opReduceScatter:
-		return "reducescatter"
-	case opBarrier:
-		return "barrier"
-	}
-	return "op?"
-}
-
 // op is one queued collective. ops are recycled through group.free.
 type op struct {
-	kind     opKind
+	kind     procgroup.CollectiveOp
 	dt       procgroup.DType
 	rop      procgroup.ReduceOp
 	buf, in  []byte // buf: the in-place buffer, or out; in: AllGather/ReduceScatter input
@@ -194,9 +168,9 @@ func (g *group) AllReduce(ctx context.Context, buf any, rop procgroup.ReduceOp) 
 		err = checkOp(rop)
 	}
 	if err != nil {
-		return g.invalid(opAllReduce, err)
+		return g.invalid(procgroup.OpAllReduce, err)
 	}
-	return g.submit(ctx, opAllReduce, dt, rop, b, nil, 0)
+	return g.submit(ctx, procgroup.OpAllReduce, dt, rop, b, nil, 0)
 }
 
 func (g *group) Broadcast(ctx context.Context, buf any, root int) procgroup.Work {
@@ -205,48 +179,48 @@ func (g *group) Broadcast(ctx context.Context, buf any, root int) procgroup.Work
 		err = fmt.Errorf("%w: root %d outside [0, %d)", procgroup.ErrInvalidArgument, root, g.size)
 	}
 	if err != nil {
-		return g.invalid(opBroadcast, err)
+		return g.invalid(procgroup.OpBroadcast, err)
 	}
-	return g.submit(ctx, opBroadcast, dt, 0, b, nil, root)
+	return g.submit(ctx, procgroup.OpBroadcast, dt, 0, b, nil, root)
 }
 
 func (g *group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 	ob, odt, on, err := kernels.Bytes(out)
 	if err != nil {
-		return g.invalid(opAllGather, fmt.Errorf("out: %w", err))
+		return g.invalid(procgroup.OpAllGather, fmt.Errorf("out: %w", err))
 	}
 	ib, idt, inn, err := kernels.Bytes(in)
 	if err != nil {
-		return g.invalid(opAllGather, fmt.Errorf("in: %w", err))
+		return g.invalid(procgroup.OpAllGather, fmt.Errorf("in: %w", err))
 	}
 	if odt != idt || on != g.size*inn {
-		return g.invalid(opAllGather, fmt.Errorf("%w: out is %v×%d, want %v×%d (size × len(in))",
+		return g.invalid(procgroup.OpAllGather, fmt.Errorf("%w: out is %v×%d, want %v×%d (size × len(in))",
 			procgroup.ErrInvalidArgument, odt, on, idt, g.size*inn))
 	}
-	return g.submit(ctx, opAllGather, odt, 0, ob, ib, 0)
+	return g.submit(ctx, procgroup.OpAllGather, odt, 0, ob, ib, 0)
 }
 
 func (g *group) ReduceScatter(ctx context.Context, out, in any, rop procgroup.ReduceOp) procgroup.Work {
 	ob, odt, on, err := kernels.Bytes(out)
 	if err != nil {
-		return g.invalid(opReduceScatter, fmt.Errorf("out: %w", err))
+		return g.invalid(procgroup.OpReduceScatter, fmt.Errorf("out: %w", err))
 	}
 	ib, idt, inn, err := kernels.Bytes(in)
 	if err != nil {
-		return g.invalid(opReduceScatter, fmt.Errorf("in: %w", err))
+		return g.invalid(procgroup.OpReduceScatter, fmt.Errorf("in: %w", err))
 	}
 	if odt != idt || inn != g.size*on {
-		return g.invalid(opReduceScatter, fmt.Errorf("%w: in is %v×%d, want %v×%d (size × len(out))",
+		return g.invalid(procgroup.OpReduceScatter, fmt.Errorf("%w: in is %v×%d, want %v×%d (size × len(out))",
 			procgroup.ErrInvalidArgument, idt, inn, odt, g.size*on))
 	}
 	if err := checkOp(rop); err != nil {
-		return g.invalid(opReduceScatter, err)
+		return g.invalid(procgroup.OpReduceScatter, err)
 	}
-	return g.submit(ctx, opReduceScatter, odt, rop, ob, ib, 0)
+	return g.submit(ctx, procgroup.OpReduceScatter, odt, rop, ob, ib, 0)
 }
 
 func (g *group) Barrier(ctx context.Context) procgroup.Work {
-	return g.submit(ctx, opBarrier, 0, 0, nil, nil, 0)
+	return g.submit(ctx, procgroup.OpBarrier, 0, 0, nil, nil, 0)
 }
 
 func checkOp(rop procgroup.ReduceOp) error {
@@ -257,11 +231,11 @@ func checkOp(rop procgroup.ReduceOp) error {
 	return fmt.Errorf("%w: unknown reduce op %v", procgroup.ErrInvalidArgument, rop)
 }
 
-func (g *group) invalid(k opKind, err error) procgroup.Work {
+func (g *group) invalid(k procgroup.CollectiveOp, err error) procgroup.Work {
 	return procgroup.Completed(fmt.Errorf("gloo: rank %d: %v: %w", g.rank, k, err))
 }
 
-func (g *group) submit(ctx context.Context, k opKind, dt procgroup.DType, rop procgroup.ReduceOp, buf, in []byte, root int) procgroup.Work {
+func (g *group) submit(ctx context.Context, k procgroup.CollectiveOp, dt procgroup.DType, rop procgroup.ReduceOp, buf, in []byte, root int) procgroup.Work {
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -366,7 +340,7 @@ func (g *group) worker() {
 }
 
 func (g *group) opErr(o *op, err error) error {
-	if o.kind == opBarrier {
+	if o.kind == procgroup.OpBarrier {
 		return fmt.Errorf("gloo: rank %d: barrier #%d: %w", g.rank, o.seq, err)
 	}
 	return fmt.Errorf("gloo: rank %d: %v #%d (%v, %d bytes): %w", g.rank, o.kind, o.seq, o.dt, len(o.buf), err)

@@ -54,7 +54,7 @@ func (s *streamRank) run(buf []float32, stream []byte) error {
 	s.remote.Write(stream)
 	syscall.Shutdown(int(s.remote.Fd()), syscall.SHUT_WR)
 	b, dt, _, _ := kernels.Bytes(buf)
-	o := &op{kind: opAllReduce, dt: dt, rop: procgroup.Sum, buf: b, seq: 1, ctx: context.Background(),
+	o := &op{kind: procgroup.OpAllReduce, dt: dt, rop: procgroup.Sum, buf: b, seq: 1, ctx: context.Background(),
 		deadline: time.Now().Add(5 * time.Second)}
 	s.g.cur = o
 	defer func() { s.g.cur = nil }()

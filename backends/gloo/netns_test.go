@@ -21,8 +21,8 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
-// Network-namespace tests (issue 6, item 6): each rank runs as a subprocess (this test
-// binary, in TestNetnsHelper) inside a network namespace of its own, on its own address
+// Network-namespace tests: each rank runs as a subprocess (this test binary, in
+// TestNetnsHelper) inside a network namespace of its own, on its own address
 // 10.99.X.(rank+1)/24, joined to the others by a veth pair to a bridge in a hub namespace.
 // Rank 0 hosts the store on its address. Nothing is configured outside the namespaces the
 // test creates, which it deletes in t.Cleanup (deleting a namespace deletes its veths).

@@ -81,10 +81,9 @@ const (
 	// Waiting (Note [Shared memory]): a waiter polls its bell shmSpins times, calling
 	// sched_yield every shmYieldEvery polls, before it sleeps on the futex; with more
 	// members than CPUs it only yields, shmSpinsOversubscribed times. A futex wake-up
-	// costs tens of µs on this VM (a 4 KiB all-reduce is one or two of them); the yields
-	// hand the CPU to a peer that waits for it instead of burning it. Measured at n=2 on
-	// 2 vCPUs under load: 4 KiB 57 → 20-32 µs, 1 MiB 500 → 410 µs (medians); at n=4:
-	// 4 KiB 230 → 94 µs, 4 MiB 3.6 → 2.8 ms.
+	// costs tens of µs (a 4 KiB all-reduce is one or two of them); the yields hand the
+	// CPU to a peer that waits for it instead of burning it. Polling first takes a 4 KiB
+	// all-reduce on 2 CPUs from 57 to 20-32 µs at n=2, and from 230 to 94 µs at n=4.
 	shmSpins               = 5000
 	shmYieldEvery          = 100
 	shmSpinsOversubscribed = 150

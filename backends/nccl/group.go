@@ -299,7 +299,7 @@ func (g *Group) NCCLVersion() string { return versionString(g.lib.ncclVersion) }
 type Work struct {
 	*procgroup.Future
 	g        *Group
-	op       string
+	op       procgroup.CollectiveOp
 	seq      uint64
 	ctx      context.Context
 	deadline time.Time
@@ -336,13 +336,13 @@ func (w *Work) WaitStream(s Stream) error {
 	return nil
 }
 
-func (g *Group) failed(op string, err error) *Work {
+func (g *Group) failed(op procgroup.CollectiveOp, err error) *Work {
 	return &Work{Future: procgroup.Completed(fmt.Errorf("nccl: rank %d: %s: %w", g.rank, op, err)), g: g, op: op, released: true}
 }
 
 // call describes one collective before it is issued.
 type call struct {
-	op       string
+	op       procgroup.CollectiveOp
 	kind     C.int
 	dt       procgroup.DType
 	redop    int
@@ -369,11 +369,11 @@ type call struct {
 func (g *Group) AllReduce(ctx context.Context, buf any, op procgroup.ReduceOp) procgroup.Work {
 	b, err := classify(buf)
 	if err != nil {
-		return g.failed("allreduce", err)
+		return g.failed(procgroup.OpAllReduce, err)
 	}
-	c := &call{op: "allreduce", kind: C.GODDP_ALLREDUCE, dt: b.dt, count: b.n}
+	c := &call{op: procgroup.OpAllReduce, kind: C.GODDP_ALLREDUCE, dt: b.dt, count: b.n}
 	if c.redop, err = g.reduceOp(op); err != nil {
-		return g.failed("allreduce", err)
+		return g.failed(procgroup.OpAllReduce, err)
 	}
 	bytes := b.n * b.dt.Size()
 	if b.host == nil {
@@ -388,12 +388,12 @@ func (g *Group) AllReduce(ctx context.Context, buf any, op procgroup.ReduceOp) p
 func (g *Group) Broadcast(ctx context.Context, buf any, root int) procgroup.Work {
 	b, err := classify(buf)
 	if err != nil {
-		return g.failed("broadcast", err)
+		return g.failed(procgroup.OpBroadcast, err)
 	}
 	if root < 0 || root >= g.size {
-		return g.failed("broadcast", fmt.Errorf("%w: root %d outside [0, %d)", procgroup.ErrInvalidArgument, root, g.size))
+		return g.failed(procgroup.OpBroadcast, fmt.Errorf("%w: root %d outside [0, %d)", procgroup.ErrInvalidArgument, root, g.size))
 	}
-	c := &call{op: "broadcast", kind: C.GODDP_BROADCAST, dt: b.dt, count: b.n, root: root}
+	c := &call{op: procgroup.OpBroadcast, kind: C.GODDP_BROADCAST, dt: b.dt, count: b.n, root: root}
 	bytes := b.n * b.dt.Size()
 	if b.host == nil {
 		c.dev, c.stream, c.send, c.recv = true, b.dev.Stream, dptr(b.dev), dptr(b.dev)
@@ -411,9 +411,9 @@ func (g *Group) Broadcast(ctx context.Context, buf any, root int) procgroup.Work
 func (g *Group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 	bo, bi, err := g.pair(out, in, 1, g.size)
 	if err != nil {
-		return g.failed("allgather", err)
+		return g.failed(procgroup.OpAllGather, err)
 	}
-	c := &call{op: "allgather", kind: C.GODDP_ALLGATHER, dt: bi.dt, count: bi.n}
+	c := &call{op: procgroup.OpAllGather, kind: C.GODDP_ALLGATHER, dt: bi.dt, count: bi.n}
 	es := bi.dt.Size()
 	if bi.host == nil {
 		c.dev, c.stream, c.send, c.recv = true, bi.dev.Stream, dptr(bi.dev), dptr(bo.dev)
@@ -433,11 +433,11 @@ func (g *Group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 func (g *Group) ReduceScatter(ctx context.Context, out, in any, op procgroup.ReduceOp) procgroup.Work {
 	bo, bi, err := g.pair(out, in, g.size, 1)
 	if err != nil {
-		return g.failed("reducescatter", err)
+		return g.failed(procgroup.OpReduceScatter, err)
 	}
-	c := &call{op: "reducescatter", kind: C.GODDP_REDUCESCATTER, dt: bi.dt, count: bo.n}
+	c := &call{op: procgroup.OpReduceScatter, kind: C.GODDP_REDUCESCATTER, dt: bi.dt, count: bo.n}
 	if c.redop, err = g.reduceOp(op); err != nil {
-		return g.failed("reducescatter", err)
+		return g.failed(procgroup.OpReduceScatter, err)
 	}
 	es := bi.dt.Size()
 	if bi.host == nil {
@@ -455,7 +455,7 @@ func (g *Group) ReduceScatter(ctx context.Context, out, in any, op procgroup.Red
 
 // Barrier implements procgroup.ProcessGroup: a one-element all-reduce on the device.
 func (g *Group) Barrier(ctx context.Context) procgroup.Work {
-	c := &call{op: "barrier", kind: C.GODDP_ALLREDUCE, dt: procgroup.Float32, count: 1, dev: true, barrier: true}
+	c := &call{op: procgroup.OpBarrier, kind: C.GODDP_ALLREDUCE, dt: procgroup.Float32, count: 1, dev: true, barrier: true}
 	return g.issue(ctx, c)
 }
 

@@ -42,7 +42,7 @@ func (g *storeGroup) Size() int { return g.size }
 
 // run runs one collective under g.mu and returns its completed Work; a failure aborts the
 // group, since the peers are mid-protocol.
-func (g *storeGroup) run(op string, f func(seq int64) error) procgroup.Work {
+func (g *storeGroup) run(op procgroup.CollectiveOp, f func(seq int64) error) procgroup.Work {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if g.closed != nil {
@@ -65,7 +65,7 @@ func (g *storeGroup) AllReduce(ctx context.Context, buf any, op procgroup.Reduce
 	if op < procgroup.Sum || op > procgroup.Prod {
 		return procgroup.Completed(fmt.Errorf("%w: reduce op %v", procgroup.ErrInvalidArgument, op))
 	}
-	return g.run("all-reduce", func(seq int64) error {
+	return g.run(procgroup.OpAllReduce, func(seq int64) error {
 		key := func(r int) string { return fmt.Sprintf("ar/%d/%d", seq, r) }
 		mine, err := binary.Append(nil, binary.LittleEndian, buf)
 		if err != nil {
@@ -153,7 +153,7 @@ func store(buf any, acc []float64) {
 }
 
 func (g *storeGroup) Barrier(ctx context.Context) procgroup.Work {
-	return g.run("barrier", func(seq int64) error {
+	return g.run(procgroup.OpBarrier, func(seq int64) error {
 		n, err := g.st.Add(ctx, fmt.Sprintf("barrier/%d", seq), 1)
 		if err != nil {
 			return err
@@ -166,20 +166,20 @@ func (g *storeGroup) Barrier(ctx context.Context) procgroup.Work {
 	})
 }
 
-func (g *storeGroup) unsupported(op string) procgroup.Work {
+func (g *storeGroup) unsupported(op procgroup.CollectiveOp) procgroup.Work {
 	return procgroup.Completed(fmt.Errorf("%w: the store backend has no %s", procgroup.ErrInvalidArgument, op))
 }
 
 func (g *storeGroup) Broadcast(context.Context, any, int) procgroup.Work {
-	return g.unsupported("broadcast")
+	return g.unsupported(procgroup.OpBroadcast)
 }
 
 func (g *storeGroup) AllGather(context.Context, any, any) procgroup.Work {
-	return g.unsupported("all-gather")
+	return g.unsupported(procgroup.OpAllGather)
 }
 
 func (g *storeGroup) ReduceScatter(context.Context, any, any, procgroup.ReduceOp) procgroup.Work {
-	return g.unsupported("reduce-scatter")
+	return g.unsupported(procgroup.OpReduceScatter)
 }
 
 func (g *storeGroup) Close() error {

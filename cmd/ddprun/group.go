@@ -355,13 +355,3 @@ func splitHostPortLoose(addr string) (string, string) {
 	}
 	return strings.Trim(addr[:i], "[]"), addr[i+1:]
 }
-
-// hasEnv reports whether env (KEY=VALUE entries) sets key.
-func hasEnv(env []string, key string) bool {
-	for _, kv := range env {
-		if k, _, _ := strings.Cut(kv, "="); k == key {
-			return true
-		}
-	}
-	return false
-}

@@ -99,14 +99,7 @@ func interruptCode(ctx context.Context) int {
 // runJob prepares the program, the token and the store, then runs attempts until one
 // succeeds, ddprun is interrupted, or --max_restarts is spent.
 func runJob(ctx context.Context, cfg *config, env []string, con *console) error {
-	// The output paths first: a bad one fails now, not after the run. With several nodes
-	// only node 0 writes the merged trace.
-	if cfg.isStoreHost() {
-		if err := outpath.File("--trace_merge", cfg.traceMerge); err != nil {
-			return err
-		}
-	}
-	if err := outpath.Dir("--log_dir", cfg.logDir); err != nil {
+	if err := checkOutputs(cfg); err != nil {
 		return err
 	}
 	host, _ := os.Hostname()
@@ -116,60 +109,25 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 	}
 	defer os.RemoveAll(workDir)
 
-	tags := ""
-	for _, kv := range env {
-		if v, ok := cutEnv(kv, "GODDP_GO_TAGS"); ok {
-			tags = v
-		}
-	}
+	tags, _ := lookupEnv(env, "GODDP_GO_TAGS")
 	exe, err := resolveProgram(ctx, cfg.program, workDir, cfg.goBuildFlags, tags, con)
 	if err != nil {
-		if ctx.Err() != nil {
-			return &exitError{interruptCode(ctx)}
-		}
-		return err
+		return orInterrupt(ctx, err)
 	}
-
-	var token string
-	if cfg.nnodes > 1 {
-		token, err = sharedToken(env)
-	} else {
-		token, err = newToken()
-	}
+	token, tokenFile, runID, err := jobToken(cfg, env, workDir)
 	if err != nil {
 		return err
 	}
-	tokenFile, err := writeTokenFile(workDir, token)
-	if err != nil {
-		return err
-	}
-	runID := cfg.rdzvID
-	if runID == "" {
-		if runID, err = deriveRunID(token, cfg.nnodes > 1); err != nil {
-			return err
-		}
-	}
-
 	if err := cfg.loadTLS(env); err != nil { // tls.go
 		return err
 	}
+
 	j := &job{cfg: cfg, exe: exe, baseEnv: env, tokenFile: tokenFile, runID: runID, host: host, con: con, token: token}
-	if cfg.isStoreHost() {
-		srv, addr, err := hostStore(cfg, token, storeLogger(con))
-		if err != nil {
-			return err
-		}
-		defer srv.Close()
-		j.storeAddr = addr
-	} else {
-		j.storeAddr = net.JoinHostPort(cfg.storeHost, strconv.Itoa(cfg.storePort))
-		if err := awaitStore(ctx, j.storeAddr, token, cfg.tls.client, cfg.rdzvTimeout, con); err != nil {
-			if ctx.Err() != nil {
-				return &exitError{interruptCode(ctx)}
-			}
-			return err
-		}
+	closeStore, err := j.connectStore(ctx)
+	if err != nil {
+		return err
 	}
+	defer closeStore()
 	if cfg.nproc > 1 {
 		setDefaultThreads(j, con)
 	}
@@ -180,81 +138,23 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 		}
 		defer merge() // before the work directory is removed
 	}
-
 	var coord *coordinator
 	if cfg.nnodes > 1 {
-		st, err := procgroup.DialStore(ctx, j.storeAddr, token, procgroup.DialOptions{TLS: cfg.tls.client})
-		if err != nil {
-			return fmt.Errorf("rendezvous store: %w", err)
+		var closeCoord func()
+		if coord, closeCoord, err = j.newCoordinator(ctx); err != nil {
+			return err
 		}
-		defer st.Close()
-		coord = &coordinator{st: st, prefix: runID + "/ddprun", nnodes: cfg.nnodes, node: cfg.nodeRank, timeout: cfg.rdzvTimeout,
-			host: host, warn: func(m string) { con.msg(m + "\n") }}
-		if cfg.traceMerge != "" {
-			j.traceCoord = coord
-			if err := j.syncClocks(ctx); err != nil {
-				return fmt.Errorf("--trace_merge: clock offset to node 0: %w", err)
-			}
-		}
+		defer closeCoord()
 	}
 
 	for attempt := 0; ; attempt++ {
-		var remote <-chan string
-		stopWatch := func() {}
-		if coord != nil {
-			if err := coord.join(ctx, attempt); err != nil {
-				if ctx.Err() != nil {
-					return &exitError{interruptCode(ctx)}
-				}
-				return fmt.Errorf("rendezvous: %w", err)
-			}
-			remote, stopWatch = coord.watch(ctx, attempt)
+		res, err := j.attemptAcrossNodes(ctx, coord, attempt)
+		if err != nil {
+			return err
 		}
-		res := j.runAttempt(ctx, attempt, remote)
-		if coord != nil {
-			switch {
-			case res.interrupted:
-				coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) was interrupted", cfg.nodeRank, host))
-			case res.startErr != nil:
-				coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) could not start its ranks", cfg.nodeRank, host))
-			case res.first != nil:
-				coord.publish(ctx, attempt, verdictFor(res.first, host, cfg.nodeRank))
-			case res.remote == "":
-				v, err := coord.finish(ctx, attempt, remote)
-				if err != nil && ctx.Err() == nil {
-					stopWatch()
-					return fmt.Errorf("rendezvous after attempt %d: %w", attempt, err)
-				}
-				res.remote = v
-				switch {
-				case ctx.Err() != nil:
-					coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) was interrupted", cfg.nodeRank, host))
-				case v == "":
-					coord.leave(ctx, attempt)
-				}
-			}
-			stopWatch()
-		}
-		code := 0
-		switch {
-		case res.interrupted || (res.first == nil && res.remote == "" && ctx.Err() != nil):
-			con.msg(fmt.Sprintf("ddprun: %v; stopped every rank\n", context.Cause(ctx)))
-			return &exitError{interruptCode(ctx)}
-		case res.startErr != nil:
-			return fmt.Errorf("attempt %d: %w", attempt, res.startErr)
-		case res.first != nil:
-			j.reportFailure(res.first, attempt)
-			code = res.first.exitCode()
-		case res.remote != "":
-			c, desc, stop := parseVerdict(res.remote)
-			if stop {
-				con.msg(fmt.Sprintf("ddprun: attempt %d stopped: %s; stopped this node's ranks\n", attempt, desc))
-				return &exitError{1}
-			}
-			con.msg(fmt.Sprintf("ddprun: attempt %d failed on another node: %s; stopped this node's ranks\n", attempt, desc))
-			code = c
-		default:
-			return nil
+		code, end, err := j.outcome(ctx, res, attempt)
+		if end {
+			return err
 		}
 		if attempt >= cfg.maxRestarts {
 			if cfg.maxRestarts > 0 {
@@ -264,6 +164,150 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 		}
 		con.msg(fmt.Sprintf("ddprun: restarting the group (restart %d of %d)\n", attempt+1, cfg.maxRestarts))
 	}
+}
+
+// checkOutputs checks the output paths before the run: a bad one fails now, not after it.
+// With several nodes only node 0 writes the merged trace.
+func checkOutputs(cfg *config) error {
+	if cfg.isStoreHost() {
+		if err := outpath.File("--trace_merge", cfg.traceMerge); err != nil {
+			return err
+		}
+	}
+	return outpath.Dir("--log_dir", cfg.logDir)
+}
+
+// orInterrupt is err, or the exit of an interrupted job when ctx has ended (err is then
+// its consequence).
+func orInterrupt(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return &exitError{interruptCode(ctx)}
+	}
+	return err
+}
+
+// jobToken returns the job's token (with several nodes the one they share, otherwise a new
+// one), the file in workDir that passes it to the ranks, and the run ID.
+func jobToken(cfg *config, env []string, workDir string) (token, file, runID string, err error) {
+	if cfg.nnodes > 1 {
+		token, err = sharedToken(env)
+	} else {
+		token, err = newToken()
+	}
+	if err != nil {
+		return "", "", "", err
+	}
+	if file, err = writeTokenFile(workDir, token); err != nil {
+		return "", "", "", err
+	}
+	runID = cfg.rdzvID
+	if runID == "" {
+		if runID, err = deriveRunID(token, cfg.nnodes > 1); err != nil {
+			return "", "", "", err
+		}
+	}
+	return token, file, runID, nil
+}
+
+// connectStore sets j.storeAddr: on the store host it serves the store (closeStore stops
+// it), elsewhere it waits until the store host's store answers.
+func (j *job) connectStore(ctx context.Context) (closeStore func(), err error) {
+	cfg := j.cfg
+	if cfg.isStoreHost() {
+		srv, addr, err := hostStore(cfg, j.token, storeLogger(j.con))
+		if err != nil {
+			return nil, err
+		}
+		j.storeAddr = addr
+		return func() { srv.Close() }, nil
+	}
+	j.storeAddr = net.JoinHostPort(cfg.storeHost, strconv.Itoa(cfg.storePort))
+	if err := awaitStore(ctx, j.storeAddr, j.token, cfg.tls.client, cfg.rdzvTimeout, j.con); err != nil {
+		return nil, orInterrupt(ctx, err)
+	}
+	return func() {}, nil
+}
+
+// newCoordinator dials the store for the coordinator of a job on several nodes (closeCoord
+// closes the connection) and, with --trace_merge, estimates this node's clock offset to
+// node 0.
+func (j *job) newCoordinator(ctx context.Context) (coord *coordinator, closeCoord func(), err error) {
+	cfg := j.cfg
+	st, err := procgroup.DialStore(ctx, j.storeAddr, j.token, procgroup.DialOptions{TLS: cfg.tls.client})
+	if err != nil {
+		return nil, nil, fmt.Errorf("rendezvous store: %w", err)
+	}
+	coord = &coordinator{st: st, prefix: j.runID + "/ddprun", nnodes: cfg.nnodes, node: cfg.nodeRank, timeout: cfg.rdzvTimeout,
+		host: j.host, warn: func(m string) { j.con.msg(m + "\n") }}
+	if cfg.traceMerge != "" {
+		j.traceCoord = coord
+		if err := j.syncClocks(ctx); err != nil {
+			st.Close()
+			return nil, nil, fmt.Errorf("--trace_merge: clock offset to node 0: %w", err)
+		}
+	}
+	return coord, func() { st.Close() }, nil
+}
+
+// attemptAcrossNodes is runAttempt for a job on one node or, with coord, on several: it
+// first joins the attempt's rendezvous, and after the attempt publishes this node's verdict
+// or agrees with the other nodes that the attempt succeeded.
+func (j *job) attemptAcrossNodes(ctx context.Context, coord *coordinator, attempt int) (attemptResult, error) {
+	if coord == nil {
+		return j.runAttempt(ctx, attempt, nil), nil
+	}
+	if err := coord.join(ctx, attempt); err != nil {
+		return attemptResult{}, orInterrupt(ctx, fmt.Errorf("rendezvous: %w", err))
+	}
+	remote, stopWatch := coord.watch(ctx, attempt)
+	defer stopWatch()
+	res := j.runAttempt(ctx, attempt, remote)
+	node, host := j.cfg.nodeRank, j.host
+	switch {
+	case res.interrupted:
+		coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) was interrupted", node, host))
+	case res.startErr != nil:
+		coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) could not start its ranks", node, host))
+	case res.first != nil:
+		coord.publish(ctx, attempt, verdictFor(res.first, host, node))
+	case res.remote == "":
+		v, err := coord.finish(ctx, attempt, remote)
+		if err != nil && ctx.Err() == nil {
+			return res, fmt.Errorf("rendezvous after attempt %d: %w", attempt, err)
+		}
+		res.remote = v
+		switch {
+		case ctx.Err() != nil:
+			coord.publish(ctx, attempt, fmt.Sprintf("stop node %d (host %s) was interrupted", node, host))
+		case v == "":
+			coord.leave(ctx, attempt)
+		}
+	}
+	return res, nil
+}
+
+// outcome reports how an attempt ended: end with the job's result (nil: it succeeded), or
+// the exit code of a failed attempt, which a restart may follow.
+func (j *job) outcome(ctx context.Context, res attemptResult, attempt int) (code int, end bool, err error) {
+	switch {
+	case res.interrupted || (res.first == nil && res.remote == "" && ctx.Err() != nil):
+		j.con.msg(fmt.Sprintf("ddprun: %v; stopped every rank\n", context.Cause(ctx)))
+		return 0, true, &exitError{interruptCode(ctx)}
+	case res.startErr != nil:
+		return 0, true, fmt.Errorf("attempt %d: %w", attempt, res.startErr)
+	case res.first != nil:
+		j.reportFailure(res.first, attempt)
+		return res.first.exitCode(), false, nil
+	case res.remote != "":
+		c, desc, stop := parseVerdict(res.remote)
+		if stop {
+			j.con.msg(fmt.Sprintf("ddprun: attempt %d stopped: %s; stopped this node's ranks\n", attempt, desc))
+			return 0, true, &exitError{1}
+		}
+		j.con.msg(fmt.Sprintf("ddprun: attempt %d failed on another node: %s; stopped this node's ranks\n", attempt, desc))
+		return c, false, nil
+	}
+	return 0, true, nil
 }
 
 // reportFailure prints the first failure of an attempt: rank, host, how it ended, and its
@@ -298,13 +342,7 @@ func (j *job) reportFailure(p *rankProc, attempt int) {
 func setDefaultThreads(j *job, con *console) {
 	var set []string
 	for _, k := range []string{"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} {
-		found := false
-		for _, kv := range j.baseEnv {
-			if _, ok := cutEnv(kv, k); ok {
-				found = true
-			}
-		}
-		if !found {
+		if !hasEnv(j.baseEnv, k) {
 			j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)], k+"=1")
 			set = append(set, k+"=1")
 		}
@@ -314,13 +352,21 @@ func setDefaultThreads(j *job, con *console) {
 	}
 }
 
-// cutEnv returns the value of kv if its key is k.
-func cutEnv(kv, k string) (string, bool) {
-	key, v, ok := strings.Cut(kv, "=")
-	if !ok || key != k {
-		return "", false
+// lookupEnv returns the value env (KEY=VALUE entries) gives key: its last entry's, as for a
+// process.
+func lookupEnv(env []string, key string) (string, bool) {
+	for i := len(env) - 1; i >= 0; i-- {
+		if v, ok := strings.CutPrefix(env[i], key+"="); ok {
+			return v, true
+		}
 	}
-	return v, true
+	return "", false
+}
+
+// hasEnv reports whether env (KEY=VALUE entries) sets key.
+func hasEnv(env []string, key string) bool {
+	_, ok := lookupEnv(env, key)
+	return ok
 }
 
 // storeLogger logs the store's warnings and errors to the console.

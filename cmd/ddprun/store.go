@@ -32,14 +32,7 @@ func newToken() (string, error) {
 // sharedToken reads a multi-node job's token from GODDP_TOKEN or the file named by
 // GODDP_TOKEN_FILE in env. Every node's ddprun must be given the same one.
 func sharedToken(env []string) (string, error) {
-	get := func(k string) string {
-		for i := len(env) - 1; i >= 0; i-- {
-			if v, ok := strings.CutPrefix(env[i], k+"="); ok {
-				return v
-			}
-		}
-		return ""
-	}
+	get := func(k string) string { v, _ := lookupEnv(env, k); return v }
 	if t := strings.TrimSpace(get("GODDP_TOKEN")); t != "" {
 		return t, nil
 	}

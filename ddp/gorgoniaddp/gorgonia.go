@@ -78,23 +78,6 @@ func ParamsFromNodes(nodes []*gorgonia.Node, gradientAsBucketView bool) ([]ddp.P
 	return ps, nil
 }
 
-// TapNodes taps every learnable at once: tapped[i] = Tap(nodes[i], i, hook). Build the
-// model on the tapped nodes (every use of nodes[i] must go through tapped[i]) and take
-// gorgonia.Grad with respect to the original nodes. The gradients are right, but taps made
-// before the whole model fire their hooks only after the whole backward (Note [Tap
-// placement]), so nothing overlaps: prefer Taps, which places each tap at its first use.
-func TapNodes(nodes []*gorgonia.Node, hook GradHook) ([]*gorgonia.Node, error) {
-	tapped := make([]*gorgonia.Node, len(nodes))
-	for i, n := range nodes {
-		t, err := Tap(n, i, hook)
-		if err != nil {
-			return nil, err
-		}
-		tapped[i] = t
-	}
-	return tapped, nil
-}
-
 // Taps hands out each learnable's tapped node, creating the tap at the first Use.
 //
 // Note [Tap placement]: gorgonia puts nodes on the tape in creation order and backprop

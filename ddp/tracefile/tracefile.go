@@ -23,7 +23,8 @@ import (
 // ddprun --trace_merge sets it for every rank.
 const EnvVar = "GODDP_TRACE"
 
-// ErrInvalidArgument: Merge was given no traces, or two traces of one rank.
+// ErrInvalidArgument: Merge was given no traces, or two traces of one rank. It is its own,
+// not ddp's, as this package imports neither ddp nor its dependencies.
 var ErrInvalidArgument = errors.New("tracefile: invalid argument")
 
 // Event is one event of a Chrome trace event file, as Read decodes it.

@@ -331,189 +331,268 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 // trainWith trains m (in place) as one rank of pg (nil: alone, without ddp). The process
 // group stays the caller's.
 func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.ProcessGroup, log *zap.Logger, stdout io.Writer) (err error) {
-	w := world{rank: 0, size: 1}
+	t := &trainer{f: f, w: world{rank: 0, size: 1}, m: m, pg: pg, grads: make([]float32, m.NumParams()), stdout: stdout}
 	if pg != nil {
-		w = world{rank: pg.Rank(), size: pg.Size()}
+		t.w = world{rank: pg.Rank(), size: pg.Size()}
 	}
-
-	cfg := m.Config()
-	params := m.Params()
-	grads := make([]float32, m.NumParams())
-	var (
-		local *localSync
-		d     *ddp.DDP
-		sync  gradSync
-	)
-	if pg == nil {
-		local = &localSync{params: params, grads: grads}
-		sync = local
-	} else {
-		// Every parameter is a view of the model's flat buffer (which the graph reads
-		// at every run) and of the flat gradient buffer (which the optimizer reads):
-		// New overwrites the former with rank 0's values, Finalize leaves the averaged
-		// gradients in the latter.
-		dp := make([]ddp.Param, len(params))
-		for i, p := range params {
-			dp[i] = ddp.Param{Name: p.Name, Data: m.Data32()[p.Offset : p.Offset+p.Size],
-				Grad: grads[p.Offset : p.Offset+p.Size], Shape: p.Shape}
-		}
-		var err error
-		d, err = ddp.New(ctx, pg, dp, ddp.Options{BucketCapMB: f.bucketCapMB, FirstBucketCapMB: f.firstCapMB, Logger: log})
-		if err != nil {
-			return err
-		}
-		defer d.Close()
-		sync = ddpSync{d, gorgoniaddp.Hook(d)}
+	if err := t.initSync(ctx, log); err != nil {
+		return err
+	}
+	if t.d != nil {
+		defer t.d.Close()
 	}
 
 	graphBuild.Lock()
-	g, err := m.NewGraph(model.GraphOptions{
+	t.g, err = m.NewGraph(model.GraphOptions{
 		Batch: f.batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
-		LossScale: 1 / float64(f.accum), Hook: sync.Hook,
+		LossScale: 1 / float64(f.accum), Hook: t.sync.Hook,
 	})
 	graphBuild.Unlock()
 	if err != nil {
 		return err
 	}
-	defer g.Close()
-	opt, err := optim.NewAdamW(m.NumParams(), optim.AdamWOptions{LR: f.lr})
-	if err != nil {
+	defer t.g.Close()
+	if t.opt, err = optim.NewAdamW(m.NumParams(), optim.AdamWOptions{LR: f.lr}); err != nil {
 		return err
 	}
 
-	start := 0
-	if f.checkpointDir != "" {
-		if start, err = restore(ctx, f, w, pg, m.Data32(), opt, log); err != nil {
-			return err
-		}
-		// The kill test (scripts/kill_test.sh) finds this rank's process by this file.
-		if err := os.MkdirAll(f.checkpointDir, 0o755); err != nil {
-			return fmt.Errorf("rank %d: %w", w.rank, err)
-		}
-		pidFile := filepath.Join(f.checkpointDir, fmt.Sprintf("rank%d.pid", w.rank))
-		if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
-			return fmt.Errorf("rank %d: %w", w.rank, err)
-		}
+	start, err := t.resume(ctx, log)
+	if err != nil {
+		return err
 	}
-
-	if w.rank == 0 {
-		fmt.Fprintf(stdout, "Model: %.2f MB | bucket_cap_mb=%g\n", float64(m.NumParams())*4/1e6, f.bucketCapMB)
-		fmt.Fprintf(stdout, "params=%d task=%s layers=%d hidden=%d batch=%d seq=%d accum=%d world=%d blas=%s start_step=%d\n",
-			m.NumParams(), cfg.Task, cfg.NumLayers, cfg.Hidden, f.batch, f.seqLen, f.accum, w.size, blasName, start)
-	}
+	t.banner(start)
 
 	total := f.warmup + f.bench
-	obs, err := newObserver(f, w, d, stdout, total)
-	if err != nil {
+	if t.obs, err = newObserver(f, t.w, t.d, stdout, total); err != nil {
 		return err
 	}
 	defer func() {
-		if cerr := obs.close(ctx); cerr != nil && err == nil {
+		if cerr := t.obs.close(ctx); cerr != nil && err == nil {
 			err = cerr
 		}
 	}()
-	straggle := f.straggle > 0 && f.straggleRank == w.rank
-	var timed time.Duration
-	var nTimed int
-	var ov overlap
 	for step := start; step < total; step++ {
-		t0 := time.Now()
-		obs.tr.BeginStep(step)
-		if straggle {
-			end := obs.tr.Span("straggle (--straggle_ms)")
-			time.Sleep(f.straggle)
-			end()
-		}
-		end := obs.tr.Span("forward+backward")
-		var loss float64
-		for mb := 0; mb < f.accum; mb++ {
-			// Global sample index: micro-batch mb of rank r holds samples
-			// (mb·world + r)·B …, so R ranks × A micro-batches × B samples see the same
-			// data as one process with batch R·A·B.
-			if err := g.Load(step, (mb*w.size+w.rank)*f.batch); err != nil {
-				return err
-			}
-			if local != nil {
-				local.first = mb == 0
-			}
-			mode := ddp.Accumulate // NoSync for all but the last micro-batch
-			if mb == f.accum-1 {
-				mode = ddp.Sync
-			}
-			sync.BeginBackward(mode)
-			l, err := g.Run()
-			if err != nil {
-				return fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
-			}
-			loss += l
-		}
-		end()
-		if err := sync.Finalize(ctx); err != nil {
-			return fmt.Errorf("step %d: %w", step, err)
-		}
-		if err := obs.afterFinalize(ctx, d); err != nil {
-			return fmt.Errorf("step %d: %w", step, err)
-		}
-		if f.onGrads != nil {
-			f.onGrads(step, grads)
-		}
-		end = obs.tr.Span("optimizer")
-		if err := opt.Step(m.Data32(), grads); err != nil {
-			return fmt.Errorf("step %d: %w", step, err)
-		}
-		end()
-		dur := time.Since(t0)
-		if step >= f.warmup {
-			timed += dur
-			nTimed++
-			if d != nil {
-				ov.add(d.Stats())
-			}
-		}
-		if math.IsNaN(loss) || math.IsInf(loss, 0) {
-			return fmt.Errorf("rank %d: step %d: loss is %v", w.rank, step, loss)
-		}
-		obs.endStep(step, dur, loss)
-		if f.logEvery > 0 && (step%f.logEvery == 0 || step == total-1) {
-			// The loss over the global batch (the mean of the ranks' losses), comparable
-			// with a --no_ddp run on the global batch; collected after the step's timing.
-			if pg != nil {
-				lb := []float64{loss}
-				if err := pg.AllReduce(ctx, lb, procgroup.Sum).Wait(ctx); err != nil {
-					return fmt.Errorf("rank %d: step %d: averaging the loss: %w", w.rank, step, err)
-				}
-				loss = lb[0] / float64(w.size)
-			}
-			obs.showLoss(step, loss)
-		}
-		if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
-			end := obs.tr.Span("checkpoint")
-			if err := saveCheckpoint(f, w, step+1, m.Data32(), opt); err != nil {
-				return err
-			}
-			end()
+		if err := t.runStep(ctx, step, total); err != nil {
+			return err
 		}
 	}
-	if err := obs.finish(ctx); err != nil {
+	return t.finish(ctx)
+}
+
+// trainer is one rank's training run: what trainWith sets up, and the totals of the timed
+// steps.
+type trainer struct {
+	f      flags
+	w      world
+	m      *model.Model
+	pg     procgroup.ProcessGroup // nil: alone, without ddp
+	grads  []float32              // the flat gradient buffer, which the optimizer reads
+	local  *localSync             // without ddp
+	d      *ddp.DDP               // with ddp
+	sync   gradSync               // local or d
+	g      *model.Graph
+	opt    *optim.AdamW
+	obs    *observer
+	stdout io.Writer
+
+	timed  time.Duration // the total time of the timed steps (after --warmup_steps)
+	nTimed int
+	ov     overlap
+}
+
+// initSync sets t.sync: a localSync alone, otherwise a DDP over every parameter.
+func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
+	params := t.m.Params()
+	if t.pg == nil {
+		t.local = &localSync{params: params, grads: t.grads}
+		t.sync = t.local
+		return nil
+	}
+	// Every parameter is a view of the model's flat buffer (which the graph reads
+	// at every run) and of the flat gradient buffer (which the optimizer reads):
+	// New overwrites the former with rank 0's values, Finalize leaves the averaged
+	// gradients in the latter.
+	dp := make([]ddp.Param, len(params))
+	for i, p := range params {
+		dp[i] = ddp.Param{Name: p.Name, Data: t.m.Data32()[p.Offset : p.Offset+p.Size],
+			Grad: t.grads[p.Offset : p.Offset+p.Size], Shape: p.Shape}
+	}
+	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: t.f.bucketCapMB, FirstBucketCapMB: t.f.firstCapMB, Logger: log})
+	if err != nil {
 		return err
 	}
-	if w.rank == 0 && nTimed > 0 {
-		fmt.Fprintf(stdout, "bucket_cap_mb=%g  ms/step=%.2f\n", f.bucketCapMB, float64(timed.Microseconds())/1e3/float64(nTimed))
-		if ov.n > 0 {
-			fmt.Fprintln(stdout, ov.String())
+	t.d = d
+	t.sync = ddpSync{d, gorgoniaddp.Hook(d)}
+	return nil
+}
+
+// resume restores the last checkpoint with --checkpoint_dir and returns the step to start
+// from (0 without).
+func (t *trainer) resume(ctx context.Context, log *zap.Logger) (int, error) {
+	f, w := t.f, t.w
+	if f.checkpointDir == "" {
+		return 0, nil
+	}
+	start, err := restore(ctx, f, w, t.pg, t.m.Data32(), t.opt, log)
+	if err != nil {
+		return 0, err
+	}
+	// The kill test (scripts/kill_test.sh) finds this rank's process by this file.
+	if err := os.MkdirAll(f.checkpointDir, 0o755); err != nil {
+		return 0, fmt.Errorf("rank %d: %w", w.rank, err)
+	}
+	pidFile := filepath.Join(f.checkpointDir, fmt.Sprintf("rank%d.pid", w.rank))
+	if err := os.WriteFile(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		return 0, fmt.Errorf("rank %d: %w", w.rank, err)
+	}
+	return start, nil
+}
+
+// banner prints the model and the run's settings (rank 0 only).
+func (t *trainer) banner(start int) {
+	if t.w.rank != 0 {
+		return
+	}
+	f, cfg := t.f, t.m.Config()
+	fmt.Fprintf(t.stdout, "Model: %.2f MB | bucket_cap_mb=%g\n", float64(t.m.NumParams())*4/1e6, f.bucketCapMB)
+	fmt.Fprintf(t.stdout, "params=%d task=%s layers=%d hidden=%d batch=%d seq=%d accum=%d world=%d blas=%s start_step=%d\n",
+		t.m.NumParams(), cfg.Task, cfg.NumLayers, cfg.Hidden, f.batch, f.seqLen, f.accum, t.w.size, blasName, start)
+}
+
+// runStep runs optimizer step step of total, times it (after --warmup), and reports,
+// averages the loss and checkpoints as the flags ask.
+func (t *trainer) runStep(ctx context.Context, step, total int) error {
+	f := t.f
+	t0 := time.Now()
+	loss, err := t.step(ctx, step)
+	if err != nil {
+		return err
+	}
+	dur := time.Since(t0)
+	if step >= f.warmup {
+		t.timed += dur
+		t.nTimed++
+		if t.d != nil {
+			t.ov.add(t.d.Stats())
 		}
 	}
-	if pg != nil {
+	if math.IsNaN(loss) || math.IsInf(loss, 0) {
+		return fmt.Errorf("rank %d: step %d: loss is %v", t.w.rank, step, loss)
+	}
+	t.obs.endStep(step, dur, loss)
+	if f.logEvery > 0 && (step%f.logEvery == 0 || step == total-1) {
+		if err := t.showLoss(ctx, step, loss); err != nil {
+			return err
+		}
+	}
+	if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
+		end := t.obs.tr.Span("checkpoint")
+		if err := saveCheckpoint(f, t.w, step+1, t.m.Data32(), t.opt); err != nil {
+			return err
+		}
+		end()
+	}
+	return nil
+}
+
+// step runs the timed part of an optimizer step: forward and backward over --accum
+// micro-batches, the gradients' sync, the optimizer. It returns this rank's loss.
+func (t *trainer) step(ctx context.Context, step int) (float64, error) {
+	t.obs.tr.BeginStep(step)
+	if t.f.straggle > 0 && t.f.straggleRank == t.w.rank {
+		end := t.obs.tr.Span("straggle (--straggle_ms)")
+		time.Sleep(t.f.straggle)
+		end()
+	}
+	end := t.obs.tr.Span("forward+backward")
+	loss, err := t.forwardBackward(step)
+	if err != nil {
+		return 0, err
+	}
+	end()
+	if err := t.sync.Finalize(ctx); err != nil {
+		return 0, fmt.Errorf("step %d: %w", step, err)
+	}
+	if err := t.obs.afterFinalize(ctx, t.d); err != nil {
+		return 0, fmt.Errorf("step %d: %w", step, err)
+	}
+	if t.f.onGrads != nil {
+		t.f.onGrads(step, t.grads)
+	}
+	end = t.obs.tr.Span("optimizer")
+	if err := t.opt.Step(t.m.Data32(), t.grads); err != nil {
+		return 0, fmt.Errorf("step %d: %w", step, err)
+	}
+	end()
+	return loss, nil
+}
+
+// forwardBackward runs the step's micro-batches, all but the last without sync, and
+// returns the sum of their losses.
+func (t *trainer) forwardBackward(step int) (float64, error) {
+	f, w := t.f, t.w
+	var loss float64
+	for mb := 0; mb < f.accum; mb++ {
+		// Global sample index: micro-batch mb of rank r holds samples
+		// (mb·world + r)·B …, so R ranks × A micro-batches × B samples see the same
+		// data as one process with batch R·A·B.
+		if err := t.g.Load(step, (mb*w.size+w.rank)*f.batch); err != nil {
+			return 0, err
+		}
+		if t.local != nil {
+			t.local.first = mb == 0
+		}
+		mode := ddp.Accumulate // NoSync for all but the last micro-batch
+		if mb == f.accum-1 {
+			mode = ddp.Sync
+		}
+		t.sync.BeginBackward(mode)
+		l, err := t.g.Run()
+		if err != nil {
+			return 0, fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
+		}
+		loss += l
+	}
+	return loss, nil
+}
+
+// showLoss shows the loss over the global batch (the mean of the ranks' losses),
+// comparable with a --no_ddp run on the global batch; collected after the step's timing.
+func (t *trainer) showLoss(ctx context.Context, step int, loss float64) error {
+	if t.pg != nil {
+		lb := []float64{loss}
+		if err := t.pg.AllReduce(ctx, lb, procgroup.Sum).Wait(ctx); err != nil {
+			return fmt.Errorf("rank %d: step %d: averaging the loss: %w", t.w.rank, step, err)
+		}
+		loss = lb[0] / float64(t.w.size)
+	}
+	t.obs.showLoss(step, loss)
+	return nil
+}
+
+// finish ends the run: the observer's final reports, the timed steps' figures (rank 0), a
+// barrier, the peak RSS and the parameters' checksum.
+func (t *trainer) finish(ctx context.Context) error {
+	if err := t.obs.finish(ctx); err != nil {
+		return err
+	}
+	if t.w.rank == 0 && t.nTimed > 0 {
+		fmt.Fprintf(t.stdout, "bucket_cap_mb=%g  ms/step=%.2f\n", t.f.bucketCapMB, float64(t.timed.Microseconds())/1e3/float64(t.nTimed))
+		if t.ov.n > 0 {
+			fmt.Fprintln(t.stdout, t.ov.String())
+		}
+	}
+	if t.pg != nil {
 		// Leave together: no rank closes its connections while a peer may still be
 		// finishing the last collective.
-		if err := pg.Barrier(ctx).Wait(ctx); err != nil {
-			return fmt.Errorf("rank %d: final barrier: %w", w.rank, err)
+		if err := t.pg.Barrier(ctx).Wait(ctx); err != nil {
+			return fmt.Errorf("rank %d: final barrier: %w", t.w.rank, err)
 		}
 	}
 	if rss, ok := peakRSS(); ok {
-		fmt.Fprintf(stdout, "rank %d peak_rss_mb=%.1f\n", w.rank, float64(rss)/(1<<20))
+		fmt.Fprintf(t.stdout, "rank %d peak_rss_mb=%.1f\n", t.w.rank, float64(rss)/(1<<20))
 	}
-	fmt.Fprintf(stdout, "params_crc32=%08x\n", paramsCRC32(m.Data32()))
+	fmt.Fprintf(t.stdout, "params_crc32=%08x\n", paramsCRC32(t.m.Data32()))
 	return nil
 }
 

@@ -16,7 +16,7 @@ import (
 	"github.com/goddp/goddp/ddp/observe"
 )
 
-// observer is what the trainer shows of a run besides its result (issue 7): the timeline
+// observer is what the trainer shows of a run besides its result: the timeline
 // (--trace, or GODDP_TRACE from ddprun --trace_merge), the overlap report every
 // --report_every steps and at the end, the straggler report at the end, the Prometheus
 // metrics (--metrics_addr) and the progress display. A part that is off costs nothing: the

@@ -198,12 +198,6 @@ func (tb *Testbed) Hosts() int { return len(tb.hosts) }
 // Addr is host h's address.
 func (tb *Testbed) Addr(h int) string { return fmt.Sprintf("10.98.%d.%d", tb.opts.Subnet, h+1) }
 
-// Namespace is host h's network namespace name (for ip netns exec).
-func (tb *Testbed) Namespace(h int) string { return tb.hosts[h] }
-
-// Netem reports whether the links carry a netem delay.
-func (tb *Testbed) Netem() bool { return tb.netem }
-
 // Command returns a command that runs name with args on host h. Its environment is this
 // process's plus TESTBED_HOST (h), TESTBED_HOSTS, TESTBED_ADDR (h's address) and
 // TESTBED_MASTER (host 0's address).

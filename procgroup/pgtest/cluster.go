@@ -409,7 +409,7 @@ func (g *group) ctxDone(ctx context.Context, o *op) {
 	c.stopAllLocked(g.rank, fmt.Errorf("%w: %s seq %d: %w", procgroup.ErrAborted, o.rec.Op, o.rec.Seq, err), "aborted")
 }
 
-func (g *group) invalid(op string, format string, args ...any) procgroup.Work {
+func (g *group) invalid(op procgroup.CollectiveOp, format string, args ...any) procgroup.Work {
 	return procgroup.Completed(g.opErr(Record{Op: op},
 		fmt.Errorf("%w: "+format, append([]any{procgroup.ErrInvalidArgument}, args...)...)))
 }
@@ -429,64 +429,64 @@ var errNilCtx = fmt.Errorf("%w: nil context", procgroup.ErrInvalidArgument)
 // AllReduce implements procgroup.ProcessGroup.
 func (g *group) AllReduce(ctx context.Context, buf any, op procgroup.ReduceOp) procgroup.Work {
 	if ctx == nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpAllReduce}, errNilCtx))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpAllReduce}, errNilCtx))
 	}
 	dt, n, err := hostDType(buf)
 	if err != nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpAllReduce}, err))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpAllReduce}, err))
 	}
 	if !validOp(op) {
-		return g.invalid(OpAllReduce, "unknown reduce op %v", op)
+		return g.invalid(procgroup.OpAllReduce, "unknown reduce op %v", op)
 	}
-	return g.issue(ctx, Record{Op: OpAllReduce, DType: dt, Count: n, ReduceOp: op}, buf, buf)
+	return g.issue(ctx, Record{Op: procgroup.OpAllReduce, DType: dt, Count: n, ReduceOp: op}, buf, buf)
 }
 
 // Broadcast implements procgroup.ProcessGroup.
 func (g *group) Broadcast(ctx context.Context, buf any, root int) procgroup.Work {
 	if ctx == nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpBroadcast}, errNilCtx))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpBroadcast}, errNilCtx))
 	}
 	dt, n, err := hostDType(buf)
 	if err != nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpBroadcast}, err))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpBroadcast}, err))
 	}
 	if root < 0 || root >= g.c.size {
-		return g.invalid(OpBroadcast, "root %d outside [0, %d)", root, g.c.size)
+		return g.invalid(procgroup.OpBroadcast, "root %d outside [0, %d)", root, g.c.size)
 	}
-	return g.issue(ctx, Record{Op: OpBroadcast, DType: dt, Count: n, Root: root}, buf, buf)
+	return g.issue(ctx, Record{Op: procgroup.OpBroadcast, DType: dt, Count: n, Root: root}, buf, buf)
 }
 
 // AllGather implements procgroup.ProcessGroup.
 func (g *group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 	if ctx == nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpAllGather}, errNilCtx))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpAllGather}, errNilCtx))
 	}
 	dt, nIn, nOut, err := g.pair(in, out)
 	if err != nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpAllGather}, err))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpAllGather}, err))
 	}
 	if nOut != g.c.size*nIn {
-		return g.invalid(OpAllGather, "len(out) %d, want size %d × len(in) %d", nOut, g.c.size, nIn)
+		return g.invalid(procgroup.OpAllGather, "len(out) %d, want size %d × len(in) %d", nOut, g.c.size, nIn)
 	}
-	return g.issue(ctx, Record{Op: OpAllGather, DType: dt, Count: nIn}, in, out)
+	return g.issue(ctx, Record{Op: procgroup.OpAllGather, DType: dt, Count: nIn}, in, out)
 }
 
 // ReduceScatter implements procgroup.ProcessGroup.
 func (g *group) ReduceScatter(ctx context.Context, out, in any, op procgroup.ReduceOp) procgroup.Work {
 	if ctx == nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpReduceScatter}, errNilCtx))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpReduceScatter}, errNilCtx))
 	}
 	dt, nIn, nOut, err := g.pair(in, out)
 	if err != nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpReduceScatter}, err))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpReduceScatter}, err))
 	}
 	if nIn != g.c.size*nOut {
-		return g.invalid(OpReduceScatter, "len(in) %d, want size %d × len(out) %d", nIn, g.c.size, nOut)
+		return g.invalid(procgroup.OpReduceScatter, "len(in) %d, want size %d × len(out) %d", nIn, g.c.size, nOut)
 	}
 	if !validOp(op) {
-		return g.invalid(OpReduceScatter, "unknown reduce op %v", op)
+		return g.invalid(procgroup.OpReduceScatter, "unknown reduce op %v", op)
 	}
-	return g.issue(ctx, Record{Op: OpReduceScatter, DType: dt, Count: nOut, ReduceOp: op}, in, out)
+	return g.issue(ctx, Record{Op: procgroup.OpReduceScatter, DType: dt, Count: nOut, ReduceOp: op}, in, out)
 }
 
 // pair checks that in and out are host slices of one element type.
@@ -508,9 +508,9 @@ func (g *group) pair(in, out any) (dt procgroup.DType, nIn, nOut int, err error)
 // Barrier implements procgroup.ProcessGroup.
 func (g *group) Barrier(ctx context.Context) procgroup.Work {
 	if ctx == nil {
-		return procgroup.Completed(g.opErr(Record{Op: OpBarrier}, errNilCtx))
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpBarrier}, errNilCtx))
 	}
-	return g.issue(ctx, Record{Op: OpBarrier}, nil, nil)
+	return g.issue(ctx, Record{Op: procgroup.OpBarrier}, nil, nil)
 }
 
 // Close fails the rank's pending works with procgroup.ErrClosed (its peers' with

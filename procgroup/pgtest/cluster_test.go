@@ -62,9 +62,9 @@ func TestClusterAllReduceAndRecords(t *testing.T) {
 		}
 	})
 	want := []Record{
-		{Seq: 1, Op: OpAllReduce, DType: procgroup.Int64, Count: 3, ReduceOp: procgroup.Sum},
-		{Seq: 2, Op: OpBroadcast, DType: procgroup.Float32, Count: 2, Root: 2},
-		{Seq: 3, Op: OpBarrier},
+		{Seq: 1, Op: procgroup.OpAllReduce, DType: procgroup.Int64, Count: 3, ReduceOp: procgroup.Sum},
+		{Seq: 2, Op: procgroup.OpBroadcast, DType: procgroup.Float32, Count: 2, Root: 2},
+		{Seq: 3, Op: procgroup.OpBarrier},
 	}
 	for r := range 3 {
 		if got := c.Issued(r); fmt.Sprint(got) != fmt.Sprint(want) {

@@ -7,8 +7,8 @@ import "github.com/goddp/goddp/procgroup"
 // is written, so an input that aliases an output (an in-place AllGather, say) is safe.
 func run(rec Record, ops []*op) {
 	switch rec.Op {
-	case OpBarrier:
-	case OpBroadcast:
+	case procgroup.OpBarrier:
+	case procgroup.OpBroadcast:
 		switch rec.DType {
 		case procgroup.Float32:
 			broadcast[float32](ops, rec.Root)
@@ -23,7 +23,7 @@ func run(rec Record, ops []*op) {
 		case procgroup.Float16:
 			broadcast[procgroup.F16](ops, rec.Root)
 		}
-	case OpAllGather:
+	case procgroup.OpAllGather:
 		switch rec.DType {
 		case procgroup.Float32:
 			allGather[float32](ops)
@@ -38,7 +38,7 @@ func run(rec Record, ops []*op) {
 		case procgroup.Float16:
 			allGather[procgroup.F16](ops)
 		}
-	case OpAllReduce, OpReduceScatter:
+	case procgroup.OpAllReduce, procgroup.OpReduceScatter:
 		switch rec.DType {
 		case procgroup.Float32:
 			reduceNative[float32](rec, ops)
@@ -117,7 +117,7 @@ func reduce[T number](op procgroup.ReduceOp, ins [][]T) []T {
 func scatter[T any](rec Record, ops []*op, res []T) {
 	for r, o := range ops {
 		out := o.out.([]T)
-		if rec.Op == OpReduceScatter {
+		if rec.Op == procgroup.OpReduceScatter {
 			copy(out, res[r*len(out):(r+1)*len(out)])
 		} else {
 			copy(out, res)

@@ -6,15 +6,6 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
-// Collective names, as they appear in Record.Op.
-const (
-	OpAllReduce     = "allreduce"
-	OpBroadcast     = "broadcast"
-	OpAllGather     = "allgather"
-	OpReduceScatter = "reducescatter"
-	OpBarrier       = "barrier"
-)
-
 // Record describes one collective as one rank issued it.
 //
 // Seq is the collective's sequence number on its rank, starting at 1. Count is the number of
@@ -23,7 +14,7 @@ const (
 // Broadcast only and ReduceOp for AllReduce and ReduceScatter only; DType is 0 for Barrier.
 type Record struct {
 	Seq      int
-	Op       string
+	Op       procgroup.CollectiveOp
 	DType    procgroup.DType
 	Count    int
 	Root     int
@@ -33,11 +24,11 @@ type Record struct {
 // String renders r as, for instance, "allreduce float32×1024 sum".
 func (r Record) String() string {
 	switch r.Op {
-	case OpBarrier:
-		return r.Op
-	case OpBroadcast:
+	case procgroup.OpBarrier:
+		return r.Op.String()
+	case procgroup.OpBroadcast:
 		return fmt.Sprintf("%s %v×%d root %d", r.Op, r.DType, r.Count, r.Root)
-	case OpAllReduce, OpReduceScatter:
+	case procgroup.OpAllReduce, procgroup.OpReduceScatter:
 		return fmt.Sprintf("%s %v×%d %v", r.Op, r.DType, r.Count, r.ReduceOp)
 	}
 	return fmt.Sprintf("%s %v×%d", r.Op, r.DType, r.Count)

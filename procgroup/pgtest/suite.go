@@ -142,7 +142,7 @@ func rng(name string) *rand.Rand {
 
 // coll is one collective with every rank's arguments and the means to check its results.
 type coll struct {
-	kind  string
+	kind  procgroup.CollectiveOp
 	dt    procgroup.DType
 	op    procgroup.ReduceOp
 	root  int
@@ -157,21 +157,21 @@ func (c *coll) String() string {
 
 // newColl draws every rank's inputs (and fills separate outputs with garbage, to see them
 // overwritten).
-func newColl(r *rand.Rand, n int, kind string, dt procgroup.DType, op procgroup.ReduceOp, root, count int) *coll {
+func newColl(r *rand.Rand, n int, kind procgroup.CollectiveOp, dt procgroup.DType, op procgroup.ReduceOp, root, count int) *coll {
 	c := &coll{kind: kind, dt: dt, op: op, root: root, count: count}
 	for range n {
 		var in, buf any
 		switch kind {
-		case OpAllReduce:
+		case procgroup.OpAllReduce:
 			in = fill(r, dt, op, count)
 			buf = clone(in)
-		case OpBroadcast:
+		case procgroup.OpBroadcast:
 			in = fill(r, dt, 0, count)
 			buf = clone(in)
-		case OpAllGather:
+		case procgroup.OpAllGather:
 			in = fill(r, dt, 0, count)
 			buf = garbage(dt, n*count)
-		case OpReduceScatter:
+		case procgroup.OpReduceScatter:
 			in = fill(r, dt, op, n*count)
 			buf = garbage(dt, count)
 		}
@@ -202,13 +202,13 @@ func clone(b any) any {
 func (c *coll) issue(ctx context.Context, pg procgroup.ProcessGroup) procgroup.Work {
 	r := pg.Rank()
 	switch c.kind {
-	case OpAllReduce:
+	case procgroup.OpAllReduce:
 		return pg.AllReduce(ctx, c.bufs[r], c.op)
-	case OpBroadcast:
+	case procgroup.OpBroadcast:
 		return pg.Broadcast(ctx, c.bufs[r], c.root)
-	case OpAllGather:
+	case procgroup.OpAllGather:
 		return pg.AllGather(ctx, c.bufs[r], c.ins[r])
-	case OpReduceScatter:
+	case procgroup.OpReduceScatter:
 		return pg.ReduceScatter(ctx, c.bufs[r], c.ins[r], c.op)
 	}
 	return pg.Barrier(ctx)
@@ -219,14 +219,14 @@ func (c *coll) issue(ctx context.Context, pg procgroup.ProcessGroup) procgroup.W
 func (c *coll) check(ok []bool) error {
 	var d diffs
 	switch c.kind {
-	case OpBroadcast:
+	case procgroup.OpBroadcast:
 		want := bits(c.ins[c.root])
 		for r, b := range c.bufs {
 			if ok[r] {
 				checkBits(&d, r, b, want)
 			}
 		}
-	case OpAllGather:
+	case procgroup.OpAllGather:
 		var want []uint64
 		for _, in := range c.ins {
 			want = append(want, bits(in)...)
@@ -236,7 +236,7 @@ func (c *coll) check(ok []bool) error {
 				checkBits(&d, r, b, want)
 			}
 		}
-	case OpAllReduce, OpReduceScatter:
+	case procgroup.OpAllReduce, procgroup.OpReduceScatter:
 		var wantF, tolF []float64
 		var wantI []int64
 		if isInt(c.dt) {
@@ -254,7 +254,7 @@ func (c *coll) check(ok []bool) error {
 		}
 		for r, b := range c.bufs {
 			off := 0
-			if c.kind == OpReduceScatter {
+			if c.kind == procgroup.OpReduceScatter {
 				off = r * c.count
 			}
 			if ok[r] {
@@ -346,10 +346,10 @@ func (s *suite) runCorrectness(t *testing.T) {
 					if count == 0 && op != procgroup.Sum {
 						continue
 					}
-					cs = append(cs, newColl(r, n, OpAllReduce, dt, op, 0, count))
+					cs = append(cs, newColl(r, n, procgroup.OpAllReduce, dt, op, 0, count))
 				}
 			}
-			cs = append(cs, newColl(r, n, OpAllReduce, dt, procgroup.Sum, 0, 64*n)) // a multiple of n
+			cs = append(cs, newColl(r, n, procgroup.OpAllReduce, dt, procgroup.Sum, 0, 64*n)) // a multiple of n
 			s.batch(t, gs, cs)
 		})
 	}
@@ -360,11 +360,11 @@ func (s *suite) runCorrectness(t *testing.T) {
 			counts := s.counts()
 			for root := range n {
 				for _, count := range []int{1, counts[len(counts)-1]} {
-					cs = append(cs, newColl(r, n, OpBroadcast, dt, 0, root, count))
+					cs = append(cs, newColl(r, n, procgroup.OpBroadcast, dt, 0, root, count))
 				}
 			}
-			cs = append(cs, newColl(r, n, OpBroadcast, dt, 0, n-1, 0))
-			cs = append(cs, newColl(r, n, OpBroadcast, dt, 0, n/2, 37))
+			cs = append(cs, newColl(r, n, procgroup.OpBroadcast, dt, 0, n-1, 0))
+			cs = append(cs, newColl(r, n, procgroup.OpBroadcast, dt, 0, n/2, 37))
 			s.batch(t, gs, cs)
 		})
 	}
@@ -373,7 +373,7 @@ func (s *suite) runCorrectness(t *testing.T) {
 			r := rng(t.Name())
 			var cs []*coll
 			for _, count := range s.counts() {
-				cs = append(cs, newColl(r, n, OpAllGather, dt, 0, 0, count))
+				cs = append(cs, newColl(r, n, procgroup.OpAllGather, dt, 0, 0, count))
 			}
 			s.batch(t, gs, cs)
 		})
@@ -384,12 +384,12 @@ func (s *suite) runCorrectness(t *testing.T) {
 			var cs []*coll
 			for _, op := range procgroup.ReduceOps {
 				for _, count := range []int{1, 37} {
-					cs = append(cs, newColl(r, n, OpReduceScatter, dt, op, 0, count))
+					cs = append(cs, newColl(r, n, procgroup.OpReduceScatter, dt, op, 0, count))
 				}
 			}
 			counts := s.counts()
-			cs = append(cs, newColl(r, n, OpReduceScatter, dt, procgroup.Sum, 0, 0))
-			cs = append(cs, newColl(r, n, OpReduceScatter, dt, procgroup.Avg, 0, counts[len(counts)-1]))
+			cs = append(cs, newColl(r, n, procgroup.OpReduceScatter, dt, procgroup.Sum, 0, 0))
+			cs = append(cs, newColl(r, n, procgroup.OpReduceScatter, dt, procgroup.Avg, 0, counts[len(counts)-1]))
 			s.batch(t, gs, cs)
 		})
 	}
@@ -397,18 +397,18 @@ func (s *suite) runCorrectness(t *testing.T) {
 		r := rng(t.Name())
 		L := s.opts.Large
 		s.batch(t, gs, []*coll{
-			newColl(r, n, OpAllReduce, procgroup.Float32, procgroup.Sum, 0, L),
-			newColl(r, n, OpAllReduce, procgroup.BFloat16, procgroup.Avg, 0, L+1),
-			newColl(r, n, OpBroadcast, procgroup.Float32, 0, n-1, L),
-			newColl(r, n, OpAllGather, procgroup.Float32, 0, 0, L/n+1),
-			newColl(r, n, OpReduceScatter, procgroup.Float32, procgroup.Sum, 0, L/n+1),
+			newColl(r, n, procgroup.OpAllReduce, procgroup.Float32, procgroup.Sum, 0, L),
+			newColl(r, n, procgroup.OpAllReduce, procgroup.BFloat16, procgroup.Avg, 0, L+1),
+			newColl(r, n, procgroup.OpBroadcast, procgroup.Float32, 0, n-1, L),
+			newColl(r, n, procgroup.OpAllGather, procgroup.Float32, 0, 0, L/n+1),
+			newColl(r, n, procgroup.OpReduceScatter, procgroup.Float32, procgroup.Sum, 0, L/n+1),
 		})
 	})
 	t.Run("barrier", func(t *testing.T) { s.testBarrier(t, gs) })
 	t.Run("in-flight", func(t *testing.T) {
 		// 50 works of every kind, element type, op and root, issued before any is waited on.
 		r := rng(t.Name())
-		kinds := []string{OpAllReduce, OpBroadcast, OpAllGather, OpReduceScatter, OpAllReduce, OpBarrier}
+		kinds := []procgroup.CollectiveOp{procgroup.OpAllReduce, procgroup.OpBroadcast, procgroup.OpAllGather, procgroup.OpReduceScatter, procgroup.OpAllReduce, procgroup.OpBarrier}
 		var cs []*coll
 		for i := range 50 {
 			dt := procgroup.DTypes[i%len(procgroup.DTypes)]
@@ -520,7 +520,7 @@ func (s *suite) testInvalid(t *testing.T, gs []procgroup.ProcessGroup) {
 	})
 	// The group must still work, and agree on what comes next.
 	r := rng(t.Name())
-	s.batch(t, gs, []*coll{newColl(r, n, OpAllReduce, procgroup.Float32, procgroup.Sum, 0, 37)})
+	s.batch(t, gs, []*coll{newColl(r, n, procgroup.OpAllReduce, procgroup.Float32, procgroup.Sum, 0, 37)})
 }
 
 // testClosePending closes groups with works pending: every work completes (correctly) or
@@ -535,7 +535,7 @@ func (s *suite) testClosePending(t *testing.T) {
 		gs := s.start(t)
 		cs := make([]*coll, 8)
 		for i := range cs {
-			cs[i] = newColl(r, n, OpAllReduce, procgroup.Float32, procgroup.Sum, 0, 1003)
+			cs[i] = newColl(r, n, procgroup.OpAllReduce, procgroup.Float32, procgroup.Sum, 0, 1003)
 		}
 		errs := make([][]error, n)
 		runRanks(gs, func(rank int, pg procgroup.ProcessGroup) {
@@ -596,7 +596,7 @@ func (s *suite) testAbortPending(t *testing.T) {
 		cs := make([]*coll, 4)
 		works := make([]procgroup.Work, len(cs))
 		for i := range cs {
-			cs[i] = newColl(r, n, OpAllReduce, procgroup.Float64, procgroup.Max, 0, 37)
+			cs[i] = newColl(r, n, procgroup.OpAllReduce, procgroup.Float64, procgroup.Max, 0, 37)
 			works[i] = cs[i].issue(ctx, gs[0])
 		}
 		gs[0].Abort(cause)
@@ -623,7 +623,7 @@ func (s *suite) testAbortPending(t *testing.T) {
 		gs := s.start(t)
 		cs := make([]*coll, 6)
 		for i := range cs {
-			cs[i] = newColl(r, n, OpAllReduce, procgroup.Int32, procgroup.Sum, 0, 1003)
+			cs[i] = newColl(r, n, procgroup.OpAllReduce, procgroup.Int32, procgroup.Sum, 0, 1003)
 		}
 		errs := make([][]error, n)
 		runRanks(gs, func(rank int, pg procgroup.ProcessGroup) {

@@ -191,9 +191,6 @@ func (m *Model) NumParams() int {
 // the parameters from it at every run: an optimizer updates the model in place here.
 func (m *Model) Data32() []float32 { return m.flat32 }
 
-// Data64 is the flat parameter buffer of a float64 model (nil for float32).
-func (m *Model) Data64() []float64 { return m.flat64 }
-
 // dense returns parameter i as a tensor backed by the flat buffer.
 func (m *Model) dense(i int) *tensor.Dense {
 	p := m.params[i]

@@ -92,7 +92,7 @@ func TestGradCheck(t *testing.T) {
 				}
 				grads = append(grads, append([]float64(nil), d.Data().([]float64)...))
 			}
-			flat := m.Data64()
+			flat := m.flat64
 			r := rand.New(rand.NewPCG(9, 9))
 			const h = 1e-6
 			checked := 0

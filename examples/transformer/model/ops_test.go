@@ -245,11 +245,11 @@ func TestFloat32MatchesFloat64(t *testing.T) {
 	}
 	cfg.DType = tensor.Float64
 	m64, _ := New(cfg)
-	for i, v := range m64.Data64() {
+	for i, v := range m64.flat64 {
 		m32.Data32()[i] = float32(v) // the same values in both
 	}
 	for i, v := range m32.Data32() {
-		m64.Data64()[i] = float64(v)
+		m64.flat64[i] = float64(v)
 	}
 	o := GraphOptions{Batch: 3, SeqLen: 8, Train: true, DataSeed: 4}
 	g32, err := m32.NewGraph(o)

@@ -73,9 +73,6 @@ func NewAdamW(n int, o AdamWOptions) (*AdamW, error) {
 // Options returns the options in use (defaults filled in).
 func (a *AdamW) Options() AdamWOptions { return a.o }
 
-// Steps is the number of steps taken.
-func (a *AdamW) Steps() int { return a.t }
-
 // Step updates params in place from grads (torch.optim.AdamW, amsgrad off):
 //
 //	p ← p·(1 − lr·wd);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²

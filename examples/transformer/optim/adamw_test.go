@@ -38,8 +38,8 @@ func TestAdamWHandComputed(t *testing.T) {
 		t.Fatal(err)
 	}
 	check(t, "step 2", p, want2)
-	if opt.Steps() != 2 {
-		t.Fatalf("Steps() = %d", opt.Steps())
+	if opt.t != 2 {
+		t.Fatalf("steps taken = %d", opt.t)
 	}
 }
 
