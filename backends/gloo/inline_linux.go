@@ -20,17 +20,13 @@ import (
 // shared memory) runs entirely on the worker goroutine, with non-blocking sendmsg and
 // recvmsg on the peer's descriptor and poll(2) when neither can move. Both ranks send
 // their whole buffer and combine what they receive, as pairAllReduce does, but with no
-// writer goroutine. Why: allreduce-perf (one process per rank) measured 1 MiB over TCP at
-// about twice what `go test -bench` (both ranks in one process) measured; with
-// GOMAXPROCS=1 the gap closed (1.6 → 1.06 ms, same load). Each process kept a writer
-// thread and a worker thread busy and handed segments between them through the
-// scheduler and the netpoller, on 2 vCPUs shared with the other rank: the hand-offs and
-// thread wake-ups, not the bytes, were the difference. Not the cause (tried): Nagle (off
-// since the start), socket buffer sizes (smaller ones cost more kernel time), segment
-// sizes (256 KiB or 4 MiB frames and sends were slower than 1 MiB), the buffer restore
-// of allreduce-perf (untimed, and the same for both). Per collective a rank now makes
-// about one sendmsg per MiB and one or two recvmsg per arrival, and sleeps in poll only
-// when the peer is behind (after yielding the CPU a while: inlineSpins).
+// writer goroutine. Why: with one process per rank, a writer goroutine and the worker
+// handed segments to each other through the scheduler and the netpoller, and those
+// hand-offs and thread wake-ups, not the bytes, cost about half of a 1 MiB all-reduce over
+// TCP on two cores shared with the other rank (1.6 ms, against 1.06 ms with GOMAXPROCS=1).
+// Per collective a rank now makes about one sendmsg per MiB and one or two recvmsg per
+// arrival, and sleeps in poll only when the peer is behind (after yielding the CPU a
+// while: inlineSpins).
 //
 // The peer's bytes land in a staging ring of two frames; a range is combined into the
 // buffer once it has both arrived and been sent from this rank's own copy, in steps of at
