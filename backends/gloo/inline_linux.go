@@ -116,190 +116,48 @@ func (s *inlineState) setIov(i int, b []byte) {
 	s.iov[i].SetLen(len(b))
 }
 
-// pairExchange runs Note [Inline exchange] on descriptor fd.
+// pairRun is one collective of Note [Inline exchange] in progress, both ways.
+type pairRun struct {
+	g       *group
+	s       *inlineState
+	p       *peer
+	fd      int
+	buf     []byte
+	total   int
+	F, Q    int // frame payload, staging ring
+	grain   int
+	seq     uint32
+	snt     int   // payload bytes sent
+	sEnd    int   // end of the frame being sent
+	hs, hl  int   // header bytes of that frame sent, of hl
+	open    bool  // a frame is being sent (p.wmu held)
+	rcv     int   // payload bytes received
+	rEnd    int   // end of the frame being received
+	hg      int   // header bytes of the next frame received (while rcv == rEnd)
+	red     int   // bytes combined into buf
+	sendErr error // sending failed: receive what the peer sent before it went
+}
+
+// pairExchange runs Note [Inline exchange] on descriptor fd: send, receive and combine
+// whatever can move, and yield or poll when nothing did.
 func (g *group) pairExchange(fd int) error {
 	s := &g.inl
-	o, p := s.o, s.p
-	buf, total := o.buf, len(o.buf)
-	F, Q := g.pairFrame(), len(s.stage)
-	grain := min(inlineGrain, F)
-	seq := uint32(o.seq)
-
-	snt, sEnd := 0, 0 // payload bytes sent; end of the frame being sent
-	hs, hl := 0, 0    // header bytes of that frame sent, of hl
-	open := false     // a frame is being sent (p.wmu held)
-	defer func() {
-		if open { // failing mid-frame: Note [Torn frames]
-			g.finishFrame(p, fd, s.whdr[hs:hl], buf[snt:sEnd])
-			p.wmu.Unlock()
+	r := pairRun{g: g, s: s, p: s.p, fd: fd, buf: s.o.buf, total: len(s.o.buf),
+		F: g.pairFrame(), Q: len(s.stage), seq: uint32(s.o.seq)}
+	r.grain = min(inlineGrain, r.F)
+	defer r.closeFrame()
+	idle := 0 // passes without progress since the last
+	for r.snt < r.total || r.red < r.total {
+		sent, err := r.send()
+		if err != nil {
+			return err
 		}
-	}()
-	rcv, rEnd := 0, 0 // payload bytes received; end of the frame being received
-	hg := 0           // header bytes of the next frame received (while rcv == rEnd)
-	red := 0          // bytes combined into buf
-	var sendErr error // sending failed: receive what the peer sent before it went
-	idle := 0         // passes without progress since the last
-
-	for snt < total || red < total {
-		progress := false
-
-		// Send.
-		if snt < total && sendErr == nil {
-			if !open {
-				select {
-				case <-g.aborted:
-					return g.abortErr
-				default:
-				}
-				p.wmu.Lock()
-				open, hs, hl = true, 0, frameHeaderLen
-				sEnd = snt + min(F, total-snt)
-				pl := sEnd - snt
-				if snt == 0 {
-					hl += 8
-					binary.LittleEndian.PutUint64(s.whdr[frameHeaderLen:], uint64(total))
-					pl += 8
-				}
-				putHeader(s.whdr[:], kindData, seq, pl)
-			}
-			k := 0
-			if hs < hl {
-				s.setIov(k, s.whdr[hs:hl])
-				k++
-			}
-			s.setIov(k, buf[snt:min(sEnd, snt+inlineSendMax)])
-			k++
-			s.msg.Iov, s.msg.Iovlen = &s.iov[0], uint64(k)
-			n, _, e := unix.Syscall(unix.SYS_SENDMSG, uintptr(fd), uintptr(unsafe.Pointer(&s.msg)), unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
-			switch {
-			case e == 0:
-				progress = true
-				h := min(int(n), hl-hs)
-				hs += h
-				snt += int(n) - h
-				if snt == sEnd {
-					open = false
-					p.wmu.Unlock()
-				}
-			case e == unix.EAGAIN || e == unix.EINTR:
-			default:
-				// The peer may have aborted: its abort frame, if it sent one, is
-				// still to be read; only receive from now on.
-				sendErr = fmt.Errorf("send: %w", e)
-				progress = true
-			}
+		got, err := r.receive()
+		if err != nil {
+			return err
 		}
-
-		// Receive: a header (the first frame's has the length appended) and then payload
-		// into the ring, or payload and then the next header, in one recvmsg.
-		avail := red + Q - rcv // free staging bytes
-		if rcv < total && (rcv == rEnd || avail > 0) {
-			off := rcv % Q
-			rhl := frameHeaderLen // the next header's length
-			if rcv == 0 {
-				rhl += 8
-			}
-			k, pl := 0, 0
-			if rcv == rEnd {
-				s.setIov(k, s.rhdr[hg:rhl])
-				k++
-				if pl = min(F, total-rcv, avail, Q-off); pl > 0 {
-					s.setIov(k, s.stage[off:off+pl])
-					k++
-				}
-			} else {
-				pl = min(rEnd-rcv, avail, Q-off)
-				s.setIov(k, s.stage[off:off+pl])
-				k++
-				if rcv+pl == rEnd && rEnd < total {
-					s.setIov(k, s.rhdr[:frameHeaderLen])
-					k++
-				}
-			}
-			s.msg.Iov, s.msg.Iovlen = &s.iov[0], uint64(k)
-			n, _, e := unix.Syscall(unix.SYS_RECVMSG, uintptr(fd), uintptr(unsafe.Pointer(&s.msg)), unix.MSG_DONTWAIT)
-			switch {
-			case e == 0 && n == 0:
-				if sendErr != nil {
-					return g.lostErr(p, sendErr)
-				}
-				return g.lostErr(p, errors.New("connection closed by peer"))
-			case e == 0:
-				progress = true
-				m := int(n)
-				if rcv < rEnd { // payload first
-					t := min(m, pl)
-					rcv += t
-					m -= t
-					off = rcv % Q
-				}
-				if m > 0 { // (the rest of) the next header, then maybe payload at off
-					t := min(m, rhl-hg)
-					hg += t
-					m -= t
-					if hg < frameHeaderLen {
-						break
-					}
-					h, err := parseHeader(s.rhdr[:frameHeaderLen])
-					if err != nil {
-						return fmt.Errorf("from rank %d: %w", p.rank, err)
-					}
-					if h.kind == kindAbort { // its payload may have followed
-						n := copy(p.abortBuf[:h.len], s.rhdr[frameHeaderLen:hg])
-						s.abortH, s.abortN = h, n+copy(p.abortBuf[n:h.len], s.stage[off:off+m])
-						return errAbortFrame
-					}
-					if hg < rhl {
-						break // the first frame's length is not all in yet
-					}
-					want := min(F, total-rcv)
-					if rcv == 0 {
-						if t := binary.LittleEndian.Uint64(s.rhdr[frameHeaderLen:]); t != uint64(total) && h.seq == seq {
-							return fmt.Errorf("%w: rank %d all-reduces %d bytes in collective #%d, this rank %d bytes (ranks issued different collectives?)",
-								procgroup.ErrInvalidArgument, p.rank, t, seq, total)
-						}
-						want += 8
-					}
-					if h.seq != seq || h.len != uint64(want) {
-						return mismatchErr(p.rank, h, want, seq)
-					}
-					rEnd = rcv + min(F, total-rcv)
-					rcv += m
-					hg = 0
-				}
-			case e == unix.EAGAIN || e == unix.EINTR:
-			default:
-				if sendErr != nil {
-					return g.lostErr(p, sendErr)
-				}
-				return g.lostErr(p, fmt.Errorf("receive: %w", e))
-			}
-		}
-
-		// Combine what has both arrived and been sent.
-		limit := min(rcv, snt)
-		if limit < total {
-			limit &^= 7 // whole elements (every element size divides 8)
-		}
-		if limit > red && (limit-red >= grain || limit == total) {
-			progress = true
-			for red < limit {
-				off := red % Q
-				l := min(limit-red, Q-off)
-				seg, st := buf[red:red+l], s.stage[off:off+l]
-				if g.rank == 0 {
-					kernels.Reduce(o.dt, o.rop, seg, st)
-				} else { // rank 0's value first, as on rank 0: identical bits
-					kernels.ReduceInto(o.dt, o.rop, seg, st, seg)
-				}
-				if o.rop == procgroup.Avg {
-					kernels.Divide(o.dt, seg, 2)
-				}
-				red += l
-			}
-		}
-
-		if progress {
+		combined := r.combine()
+		if sent || got || combined {
 			idle = 0
 			continue
 		}
@@ -309,32 +167,222 @@ func (g *group) pairExchange(fd int) error {
 			continue
 		}
 		idle = 0
-		var ev int16
-		if snt < total && sendErr == nil {
-			ev |= unix.POLLOUT
+		if err := r.wait(); err != nil {
+			return err
 		}
-		if rcv < total && (rcv == rEnd || red+Q > rcv) {
-			ev |= unix.POLLIN
+	}
+	return nil
+}
+
+// closeFrame finishes a frame left half sent by a failure (Note [Torn frames]).
+func (r *pairRun) closeFrame() {
+	if r.open {
+		r.g.finishFrame(r.p, r.fd, r.s.whdr[r.hs:r.hl], r.buf[r.snt:r.sEnd])
+		r.p.wmu.Unlock()
+	}
+}
+
+// send offers the socket the next bytes of the frame being sent, opening the next frame
+// first; it reports whether anything moved. A failed send is kept in sendErr (the peer
+// may have aborted, and its abort frame is still to be read): from then on it only
+// receives.
+func (r *pairRun) send() (bool, error) {
+	if r.snt >= r.total || r.sendErr != nil {
+		return false, nil
+	}
+	s, p := r.s, r.p
+	if !r.open {
+		select {
+		case <-r.g.aborted:
+			return false, r.g.abortErr
+		default:
 		}
-		if ev == 0 && sendErr != nil {
-			return g.lostErr(p, sendErr)
+		p.wmu.Lock()
+		r.open, r.hs, r.hl = true, 0, frameHeaderLen
+		r.sEnd = r.snt + min(r.F, r.total-r.snt)
+		pl := r.sEnd - r.snt
+		if r.snt == 0 {
+			r.hl += 8
+			binary.LittleEndian.PutUint64(s.whdr[frameHeaderLen:], uint64(r.total))
+			pl += 8
 		}
-		if ev == 0 {
-			return fmt.Errorf("gloo: inline exchange stuck (sent %d, received %d, combined %d of %d)", snt, rcv, red, total)
+		putHeader(s.whdr[:], kindData, r.seq, pl)
+	}
+	k := 0
+	if r.hs < r.hl {
+		s.setIov(k, s.whdr[r.hs:r.hl])
+		k++
+	}
+	s.setIov(k, r.buf[r.snt:min(r.sEnd, r.snt+inlineSendMax)])
+	k++
+	s.msg.Iov, s.msg.Iovlen = &s.iov[0], uint64(k)
+	n, _, e := unix.Syscall(unix.SYS_SENDMSG, uintptr(r.fd), uintptr(unsafe.Pointer(&s.msg)), unix.MSG_DONTWAIT|unix.MSG_NOSIGNAL)
+	switch {
+	case e == 0:
+		h := min(int(n), r.hl-r.hs)
+		r.hs += h
+		r.snt += int(n) - h
+		if r.snt == r.sEnd {
+			r.open = false
+			p.wmu.Unlock()
 		}
-		s.pfd[0] = unix.PollFd{Fd: int32(fd), Events: ev}
-		n, err := unix.Poll(s.pfd[:], int(g.cfg.PollInterval.Milliseconds())+1)
-		switch {
-		case err == unix.EINTR:
-		case err != nil:
-			return g.lostErr(p, fmt.Errorf("poll: %w", err))
-		case n == 0:
-			if err := g.stalled(); err != nil {
-				return err
-			}
-		case s.pfd[0].Revents&unix.POLLNVAL != 0:
-			return g.lostErr(p, errors.New("poll: descriptor not open"))
+		return true, nil
+	case e == unix.EAGAIN || e == unix.EINTR:
+		return false, nil
+	default:
+		r.sendErr = fmt.Errorf("send: %w", e)
+		return true, nil
+	}
+}
+
+// receive reads, in one recvmsg, a header (the first frame's has the length appended) and
+// then payload into the staging ring, or payload and then the next header; it reports
+// whether anything moved.
+func (r *pairRun) receive() (bool, error) {
+	s, p, Q := r.s, r.p, r.Q
+	avail := r.red + Q - r.rcv // free staging bytes
+	if r.rcv >= r.total || (r.rcv != r.rEnd && avail <= 0) {
+		return false, nil
+	}
+	off := r.rcv % Q
+	rhl := frameHeaderLen // the next header's length
+	if r.rcv == 0 {
+		rhl += 8
+	}
+	k, pl := 0, 0
+	if r.rcv == r.rEnd {
+		s.setIov(k, s.rhdr[r.hg:rhl])
+		k++
+		if pl = min(r.F, r.total-r.rcv, avail, Q-off); pl > 0 {
+			s.setIov(k, s.stage[off:off+pl])
+			k++
 		}
+	} else {
+		pl = min(r.rEnd-r.rcv, avail, Q-off)
+		s.setIov(k, s.stage[off:off+pl])
+		k++
+		if r.rcv+pl == r.rEnd && r.rEnd < r.total {
+			s.setIov(k, s.rhdr[:frameHeaderLen])
+			k++
+		}
+	}
+	s.msg.Iov, s.msg.Iovlen = &s.iov[0], uint64(k)
+	n, _, e := unix.Syscall(unix.SYS_RECVMSG, uintptr(r.fd), uintptr(unsafe.Pointer(&s.msg)), unix.MSG_DONTWAIT)
+	switch {
+	case e == 0 && n == 0:
+		if r.sendErr != nil {
+			return false, r.g.lostErr(p, r.sendErr)
+		}
+		return false, r.g.lostErr(p, errors.New("connection closed by peer"))
+	case e == unix.EAGAIN || e == unix.EINTR:
+		return false, nil
+	case e != 0:
+		if r.sendErr != nil {
+			return false, r.g.lostErr(p, r.sendErr)
+		}
+		return false, r.g.lostErr(p, fmt.Errorf("receive: %w", e))
+	}
+	m := int(n)
+	if r.rcv < r.rEnd { // payload first
+		t := min(m, pl)
+		r.rcv += t
+		m -= t
+		off = r.rcv % Q
+	}
+	if m == 0 {
+		return true, nil
+	}
+	// (the rest of) the next header, then maybe payload at off
+	t := min(m, rhl-r.hg)
+	r.hg += t
+	m -= t
+	if r.hg < frameHeaderLen {
+		return true, nil
+	}
+	h, err := parseHeader(s.rhdr[:frameHeaderLen])
+	if err != nil {
+		return false, fmt.Errorf("from rank %d: %w", p.rank, err)
+	}
+	if h.kind == kindAbort { // its payload may have followed
+		n := copy(p.abortBuf[:h.len], s.rhdr[frameHeaderLen:r.hg])
+		s.abortH, s.abortN = h, n+copy(p.abortBuf[n:h.len], s.stage[off:off+m])
+		return false, errAbortFrame
+	}
+	if r.hg < rhl {
+		return true, nil // the first frame's length is not all in yet
+	}
+	want := min(r.F, r.total-r.rcv)
+	if r.rcv == 0 {
+		if t := binary.LittleEndian.Uint64(s.rhdr[frameHeaderLen:]); t != uint64(r.total) && h.seq == r.seq {
+			return false, fmt.Errorf("%w: rank %d all-reduces %d bytes in collective #%d, this rank %d bytes (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, p.rank, t, r.seq, r.total)
+		}
+		want += 8
+	}
+	if h.seq != r.seq || h.len != uint64(want) {
+		return false, mismatchErr(p.rank, h, want, r.seq)
+	}
+	r.rEnd = r.rcv + min(r.F, r.total-r.rcv)
+	r.rcv += m
+	r.hg = 0
+	return true, nil
+}
+
+// combine reduces into buf what has both arrived and been sent, in steps of at least
+// grain (or the rest); it reports whether it did.
+func (r *pairRun) combine() bool {
+	limit := min(r.rcv, r.snt)
+	if limit < r.total {
+		limit &^= 7 // whole elements (every element size divides 8)
+	}
+	if limit <= r.red || (limit-r.red < r.grain && limit != r.total) {
+		return false
+	}
+	o, Q := r.s.o, r.Q
+	for r.red < limit {
+		off := r.red % Q
+		l := min(limit-r.red, Q-off)
+		seg, st := r.buf[r.red:r.red+l], r.s.stage[off:off+l]
+		if r.g.rank == 0 {
+			kernels.Reduce(o.dt, o.rop, seg, st)
+		} else { // rank 0's value first, as on rank 0: identical bits
+			kernels.ReduceInto(o.dt, o.rop, seg, st, seg)
+		}
+		if o.rop == procgroup.Avg {
+			kernels.Divide(o.dt, seg, 2)
+		}
+		r.red += l
+	}
+	return true
+}
+
+// wait sleeps in poll until the socket can take or give bytes, the poll interval passes
+// (then the checks of Note [Stalls] run), or the descriptor is shut down.
+func (r *pairRun) wait() error {
+	s, g, p := r.s, r.g, r.p
+	var ev int16
+	if r.snt < r.total && r.sendErr == nil {
+		ev |= unix.POLLOUT
+	}
+	if r.rcv < r.total && (r.rcv == r.rEnd || r.red+r.Q > r.rcv) {
+		ev |= unix.POLLIN
+	}
+	if ev == 0 && r.sendErr != nil {
+		return g.lostErr(p, r.sendErr)
+	}
+	if ev == 0 {
+		return fmt.Errorf("gloo: inline exchange stuck (sent %d, received %d, combined %d of %d)", r.snt, r.rcv, r.red, r.total)
+	}
+	s.pfd[0] = unix.PollFd{Fd: int32(r.fd), Events: ev}
+	n, err := unix.Poll(s.pfd[:], int(g.cfg.PollInterval.Milliseconds())+1)
+	switch {
+	case err == unix.EINTR:
+	case err != nil:
+		return g.lostErr(p, fmt.Errorf("poll: %w", err))
+	case n == 0:
+		return g.stalled()
+	case s.pfd[0].Revents&unix.POLLNVAL != 0:
+		return g.lostErr(p, errors.New("poll: descriptor not open"))
 	}
 	return nil
 }
