@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -14,38 +13,10 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/internal/ddptest"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
-
-func randF32(r *rand.Rand, n int) []float32 {
-	v := make([]float32, n)
-	for i := range v {
-		v[i] = float32(r.NormFloat64())
-	}
-	return v
-}
-
-func toF64[T float32 | float64](v []T) []float64 {
-	out := make([]float64, len(v))
-	for i, x := range v {
-		out[i] = float64(x)
-	}
-	return out
-}
-
-// closeTo reports the first index where got and want differ by more than tol·(1+|want|).
-func closeTo[T float32 | float64](got []T, want []float64, tol float64) error {
-	if len(got) != len(want) {
-		return fmt.Errorf("length %d, want %d", len(got), len(want))
-	}
-	for i := range want {
-		if math.Abs(float64(got[i])-want[i]) > tol*(1+math.Abs(want[i])) {
-			return fmt.Errorf("[%d] = %v, want %v", i, got[i], want[i])
-		}
-	}
-	return nil
-}
 
 // mlp is loss = scale · Σ (tanh(x·W1 + b1)·W2 − t)² in float32.
 type mlp struct {
@@ -61,7 +32,7 @@ func newLearnables(g *gorgonia.ExprGraph, seed uint64) gorgonia.Nodes {
 	r := rand.New(rand.NewPCG(seed, 5))
 	var ns gorgonia.Nodes
 	for i, s := range mlpShapes {
-		v := tensor.New(tensor.WithShape(s...), tensor.WithBacking(randF32(r, s[0]*s[1])))
+		v := tensor.New(tensor.WithShape(s...), tensor.WithBacking(ddptest.RandF32(r, s[0]*s[1])))
 		ns = append(ns, gorgonia.NewTensor(g, tensor.Float32, 2, gorgonia.WithShape(s...), gorgonia.WithValue(v), gorgonia.WithName(fmt.Sprintf("p%d", i))))
 	}
 	return ns
@@ -116,7 +87,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 		lr      = 0.1
 	)
 	r := rand.New(rand.NewPCG(21, 22))
-	xs, ts := randF32(r, steps*N*3), randF32(r, steps*N*2)
+	xs, ts := ddptest.RandF32(r, steps*N*3), ddptest.RandF32(r, steps*N*2)
 
 	ref := &mlp{g: gorgonia.NewGraph()}
 	ref.learnables = newLearnables(ref.g, 0)
@@ -129,7 +100,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 		}
 		for _, n := range ref.learnables {
 			g, _ := n.Grad()
-			refG[s] = append(refG[s], toF64(g.(*tensor.Dense).Float32s()))
+			refG[s] = append(refG[s], ddptest.ToF64(g.(*tensor.Dense).Float32s()))
 		}
 		sgd(ref.learnables, func(i int) []float32 { g, _ := ref.learnables[i].Grad(); return g.(*tensor.Dense).Float32s() }, lr)
 	}
@@ -173,7 +144,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 				}
 			}
 			for i, n := range m.learnables {
-				if err := closeTo(d.Grad32(i), refG[s][i], 1e-5); err != nil {
+				if err := ddptest.CloseTo(d.Grad32(i), refG[s][i], 1e-5); err != nil {
 					return fmt.Errorf("step %d: Grad32(%d): %w", s, i, err)
 				}
 				g, err := n.Grad()
@@ -207,7 +178,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 func TestHookAllocs(t *testing.T) {
 	c := pgtest.NewCluster(1)
 	defer c.Close()
-	g := tensor.New(tensor.WithShape(4, 8), tensor.WithBacking(randF32(rand.New(rand.NewPCG(1, 1)), 32)))
+	g := tensor.New(tensor.WithShape(4, 8), tensor.WithBacking(ddptest.RandF32(rand.New(rand.NewPCG(1, 1)), 32)))
 	d, err := ddp.New(context.Background(), c.Group(0), []ddp.Param{{Name: "w", Data: make([]float32, 32), Grad: make([]float32, 32)}}, ddp.Options{})
 	if err != nil {
 		t.Fatal(err)
