@@ -1,7 +1,9 @@
 package k8s
 
 import (
-	"bytes"
+	"bufio"
+	"errors"
+	"io"
 	"os"
 	"strings"
 	"testing"
@@ -9,6 +11,7 @@ import (
 	batchv1 "k8s.io/api/batch/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
 	"sigs.k8s.io/yaml"
 )
 
@@ -30,30 +33,32 @@ type replicaSpec struct {
 	Template      corev1.PodTemplateSpec `json:"template"`
 }
 
-// documents splits a manifest into its YAML documents.
+// documents splits a manifest into its YAML documents (comment-only ones dropped).
 func documents(t *testing.T, path string) [][]byte {
 	t.Helper()
-	b, err := os.ReadFile(path)
+	f, err := os.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer f.Close()
+	r := utilyaml.NewYAMLReader(bufio.NewReader(f))
 	var docs [][]byte
-	for _, d := range bytes.Split(b, []byte("\n---\n")) {
-		if len(bytes.TrimSpace(stripComments(d))) > 0 {
+	for {
+		d, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			return docs
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		var v any
+		if err := yaml.Unmarshal(d, &v); err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		if v != nil {
 			docs = append(docs, d)
 		}
 	}
-	return docs
-}
-
-func stripComments(b []byte) []byte {
-	var out []byte
-	for _, l := range bytes.Split(b, []byte("\n")) {
-		if !bytes.HasPrefix(bytes.TrimSpace(l), []byte("#")) {
-			out = append(append(out, l...), '\n')
-		}
-	}
-	return out
 }
 
 // decodeStrict decodes one document into the Kubernetes type its kind names: an unknown
