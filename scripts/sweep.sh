@@ -65,6 +65,18 @@ fail() {
   exit 1
 }
 
+# goddp_testbed CAP LOG [DDPRUN_FLAGS...]: one goddp launch on a fresh two-host testbed, one
+# rank per host, as on two machines; fails the sweep if it fails.
+goddp_testbed() {
+  local cap=$1 log=$2
+  shift 2
+  # env.sh points GLOO_SOCKET_IFNAME at lo for torch on one host; goddp honours it too
+  env -u GLOO_SOCKET_IFNAME OPENBLAS_NUM_THREADS=1 ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
+    "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 \
+     $* ./bin/transformer -- --bucket_cap_mb $cap --warmup_steps $WARMUP --bench_steps $STEPS $CONFIG" \
+    > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap on the testbed${*:+ ($*)}"
+}
+
 for rep in $(seq 1 "$REPEATS"); do
   # compute only: two --no_ddp processes at once; the step time is the slower one
   echo "# repeat $rep: goddp compute-only" >&2
@@ -89,11 +101,7 @@ for rep in $(seq 1 "$REPEATS"); do
     echo "# repeat $rep: goddp bucket_cap_mb=$cap" >&2
     log="$OUT/logs/goddp_cap${cap}_r${rep}.log"
     if [ -n "$TESTBED_RATE" ]; then
-      # env.sh points GLOO_SOCKET_IFNAME at lo for torch on one host; goddp honours it too
-      env -u GLOO_SOCKET_IFNAME OPENBLAS_NUM_THREADS=1 ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
-        "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 \
-         ./bin/transformer -- --bucket_cap_mb $cap --warmup_steps $WARMUP --bench_steps $STEPS $CONFIG" \
-        > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap on the testbed"
+      goddp_testbed "$cap" "$log"
       m=$(sed -n 's/^\[host0\] \(\[rank0\].*\)/\1/p' "$log" | msstep)
       # link use while buckets are in flight: bytes on the wire each way per pass (a two-rank
       # all-reduce sends its whole buffer each way) over the in-flight time
@@ -135,10 +143,7 @@ if [ -n "$TESTBED_RATE" ]; then
   for cap in $CAPS; do
     log="$OUT/logs/goddp_cap${cap}_traced.log"
     trace="$OUT/logs/goddp_cap${cap}_trace.json"
-    env -u GLOO_SOCKET_IFNAME OPENBLAS_NUM_THREADS=1 ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
-      "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 \
-       --trace_merge $trace ./bin/transformer -- --bucket_cap_mb $cap --warmup_steps $WARMUP --bench_steps $STEPS $CONFIG" \
-      > "$log" 2>&1 || fail "$log" "traced goddp bucket_cap_mb=$cap on the testbed"
+    goddp_testbed "$cap" "$log" --trace_merge "$trace"
     echo "  bucket_cap_mb=$cap  $(./bin/sweep-report -trace "$trace" -rate "$TESTBED_RATE" -from_step "$WARMUP")" | tee -a "$OUT/link.txt"
   done
   echo "rank 0's in-flight time (includes waiting for the later rank), median of repeats:"
