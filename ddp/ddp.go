@@ -61,6 +61,8 @@ type Buffer struct {
 // reducer.Options.WithDefaults's.
 type Options struct {
 	// BucketCapMB caps every gradient bucket but the first, in MiB (default 25).
+	// AutoBucketCap chooses both caps from measurements of the first three synced steps
+	// (reducer Note [Auto buckets]; AutoPlan says what it chose).
 	BucketCapMB float64
 	// FirstBucketCapMB caps the first bucket, in MiB (default 1).
 	FirstBucketCapMB float64
@@ -101,8 +103,8 @@ func (o *Options) validate() error {
 	if o.BroadcastChunkMB == 0 {
 		o.BroadcastChunkMB = 64
 	}
-	if !(o.BucketCapMB > 0) || !(o.FirstBucketCapMB > 0) || !(o.BroadcastChunkMB > 0) {
-		return fmt.Errorf("%w: BucketCapMB %v, FirstBucketCapMB %v, BroadcastChunkMB %v: want all positive",
+	if !(o.BucketCapMB > 0 || o.BucketCapMB == AutoBucketCap) || !(o.FirstBucketCapMB > 0) || !(o.BroadcastChunkMB > 0) {
+		return fmt.Errorf("%w: BucketCapMB %v, FirstBucketCapMB %v, BroadcastChunkMB %v: want all positive (or BucketCapMB AutoBucketCap)",
 			ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB, o.BroadcastChunkMB)
 	}
 	return nil
@@ -481,8 +483,9 @@ func (d *DDP) Stats() *IterStats {
 func (d *DDP) ProcessGroup() procgroup.ProcessGroup { return d.pg }
 
 // BucketParams returns the current bucket layout: the indices of the parameters in each
-// bucket, buckets in launch order. The layout changes once, at the first synced Finalize
-// (Generation tells which one this is). The slices are the caller's.
+// bucket, buckets in launch order. The layout changes at the first synced Finalize (with
+// AutoBucketCap, at each of the first three; Generation tells which one this is). The
+// slices are the caller's.
 func (d *DDP) BucketParams() [][]int {
 	bs := d.r.Buckets()
 	out := make([][]int, len(bs))
@@ -492,7 +495,13 @@ func (d *DDP) BucketParams() [][]int {
 	return out
 }
 
-// Generation counts the bucket layouts (0, then 1 after the first synced Finalize).
+// AutoPlan returns the automatic bucket sizing's choice (Options.BucketCapMB =
+// AutoBucketCap), or nil before it decided (at the end of the third synced step), with a
+// fixed cap, or with one rank.
+func (d *DDP) AutoPlan() *AutoPlan { return d.r.AutoPlan() }
+
+// Generation counts the bucket layouts (0, then 1 after the first synced Finalize; with
+// AutoBucketCap, up to 3 after the third).
 func (d *DDP) Generation() int { return d.r.Generation() }
 
 // BroadcastBuffers copies rank 0's buffers (Options.Buffers) to every rank, as PyTorch does

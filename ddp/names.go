@@ -22,6 +22,12 @@ const (
 // and its overlap with backward (Comm, Overlap, Exposed). See reducer.IterStats.
 type IterStats = reducer.IterStats
 
+// AutoBucketCap, as Options.BucketCapMB, lets the DDP choose its bucket layout.
+const AutoBucketCap = reducer.AutoBucketCap
+
+// AutoPlan is what the automatic bucket sizing measured and chose.
+type AutoPlan = reducer.AutoPlan
+
 // CommHook reduces the gradient buckets (Options.CommHook); BucketView is what it sees of
 // one bucket. See reducer.CommHook.
 type (

@@ -62,6 +62,11 @@
 // of rank 0's order, a host buffer), and Close (which drains the stream before freeing the
 // buckets).
 //
+// With Options.BucketCapMB = AutoBucketCap the reducer chooses the caps itself from its
+// first three synced passes and the step model of package bucket/sim (Note [Auto buckets]);
+// AutoPlan says what it chose.
+//
 // Design notes: Note [Bucket order] and Note [Accumulation window] (Machine), Note
-// [Rebuild] (Reducer.rebuild), Note [Bucket assignment] (package bucket).
+// [Rebuild] (Reducer.rebuild), Note [Auto buckets] (autotune.go), Note [Bucket assignment]
+// (package bucket), Note [Step model] (package bucket/sim).
 package reducer

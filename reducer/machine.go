@@ -92,9 +92,9 @@ const (
 	ActLaunch
 	// ActUnpack: bucket Bucket is reduced; its slots hold the averaged gradients.
 	ActUnpack
-	// ActRebuild: every bucket of the first synced backward is reduced; rebuild the buckets
-	// from the order Order reports (after agreeing on it with the other ranks) and give
-	// them to SetBuckets.
+	// ActRebuild: every bucket of one of the first synced backwards (MachineConfig.Rebuilds)
+	// is reduced; rebuild the buckets from the order Order reports (after agreeing on it
+	// with the other ranks) and give them to SetBuckets.
 	ActRebuild
 	// ActDone: the iteration is finished.
 	ActDone
@@ -161,8 +161,9 @@ type MachineConfig struct {
 	// FindUnusedParameters: at Finalize, parameters that got no gradient in a synced backward
 	// contribute zeros (or what Accumulate passes left) instead of failing the iteration.
 	FindUnusedParameters bool
-	// Rebuild asks for one ActRebuild after the first synced backward.
-	Rebuild bool
+	// Rebuilds asks for an ActRebuild after each of the first Rebuilds synced backwards
+	// (the reducer asks for 1, or 3 with AutoBucketCap).
+	Rebuilds int
 }
 
 // Machine is the reducer's scheduling logic: a synchronous state machine with no goroutines,
@@ -187,7 +188,7 @@ type Machine struct {
 	params     []bucket.Param
 	lay        *bucket.Layout
 	findUnused bool
-	rebuild    bool // an ActRebuild is still owed
+	rebuilds   int // ActRebuilds still owed
 
 	iter      int   // backward passes so far; the current one while in a backward
 	window    int   // accumulation windows so far, counted from 1
@@ -213,7 +214,7 @@ func NewMachine(cfg MachineConfig) (*Machine, error) {
 	m := &Machine{
 		params:     cfg.Params,
 		findUnused: cfg.FindUnusedParameters,
-		rebuild:    cfg.Rebuild,
+		rebuilds:   cfg.Rebuilds,
 		window:     1,
 		readyIter:  make([]int, n),
 		filledWin:  make([]int, n),
@@ -380,7 +381,7 @@ func (m *Machine) Finalize() ([]Action, error) {
 
 // BucketDone reports that launched bucket b completed with err. A failure fails the
 // machine. When the last bucket of a finalizing iteration is done, the actions end with an
-// ActRebuild (once, if asked) and ActDone.
+// ActRebuild (if one is still owed) and ActDone.
 func (m *Machine) BucketDone(b int, err error) ([]Action, error) {
 	if m.phase == phaseFailed {
 		return nil, m.err
@@ -407,8 +408,8 @@ func (m *Machine) finishIfDone() []Action {
 	}
 	m.phase = phaseIdle
 	m.window++ // Note [Accumulation window]
-	if m.rebuild {
-		m.rebuild = false
+	if m.rebuilds > 0 {
+		m.rebuilds--
 		m.out = append(m.out, Action{Kind: ActRebuild})
 	}
 	return append(m.out, Action{Kind: ActDone})

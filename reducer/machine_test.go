@@ -22,7 +22,7 @@ func machineFor(t testing.TB, lens []int, capBytes int64, findUnused bool) *Mach
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := NewMachine(MachineConfig{Params: ps, Buckets: bs, FindUnusedParameters: findUnused, Rebuild: true})
+	m, err := NewMachine(MachineConfig{Params: ps, Buckets: bs, FindUnusedParameters: findUnused, Rebuilds: 1})
 	if err != nil {
 		t.Fatal(err)
 	}

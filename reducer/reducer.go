@@ -28,7 +28,9 @@ type Param struct {
 
 // Options configure a Reducer.
 type Options struct {
-	// BucketCapMB caps every bucket but the first, in MiB (default 25).
+	// BucketCapMB caps every bucket but the first, in MiB (default 25). AutoBucketCap lets
+	// the reducer choose the layout from what it measures in the first synced passes
+	// (Note [Auto buckets]); FirstBucketCapMB is then chosen too.
 	BucketCapMB float64
 	// FirstBucketCapMB caps the first bucket, in MiB (default 1), so that the first
 	// all-reduce starts early in backward.
@@ -77,8 +79,11 @@ func (o Options) WithDefaults() Options {
 
 func (o *Options) validate() error {
 	*o = o.WithDefaults()
-	if !(o.BucketCapMB > 0) || !(o.FirstBucketCapMB > 0) {
-		return fmt.Errorf("%w: bucket caps %v MiB and first %v MiB, want both positive", ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB)
+	if !(o.BucketCapMB > 0 || o.BucketCapMB == AutoBucketCap) || !(o.FirstBucketCapMB > 0) {
+		return fmt.Errorf("%w: bucket caps %v MiB and first %v MiB, want both positive (or the cap AutoBucketCap)", ErrInvalidArgument, o.BucketCapMB, o.FirstBucketCapMB)
+	}
+	if o.BucketCapMB == AutoBucketCap && o.Device {
+		return fmt.Errorf("%w: AutoBucketCap is not available with Options.Device yet: give BucketCapMB", ErrInvalidArgument)
 	}
 	return nil
 }
@@ -135,7 +140,10 @@ type Reducer struct {
 	finished bool
 	aborted  bool
 	closed   bool
-	order64  []int64                  // the rebuild's broadcast buffer
+	order64  []int64 // the rebuild's broadcast buffer
+	firstCap int64   // the caps of the current layout, in bytes
+	capBytes int64
+	auto     *autoTuner               // with AutoBucketCap
 	retired  []procgroup.DeviceBuffer // device buckets of the layout before the rebuild, freed at Close
 }
 
@@ -187,11 +195,21 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 		r.params[i].DType, r.params[i].Len = dt, n
 		r.bparams[i] = bucket.Param{Name: p.Name, DType: bucket.DType(dt), Len: n}
 	}
-	buckets, err := bucket.Assign(r.bparams, mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB))
+	r.firstCap, r.capBytes = mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB)
+	rebuilds := 1
+	if opts.BucketCapMB == AutoBucketCap {
+		// The first pass runs PyTorch's default layout; then see Note [Auto buckets].
+		r.capBytes = bucket.DefaultCapBytes
+		if pg.Size() > 1 {
+			r.auto = &autoTuner{}
+			rebuilds = autoPasses
+		}
+	}
+	buckets, err := bucket.Assign(r.bparams, r.firstCap, r.capBytes)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
 	}
-	r.m, err = NewMachine(MachineConfig{Params: r.bparams, Buckets: buckets, FindUnusedParameters: opts.FindUnusedParameters, Rebuild: true})
+	r.m, err = NewMachine(MachineConfig{Params: r.bparams, Buckets: buckets, FindUnusedParameters: opts.FindUnusedParameters, Rebuilds: rebuilds})
 	if err != nil {
 		return nil, err
 	}
@@ -304,8 +322,8 @@ func (r *Reducer) Generation() int {
 
 // GradView returns parameter i's slot in its bucket: with GradientAsBucketView, the
 // parameter's gradient itself (averaged after Finalize). It is a []float32 or []float64,
-// valid until the Generation changes (once, in the first synced Finalize); take it again
-// after that Finalize. The caller may read and write it between Finalize and the next
+// valid until the Generation changes (in the first synced Finalize, and with AutoBucketCap
+// in the second and third too); take it again after such a Finalize. The caller may read and write it between Finalize and the next
 // BeginBackward only.
 func (r *Reducer) GradView(i int) (any, error) {
 	r.mu.Lock()
@@ -623,9 +641,11 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 			case ActLaunch:
 				r.launch(a.Bucket, now)
 			case ActUnpack:
+				t0 := time.Now()
 				if err := r.unpack(a.Bucket); err != nil {
 					return r.failLocked(err)
 				}
+				st.UnpackTime += time.Since(t0)
 			case ActRebuild:
 				if err := r.rebuild(ctx); err != nil {
 					return r.failLocked(err)
@@ -633,6 +653,9 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 			case ActDone:
 				st.FinalizeEnd = time.Since(st.Start)
 				r.finished = true
+				if r.auto != nil && st.Mode == Sync {
+					r.auto.passDone(r, st)
+				}
 				return nil
 			}
 		}
@@ -708,18 +731,27 @@ func (r *Reducer) unpack(b int) error {
 // are carried over into the new buffers and Generation is incremented, so views taken
 // before must be taken again; if the order reproduces the current layout nothing changes.
 func (r *Reducer) rebuild(ctx context.Context) error {
-	order := r.m.Order()
-	for k, i := range order {
-		r.order64[k] = int64(i)
+	var agreed []int
+	if r.auto == nil || r.auto.order == nil {
+		order := r.m.Order()
+		for k, i := range order {
+			r.order64[k] = int64(i)
+		}
+		if err := r.pg.Broadcast(ctx, r.order64, 0).Wait(ctx); err != nil {
+			return fmt.Errorf("reducer: rebuild: broadcast of rank 0's grad-ready order: %w", err)
+		}
+		agreed = make([]int, len(r.order64))
+		for k, i := range r.order64 {
+			agreed[k] = int(i)
+		}
 	}
-	if err := r.pg.Broadcast(ctx, r.order64, 0).Wait(ctx); err != nil {
-		return fmt.Errorf("reducer: rebuild: broadcast of rank 0's grad-ready order: %w", err)
+	if r.auto != nil {
+		if err := r.auto.rebuild(ctx, r, agreed); err != nil {
+			return err
+		}
+		agreed = r.auto.order
 	}
-	agreed := make([]int, len(r.order64))
-	for k, i := range r.order64 {
-		agreed[k] = int(i)
-	}
-	buckets, err := bucket.AssignOrdered(r.bparams, agreed, mib(r.opts.FirstBucketCapMB), mib(r.opts.BucketCapMB))
+	buckets, err := bucket.AssignOrdered(r.bparams, agreed, r.firstCap, r.capBytes)
 	if err != nil {
 		return fmt.Errorf("reducer: rebuild from rank 0's order: %w", err)
 	}

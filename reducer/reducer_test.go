@@ -140,20 +140,26 @@ func TestEquivalence(t *testing.T) {
 					configs++
 					seed := rng.Uint64()
 					name := fmt.Sprintf("n=%d/view=%v/nosync=%v/seed=%d", n, view, noSync, seed)
-					t.Run(name, func(t *testing.T) { checkEquivalence(t, n, view, noSync, seed, batch) })
+					t.Run(name, func(t *testing.T) { checkEquivalence(t, n, view, noSync, false, seed, batch) })
 				}
 			}
 		}
 	}
 }
 
-func checkEquivalence(t *testing.T, n int, view, noSync bool, seed uint64, batch int) {
+// checkEquivalence is TestEquivalence's check of one configuration; with auto, the bucket
+// caps are AutoBucketCap and six steps run, so that three follow its three rebuilds.
+func checkEquivalence(t *testing.T, n int, view, noSync, auto bool, seed uint64, batch int) {
 	ctx := testCtx(t)
 	rng := rand.New(rand.NewPCG(seed, 1))
 	m := newModel(rng, 1+rng.IntN(12))
 	capBytes := int64(4 * (1 + rng.IntN(120)))
 	firstBytes := int64(4 * (1 + rng.IntN(120)))
-	const steps = 3
+	steps, maxGen := 3, 1
+	capMB := float64(capBytes) / (1 << 20)
+	if auto {
+		steps, maxGen, capMB = 6, autoPasses, AutoBucketCap
+	}
 	micro := 1
 	if noSync {
 		micro = 2
@@ -186,7 +192,7 @@ func checkEquivalence(t *testing.T, n int, view, noSync bool, seed uint64, batch
 			}
 		}
 		red, err := New(c.Group(rank), params, Options{
-			BucketCapMB: float64(capBytes) / (1 << 20), FirstBucketCapMB: float64(firstBytes) / (1 << 20),
+			BucketCapMB: capMB, FirstBucketCapMB: float64(firstBytes) / (1 << 20),
 			GradientAsBucketView: view,
 		})
 		if err != nil {
@@ -227,8 +233,11 @@ func checkEquivalence(t *testing.T, n int, view, noSync bool, seed uint64, batch
 			}
 			got[rank] = append(got[rank], out)
 		}
-		if red.Generation() > 1 {
-			return fmt.Errorf("generation %d: rebuilt more than once", red.Generation())
+		if red.Generation() > maxGen {
+			return fmt.Errorf("generation %d: rebuilt more than %d times", red.Generation(), maxGen)
+		}
+		if auto && n > 1 {
+			return checkAutoPlan(red)
 		}
 		return nil
 	})

@@ -37,6 +37,9 @@ type IterStats struct {
 	CopyTime time.Duration
 	// HookTime: all the time spent inside GradReady (copies, launches, bookkeeping).
 	HookTime time.Duration
+	// UnpackTime: Finalize's time finishing reduced buckets (the comm hook's Finish and the
+	// copy back into each Param.Grad).
+	UnpackTime time.Duration
 	// Unused lists the parameters reduced as zeros (FindUnusedParameters), ascending.
 	Unused []int
 }
@@ -103,7 +106,7 @@ func (s *IterStats) reset(iter int, mode Mode, gen int, start time.Time, nParams
 		s.BucketBytes = make([]int64, nBuckets)
 	}
 	s.BucketBytes = s.BucketBytes[:nBuckets]
-	s.BackwardEnd, s.FinalizeEnd, s.CopyTime, s.HookTime = -1, -1, 0, 0
+	s.BackwardEnd, s.FinalizeEnd, s.CopyTime, s.HookTime, s.UnpackTime = -1, -1, 0, 0, 0
 	if cap(s.Unused) < nParams {
 		s.Unused = make([]int, 0, nParams)
 	}

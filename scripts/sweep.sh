@@ -8,6 +8,8 @@
 #   make sweep                                   # caps 1 5 10 25 50 100 200, 3 repeats
 #   CAPS="1 25 200" REPEATS=1 STEPS=5 make sweep # quick look
 #   TORCH=0 make sweep                           # goddp only
+#   AUTO=0 make sweep                            # without goddp's --bucket_cap_mb auto
+#   LINK=0 TESTBED_RATE=1gbit make sweep         # without the traced launches for link.txt
 #   TESTBED_RATE=1gbit make sweep                # over a real link: 2 hosts x 1 rank (root)
 #
 # With TESTBED_RATE (tc syntax: 1gbit, 10gbit) every DDP point runs on a fresh two-host
@@ -30,6 +32,8 @@ OUT=${OUT:-out/sweep_$(date +%Y%m%d_%H%M%S)}
 TAGS=${TAGS:-}
 if [ -z "$TAGS" ] && ls /usr/lib/x86_64-linux-gnu/libopenblas.so >/dev/null 2>&1; then TAGS=openblas; fi
 TORCH=${TORCH:-auto}
+LINK=${LINK:-1}               # on the testbed: one more traced goddp launch per cap (link.txt)
+AUTO=${AUTO:-1}               # also run goddp with --bucket_cap_mb auto (kind auto in raw.csv)
 if [ "$TORCH" = auto ]; then
   if [ -f "$TORCH_DIR/ddp_bench.py" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then TORCH=1; else TORCH=0; fi
 fi
@@ -116,6 +120,23 @@ for rep in $(seq 1 "$REPEATS"); do
     fi
     [ -n "$m" ] || fail "$log" "goddp bucket_cap_mb=$cap"
     echo "goddp,ddp,$cap,$rep,$m" >> "$raw"
+    if [ "$AUTO" = 1 ] && [ "$cap" = "$(echo $CAPS | awk '{print $NF}')" ]; then
+      # after the last cap: goddp choosing its own layout; its measurements go to
+      # auto_profile_rN.json (cmd/ddpsim -profile)
+      echo "# repeat $rep: goddp bucket_cap_mb=auto" >&2
+      alog="$OUT/logs/goddp_auto_r${rep}.log"
+      aprof="$OUT/logs/auto_profile_r${rep}.json"
+      if [ -n "$TESTBED_RATE" ]; then
+        goddp_testbed "auto --auto_profile $aprof" "$alog"
+        m=$(sed -n 's/^\[host0\] \(\[rank0\].*\)/\1/p' "$alog" | msstep)
+      else
+        ./bin/ddprun --nproc_per_node 2 ./bin/transformer -- --bucket_cap_mb auto --auto_profile "$aprof" \
+          --warmup_steps "$WARMUP" --bench_steps "$STEPS" $CONFIG > "$alog" 2>&1 || fail "$alog" "goddp bucket_cap_mb=auto"
+        m=$(grep '^\[rank0\]' "$alog" | msstep)
+      fi
+      [ -n "$m" ] || fail "$alog" "goddp bucket_cap_mb=auto"
+      echo "goddp,auto,,$rep,$m" >> "$raw"
+    fi
     if [ "$TORCH" = 1 ]; then
       echo "# repeat $rep: torch bucket_cap_mb=$cap" >&2
       log="$OUT/logs/torch_cap${cap}_r${rep}.log"
@@ -135,7 +156,7 @@ for rep in $(seq 1 "$REPEATS"); do
   done
 done
 ./bin/sweep-report -in "$raw" -out "$OUT"
-if [ -n "$TESTBED_RATE" ]; then
+if [ -n "$TESTBED_RATE" ] && [ "$LINK" = 1 ]; then
   # One more goddp launch per cap, traced and not timed: the merged trace of both hosts gives
   # each bucket's time on the wire from the later rank's start (sweep-report -trace), which
   # rank 0's own in-flight time below overstates by the ranks' skew.

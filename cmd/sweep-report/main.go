@@ -79,6 +79,7 @@ func main() {
 type series struct {
 	ddp     map[float64][]float64
 	compute []float64
+	auto    []float64 // --bucket_cap_mb auto
 }
 
 func read(path string) (map[string]*series, error) {
@@ -123,8 +124,10 @@ func read(path string) (map[string]*series, error) {
 			s.ddp[c] = append(s.ddp[c], ms)
 		case "compute":
 			s.compute = append(s.compute, ms)
+		case "auto":
+			s.auto = append(s.auto, ms)
 		default:
-			return nil, fmt.Errorf("%s:%d: kind %q, want ddp or compute", path, line, rec[1])
+			return nil, fmt.Errorf("%s:%d: kind %q, want ddp, auto or compute", path, line, rec[1])
 		}
 	}
 	if len(all) == 0 {
@@ -203,6 +206,16 @@ func run(in, out string, stdout io.Writer) error {
 			exp, frac := m-comp, (m-comp)/m
 			fmt.Fprintf(&md, "| %g | %.1f | %.1f..%.1f | %.2fx | %.1f | %.1f%% |\n", c, m, lo, hi, m/best, exp, 100*frac)
 			fmt.Fprintf(&sum, "%s,%g,%.3f,%.3f,%.3f,%d,%.4f,%.3f,%.3f,%.4f\n", name, c, m, lo, hi, len(xs), m/best, comp, exp, frac)
+		}
+		if len(s.auto) > 0 {
+			m := median(s.auto)
+			lo, hi := minMax(s.auto)
+			def := median(s.ddp[25])
+			fmt.Fprintf(&md, "| auto | %.1f | %.1f..%.1f | %.2fx | %.1f | %.1f%% |\n", m, lo, hi, m/best, m-comp, 100*(m-comp)/m)
+			fmt.Fprintf(&sum, "%s,auto,%.3f,%.3f,%.3f,%d,%.4f,%.3f,%.3f,%.4f\n", name, m, lo, hi, len(s.auto), m/best, comp, m-comp, (m-comp)/m)
+			if !math.IsNaN(def) {
+				fmt.Fprintf(&md, "\nauto: %.2fx the best cap's ms/step, %.1f%% faster than the default 25 MB\n", m/best, 100*(def-m)/def)
+			}
 		}
 		if len(s.compute) > 0 {
 			lo, hi := minMax(s.compute)

@@ -15,6 +15,7 @@ func TestReport(t *testing.T) {
 		"goddp,ddp,1,1,120\ngoddp,ddp,1,2,140\ngoddp,ddp,1,3,130\n" +
 		"goddp,ddp,25,1,100\ngoddp,ddp,25,2,110\n" +
 		"goddp,compute,,1,80\ngoddp,compute,,2,90\n" +
+		"goddp,auto,,1,99\ngoddp,auto,,2,101\n" +
 		"torch,ddp,1,1,150\ntorch,ddp,25,1,150\ntorch,compute,,1,100\n"
 	if err := os.WriteFile(raw, []byte(data), 0o644); err != nil {
 		t.Fatal(err)
@@ -30,6 +31,8 @@ func TestReport(t *testing.T) {
 		"| 1 | 150.0 | 150.0..150.0 | 1.00x | 50.0 | 33.3% |",
 		"| 25 | 0.70 |", // 105/150
 		"| compute only | 0.85 |",
+		"| auto | 100.0 | 99.0..101.0 | 0.95x | 15.0 | 15.0% |", // median 100 vs best cap 105
+		"auto: 0.95x the best cap's ms/step, 4.8% faster than the default 25 MB",
 	} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)

@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -34,7 +35,7 @@ import (
 )
 
 type flags struct {
-	bucketCapMB   float64
+	bucketCapMB   capMB
 	firstCapMB    float64
 	timeout       time.Duration
 	logLevel      string
@@ -56,6 +57,7 @@ type flags struct {
 	ckptEvery     int
 	resume        bool
 	cpuProfile    string
+	autoProfile   string // --auto_profile
 	trace         string
 	metricsAddr   string
 	reportEvery   int
@@ -73,6 +75,29 @@ type flags struct {
 	onGrads func(step int, grads []float32)
 }
 
+// capMB is --bucket_cap_mb: a size in MB, or auto (ddp.AutoBucketCap).
+type capMB float64
+
+func (c capMB) String() string {
+	if float64(c) == ddp.AutoBucketCap {
+		return "auto"
+	}
+	return strconv.FormatFloat(float64(c), 'g', -1, 64)
+}
+
+func (c *capMB) Set(s string) error {
+	if s == "auto" {
+		*c = capMB(ddp.AutoBucketCap)
+		return nil
+	}
+	v, err := strconv.ParseFloat(s, 64)
+	if err != nil || !(v > 0) {
+		return fmt.Errorf("want a positive size in MB or auto, got %q", s)
+	}
+	*c = capMB(v)
+	return nil
+}
+
 func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	var f flags
 	fs := flag.NewFlagSet("transformer", flag.ContinueOnError)
@@ -80,7 +105,9 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	// several ranks, a typo would otherwise print it once per rank).
 	var usage bytes.Buffer
 	fs.SetOutput(&usage)
-	fs.Float64Var(&f.bucketCapMB, "bucket_cap_mb", 25, "DDP bucket size cap in MB")
+	f.bucketCapMB = 25
+	fs.Var(&f.bucketCapMB, "bucket_cap_mb", "DDP bucket size cap in MB, or auto: chosen from the first 3 steps' measurements (default 25)")
+	fs.StringVar(&f.autoProfile, "auto_profile", "", "with --bucket_cap_mb auto, rank 0 writes what it measured (the step model's inputs, for cmd/ddpsim) to this JSON file")
 	fs.Float64Var(&f.firstCapMB, "first_bucket_cap_mb", 1, "cap of the first bucket in MB (PyTorch: 1 MiB)")
 	fs.DurationVar(&f.timeout, "timeout", 0, "bound on each collective (0: the process group's default, 30m)")
 	fs.StringVar(&f.logLevel, "log_level", "warn", "level of the ddp/process-group log on stderr (debug, info, warn, error)")
@@ -123,7 +150,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--batch_size %d, --seq_len %d, --accum_steps %d must be positive", f.batch, f.seqLen, f.accum)
 	case f.warmup < 0 || f.bench < 0:
 		return f, fmt.Errorf("--warmup_steps %d, --bench_steps %d must not be negative", f.warmup, f.bench)
-	case !(f.bucketCapMB > 0) || !(f.firstCapMB > 0):
+	case !(f.bucketCapMB > 0 || f.bucketCapMB == ddp.AutoBucketCap) || !(f.firstCapMB > 0):
 		return f, fmt.Errorf("--bucket_cap_mb %v, --first_bucket_cap_mb %v must be positive", f.bucketCapMB, f.firstCapMB)
 	case f.timeout < 0:
 		return f, fmt.Errorf("--timeout %v must not be negative", f.timeout)
@@ -417,7 +444,7 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 		dp[i] = ddp.Param{Name: p.Name, Data: t.m.Data32()[p.Offset : p.Offset+p.Size],
 			Grad: t.grads[p.Offset : p.Offset+p.Size], Shape: p.Shape}
 	}
-	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: t.f.bucketCapMB, FirstBucketCapMB: t.f.firstCapMB, Logger: log})
+	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log})
 	if err != nil {
 		return err
 	}
@@ -454,7 +481,7 @@ func (t *trainer) banner(start int) {
 		return
 	}
 	f, cfg := t.f, t.m.Config()
-	fmt.Fprintf(t.stdout, "Model: %.2f MB | bucket_cap_mb=%g\n", float64(t.m.NumParams())*4/1e6, f.bucketCapMB)
+	fmt.Fprintf(t.stdout, "Model: %.2f MB | bucket_cap_mb=%v\n", float64(t.m.NumParams())*4/1e6, f.bucketCapMB)
 	fmt.Fprintf(t.stdout, "params=%d task=%s layers=%d hidden=%d batch=%d seq=%d accum=%d world=%d blas=%s start_step=%d\n",
 		t.m.NumParams(), cfg.Task, cfg.NumLayers, cfg.Hidden, f.batch, f.seqLen, f.accum, t.w.size, blasName, start)
 }
@@ -577,9 +604,12 @@ func (t *trainer) finish(ctx context.Context) error {
 		return err
 	}
 	if t.w.rank == 0 && t.nTimed > 0 {
-		fmt.Fprintf(t.stdout, "bucket_cap_mb=%g  ms/step=%.2f\n", t.f.bucketCapMB, float64(t.timed.Microseconds())/1e3/float64(t.nTimed))
+		fmt.Fprintf(t.stdout, "bucket_cap_mb=%v  ms/step=%.2f\n", t.f.bucketCapMB, float64(t.timed.Microseconds())/1e3/float64(t.nTimed))
 		if t.ov.n > 0 {
 			fmt.Fprintln(t.stdout, t.ov.String())
+		}
+		if err := t.reportAuto(); err != nil {
+			return err
 		}
 	}
 	if t.pg != nil {
@@ -642,3 +672,30 @@ func paramsCRC32(p []float32) uint32 {
 }
 
 func crc32Update(crc uint32, b []byte) uint32 { return crc32.Update(crc, crc32.IEEETable, b) }
+
+// reportAuto prints the automatic bucket sizing's choice (rank 0, --bucket_cap_mb auto) and
+// writes its measurements to --auto_profile.
+func (t *trainer) reportAuto() error {
+	if t.d == nil {
+		return nil
+	}
+	plan := t.d.AutoPlan()
+	if plan == nil {
+		if float64(t.f.bucketCapMB) == ddp.AutoBucketCap {
+			fmt.Fprintln(t.stdout, "auto bucket layout: not decided (it needs 3 synced steps and 2 ranks)")
+		}
+		return nil
+	}
+	fmt.Fprintln(t.stdout, plan.String())
+	if t.f.autoProfile == "" {
+		return nil
+	}
+	b, err := json.MarshalIndent(plan.Profile, "", " ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(t.f.autoProfile, append(b, '\n'), 0o644); err != nil {
+		return fmt.Errorf("--auto_profile: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,426 @@
+// Package sim predicts the time of one DDP training step for a bucket layout, from measured
+// inputs: when each gradient becomes ready in backward, what a bucket's all-reduce costs
+// against its size, the reducer's per-byte and per-bucket overheads, and how much compute and
+// communication slow each other down while they overlap. The reducer's automatic bucket sizing
+// (reducer.AutoBucketCap) and cmd/ddpsim both use it: one model, one piece of code.
+//
+// # Usage
+//
+//	p := &sim.Profile{Params: params, Order: order, Ready: ready, Backward: 0.120, Other: 0.050,
+//		Comm: sim.Ring(2, 50e-6, 1e9/8)}
+//	r, err := p.SimulateCaps(1<<20, 25<<20)     // r.Step, r.Exposed, r.Buckets
+//	plan, err := p.Best(sim.SearchOptions{})    // the layout with the least predicted step
+//
+// Note [Step model]: backward is a sequence of compute segments, one per gradient in the
+// order they become ready: the pure compute up to that gradient (Ready), then the reducer's
+// copy of it into its bucket (CopyPerByte), then, for every bucket this completes (in index
+// order, Note [Bucket order] in package reducer), a launch (Launch). Collectives run one
+// at a time in bucket order, each taking Comm.Seconds(bytes) when alone. While a collective
+// is in flight during backward, compute runs at 1/(1+Slowdown) of its speed and the
+// collective at 1/(1+CommSlowdown) of its own: on a CPU backend both want the same cores and
+// memory bandwidth. A collective starts at the earliest Skew after its launch, when the
+// slowest rank launches it too; waiting for it costs no compute. After backward, Finalize waits for each bucket in order and copies it
+// back (UnpackPerByte) while later ones are still reducing. The step is Other (forward,
+// optimizer, data: what no layout changes) plus that backward-and-Finalize time.
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"sort"
+
+	"github.com/goddp/goddp/bucket"
+)
+
+// ErrInvalid is wrapped by every error about a bad profile or layout.
+var ErrInvalid = errors.New("sim: invalid argument")
+
+// Point is one measured all-reduce: its size in bytes and its time in seconds.
+type Point struct {
+	Bytes   int64   `json:"bytes"`
+	Seconds float64 `json:"seconds"`
+}
+
+// Comm is the time of one bucket's all-reduce against its size: Alpha + Beta·bytes, or, when
+// Points are given, the piecewise-linear curve through them (sorted by size), continued past
+// the largest point with the slope of its last segment and below the smallest one down to
+// Alpha at zero bytes.
+type Comm struct {
+	Alpha  float64 `json:"alpha_s"`          // seconds per collective
+	Beta   float64 `json:"beta_s_per_byte"`  // seconds per byte
+	Points []Point `json:"points,omitempty"` // measured, ascending by Bytes
+}
+
+// Seconds is the time of one all-reduce of the given size.
+func (c Comm) Seconds(bytes int64) float64 {
+	if len(c.Points) == 0 {
+		return c.Alpha + c.Beta*float64(bytes)
+	}
+	ps := c.Points
+	x := float64(bytes)
+	k := sort.Search(len(ps), func(k int) bool { return ps[k].Bytes >= bytes })
+	switch {
+	case k == 0:
+		p := ps[0]
+		if p.Bytes <= 0 {
+			return p.Seconds
+		}
+		a := math.Min(c.Alpha, p.Seconds)
+		return a + (p.Seconds-a)*x/float64(p.Bytes)
+	case k == len(ps):
+		k = len(ps) - 1
+		if k == 0 {
+			return ps[0].Seconds + c.Beta*(x-float64(ps[0].Bytes))
+		}
+	}
+	lo, hi := ps[k-1], ps[k]
+	slope := (hi.Seconds - lo.Seconds) / float64(hi.Bytes-lo.Bytes)
+	if bytes > hi.Bytes && slope < c.Beta {
+		slope = c.Beta
+	}
+	return math.Max(0, lo.Seconds+slope*(x-float64(lo.Bytes)))
+}
+
+// Fit returns the least-squares line α + β·bytes through pts, with α and β clamped at zero,
+// and pts (sorted) as the curve's points.
+func Fit(pts []Point) (Comm, error) {
+	if len(pts) == 0 {
+		return Comm{}, fmt.Errorf("%w: no all-reduce measurements to fit", ErrInvalid)
+	}
+	ps := append([]Point(nil), pts...)
+	sort.Slice(ps, func(a, b int) bool { return ps[a].Bytes < ps[b].Bytes })
+	// Keep the fastest of equal sizes: the others met a disturbance.
+	out := ps[:0]
+	for _, p := range ps {
+		if p.Seconds < 0 || math.IsNaN(p.Seconds) || p.Bytes < 0 {
+			return Comm{}, fmt.Errorf("%w: all-reduce of %d bytes in %v s", ErrInvalid, p.Bytes, p.Seconds)
+		}
+		if n := len(out); n > 0 && out[n-1].Bytes == p.Bytes {
+			out[n-1].Seconds = math.Min(out[n-1].Seconds, p.Seconds)
+			continue
+		}
+		out = append(out, p)
+	}
+	var sx, sy, sxx, sxy float64
+	n := float64(len(out))
+	for _, p := range out {
+		x := float64(p.Bytes)
+		sx, sy, sxx, sxy = sx+x, sy+p.Seconds, sxx+x*x, sxy+x*p.Seconds
+	}
+	c := Comm{Points: out}
+	if d := n*sxx - sx*sx; len(out) > 1 && d > 0 {
+		c.Beta = (n*sxy - sx*sy) / d
+		c.Alpha = (sy - c.Beta*sx) / n
+	} else if out[0].Bytes > 0 {
+		c.Beta = out[0].Seconds / float64(out[0].Bytes)
+	}
+	if c.Beta < 0 {
+		c.Beta = 0
+	}
+	if c.Alpha < 0 {
+		c.Alpha = 0
+	}
+	return c, nil
+}
+
+// Ring is the ring all-reduce's cost on n ranks whose slowest hop has the given latency
+// (seconds) and bandwidth (bytes per second each way): 2(n−1) steps, each moving 1/n of the
+// buffer (reduce-scatter, then all-gather).
+func Ring(n int, latency, bytesPerSec float64) Comm {
+	if n < 2 {
+		return Comm{}
+	}
+	return Comm{Alpha: 2 * float64(n-1) * latency, Beta: 2 * float64(n-1) / float64(n) / bytesPerSec}
+}
+
+// Tree is the double binary tree all-reduce's cost on n ranks (NCCL's tree): a reduce up
+// and a broadcast down, each ⌈log2 n⌉ hops deep, pipelined so that each rank sends and
+// receives about the buffer twice, as the ring does.
+func Tree(n int, latency, bytesPerSec float64) Comm {
+	if n < 2 {
+		return Comm{}
+	}
+	depth := math.Ceil(math.Log2(float64(n)))
+	return Comm{Alpha: 2 * depth * latency, Beta: 2 / bytesPerSec}
+}
+
+// Hierarchical is the all-reduce of nodes×perNode ranks done in three phases (as NCCL does
+// between nodes with one NIC per GPU): a reduce-scatter inside each node, perNode parallel
+// all-reduces of 1/perNode of the buffer between the nodes (inter: Ring or Tree over nodes
+// ranks), and an all-gather inside each node.
+func Hierarchical(nodes, perNode int, intraLatency, intraBytesPerSec float64, inter func(n int, latency, bytesPerSec float64) Comm, interLatency, interBytesPerSec float64) Comm {
+	in := Ring(perNode, intraLatency, intraBytesPerSec) // RS + AG together are one ring all-reduce
+	out := inter(nodes, interLatency, interBytesPerSec)
+	return Comm{Alpha: in.Alpha + out.Alpha, Beta: in.Beta + out.Beta/float64(max(perNode, 1))}
+}
+
+// Profile is everything the model needs about one rank's step. Times are in seconds;
+// Ready[i] and Backward are pure compute, without the reducer's own time and without the
+// slowdown of overlapping collectives.
+type Profile struct {
+	// Params are the gradients, in registration order.
+	Params []bucket.Param `json:"params"`
+	// Order is the order their gradients become ready in (a permutation of the indices).
+	Order []int `json:"order"`
+	// Ready[i]: when parameter i's gradient is ready, from the start of backward.
+	Ready []float64 `json:"ready_s"`
+	// Backward: when backward's compute ends (at or after every Ready).
+	Backward float64 `json:"backward_s"`
+	// Other: the rest of the step, the same for every layout (forward, optimizer, data).
+	Other float64 `json:"other_s"`
+	// CopyPerByte: the reducer's copy of a gradient into its bucket, per byte.
+	CopyPerByte float64 `json:"copy_s_per_byte"`
+	// Launch: a bucket's launch, on the backward's thread.
+	Launch float64 `json:"launch_s"`
+	// UnpackPerByte: Finalize's copy of a reduced bucket back to the gradients, per byte
+	// (0 with gradient-as-bucket-view).
+	UnpackPerByte float64 `json:"unpack_s_per_byte"`
+	// Slowdown: compute runs 1/(1+Slowdown) as fast while a collective is in flight.
+	Slowdown float64 `json:"slowdown"`
+	// CommSlowdown: a collective runs 1/(1+CommSlowdown) as fast while backward computes.
+	CommSlowdown float64 `json:"comm_slowdown"`
+	// Skew: how long after this rank launches a collective the last rank launches it; a
+	// collective starts no earlier (the ranks' compute differs from step to step).
+	Skew float64 `json:"skew_s"`
+	// Comm is one all-reduce's time against its size, alone.
+	Comm Comm `json:"comm"`
+	// World is the number of ranks the measurements were taken with (informative).
+	World int `json:"world,omitempty"`
+}
+
+// Result is one simulated step.
+type Result struct {
+	Step     float64 // Other + BackwardEnd + the Finalize wait and copies
+	Backward float64 // when backward's compute ended, slowed by overlap and the reducer's hooks
+	Exposed  float64 // Finalize's wait for collectives after backward
+	Comm     float64 // time with a collective in flight
+	Buckets  int
+}
+
+// Check reports what is inconsistent in p.
+func (p *Profile) Check() error {
+	n := len(p.Params)
+	if len(p.Order) != n || len(p.Ready) != n {
+		return fmt.Errorf("%w: %d parameters, %d in the order, %d ready times", ErrInvalid, n, len(p.Order), len(p.Ready))
+	}
+	seen := make([]bool, n)
+	for _, i := range p.Order {
+		if i < 0 || i >= n || seen[i] {
+			return fmt.Errorf("%w: the order is not a permutation of the %d parameters (at %d)", ErrInvalid, n, i)
+		}
+		seen[i] = true
+	}
+	for _, v := range []float64{p.Backward, p.Other, p.CopyPerByte, p.Launch, p.UnpackPerByte, p.Slowdown, p.CommSlowdown, p.Skew, p.Comm.Alpha, p.Comm.Beta} {
+		if v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
+			return fmt.Errorf("%w: negative or non-finite time or factor %v", ErrInvalid, v)
+		}
+	}
+	return nil
+}
+
+// TotalBytes is the size of all the gradients.
+func (p *Profile) TotalBytes() int64 {
+	var t int64
+	for _, q := range p.Params {
+		t += q.Bytes()
+	}
+	return t
+}
+
+// Layout assigns the buckets for the caps in p's order (bucket.AssignOrdered).
+func (p *Profile) Layout(firstCapBytes, capBytes int64) ([]bucket.Bucket, error) {
+	return bucket.AssignOrdered(p.Params, p.Order, firstCapBytes, capBytes)
+}
+
+// SimulateCaps is Simulate of the layout of the given caps.
+func (p *Profile) SimulateCaps(firstCapBytes, capBytes int64) (Result, error) {
+	bs, err := p.Layout(firstCapBytes, capBytes)
+	if err != nil {
+		return Result{}, err
+	}
+	return p.Simulate(bs)
+}
+
+// Simulate predicts one step with the given buckets (Note [Step model]).
+func (p *Profile) Simulate(buckets []bucket.Bucket) (Result, error) {
+	if err := p.Check(); err != nil {
+		return Result{}, err
+	}
+	lay, err := bucket.NewLayout(p.Params, buckets)
+	if err != nil {
+		return Result{}, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	nb := len(buckets)
+	pending := make([]int, nb)
+	for b := range buckets {
+		pending[b] = len(buckets[b].Params)
+	}
+	s := state{p: p, commOf: make([]float64, nb), finish: make([]float64, nb), earliest: make([]float64, nb)}
+	for b := range buckets {
+		s.commOf[b] = p.Comm.Seconds(buckets[b].Bytes())
+		s.finish[b] = -1
+	}
+	next, prev := 0, 0.0
+	for _, i := range p.Order {
+		work := math.Max(p.Ready[i]-prev, 0) + p.CopyPerByte*float64(p.Params[i].Bytes())
+		prev = math.Max(prev, p.Ready[i])
+		s.compute(work)
+		pending[lay.Where[i].Bucket]--
+		for next < nb && pending[next] == 0 {
+			s.compute(p.Launch)
+			s.earliest[next] = s.t + p.Skew
+			s.queue = append(s.queue, next)
+			if len(s.queue) == 1 {
+				s.headLeft = s.commOf[next]
+			}
+			next++
+		}
+	}
+	s.compute(math.Max(p.Backward-prev, 0))
+	bwd := s.t
+	// Finalize: the queue drains at full speed; each bucket is copied back in order once done.
+	fin := bwd
+	var unpack float64
+	s.drain()
+	for b := range buckets {
+		u := p.UnpackPerByte * float64(buckets[b].Bytes())
+		fin = math.Max(fin, s.finish[b]) + u
+		unpack += u
+	}
+	return Result{Step: p.Other + fin, Backward: bwd, Exposed: math.Max(fin-bwd-unpack, 0), Comm: s.busy, Buckets: nb}, nil
+}
+
+// state is Simulate's clock: compute advances t; the collectives in queue progress alongside.
+type state struct {
+	p        *Profile
+	t        float64
+	queue    []int     // launched buckets not finished, in order; queue[0] is running once t ≥ its earliest
+	headLeft float64   // the head collective's remaining time, alone
+	commOf   []float64 // each bucket's collective alone
+	earliest []float64 // when each launched bucket may start: its launch plus Skew
+	finish   []float64
+	busy     float64
+}
+
+// compute advances the clock by work seconds of compute, at reduced speed while a collective
+// runs, and the collectives by the time that passes.
+func (s *state) compute(work float64) {
+	sc, cc := 1+s.p.Slowdown, 1+s.p.CommSlowdown
+	for work > 0 {
+		if len(s.queue) == 0 {
+			s.t += work
+			return
+		}
+		if e := s.earliest[s.queue[0]]; s.t < e { // waiting for the last rank: compute at full speed
+			if s.t+work <= e {
+				s.t += work
+				return
+			}
+			work -= e - s.t
+			s.t = e
+		}
+		dtWork, dtComm := work*sc, s.headLeft*cc
+		if dtWork < dtComm {
+			s.t += dtWork
+			s.busy += dtWork
+			s.headLeft -= dtWork / cc
+			return
+		}
+		s.t += dtComm
+		s.busy += dtComm
+		work -= dtComm / sc
+		s.pop()
+	}
+}
+
+// pop ends the running collective at s.t and starts the next.
+func (s *state) pop() {
+	s.finish[s.queue[0]] = s.t
+	s.queue = s.queue[1:]
+	if len(s.queue) > 0 {
+		s.headLeft = s.commOf[s.queue[0]]
+	}
+}
+
+// drain runs the queued collectives to the end at full speed, from s.t.
+func (s *state) drain() {
+	for len(s.queue) > 0 {
+		s.t = max(s.t, s.earliest[s.queue[0]])
+		s.t += s.headLeft
+		s.busy += s.headLeft
+		s.pop()
+	}
+}
+
+// SearchOptions bound Best's search.
+type SearchOptions struct {
+	// MinCapBytes and MaxCapBytes bound the caps tried (defaults: 64 KiB, and the total
+	// size of the gradients).
+	MinCapBytes, MaxCapBytes int64
+	// Steps is the number of caps tried per factor of 2 (default 4).
+	Steps int
+}
+
+// Plan is a chosen layout and its prediction.
+type Plan struct {
+	FirstCapBytes, CapBytes int64
+	Buckets                 []bucket.Bucket
+	Predicted               Result
+}
+
+// Caps returns the caps Best tries: geometric from MinCapBytes to MaxCapBytes, Steps per
+// factor of 2, and MaxCapBytes itself.
+func (o SearchOptions) Caps(total int64) []int64 {
+	lo, hi, steps := o.MinCapBytes, o.MaxCapBytes, o.Steps
+	if lo <= 0 {
+		lo = 64 << 10
+	}
+	if hi <= 0 {
+		hi = max(total, lo)
+	}
+	if steps <= 0 {
+		steps = 4
+	}
+	var caps []int64
+	for k := 0; ; k++ {
+		c := int64(math.Round(float64(lo) * math.Pow(2, float64(k)/float64(steps))))
+		if c >= hi {
+			break
+		}
+		if len(caps) == 0 || c != caps[len(caps)-1] {
+			caps = append(caps, c)
+		}
+	}
+	return append(caps, hi)
+}
+
+// Best returns the layout with the least predicted step among the pairs (first cap, cap) of
+// caps from o.Caps, the first cap at most the other. Ties go to fewer buckets. The search
+// is deterministic: every rank given the same profile finds the same plan.
+func (p *Profile) Best(o SearchOptions) (Plan, error) {
+	if err := p.Check(); err != nil {
+		return Plan{}, err
+	}
+	caps := o.Caps(p.TotalBytes())
+	var best Plan
+	found := false
+	for j, c := range caps {
+		for _, f := range caps[:j+1] {
+			bs, err := p.Layout(f, c)
+			if err != nil {
+				return Plan{}, err
+			}
+			r, err := p.Simulate(bs)
+			if err != nil {
+				return Plan{}, err
+			}
+			// Better by more than 0.1%, or as good with fewer buckets.
+			if !found || r.Step < best.Predicted.Step*(1-1e-3) ||
+				(r.Step <= best.Predicted.Step*(1+1e-3) && r.Buckets < best.Predicted.Buckets) {
+				best, found = Plan{FirstCapBytes: f, CapBytes: c, Buckets: bs, Predicted: r}, true
+			}
+		}
+	}
+	return best, nil
+}

@@ -1,0 +1,341 @@
+package sim
+
+import (
+	"errors"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/goddp/goddp/bucket"
+)
+
+func TestCommLinearAndCurve(t *testing.T) {
+	lin := Comm{Alpha: 1e-4, Beta: 1e-9}
+	if got, want := lin.Seconds(1e6), 1e-4+1e-3; math.Abs(got-want) > 1e-12 {
+		t.Errorf("linear: %v, want %v", got, want)
+	}
+	c := Comm{Alpha: 1e-4, Beta: 1e-9, Points: []Point{{1000, 2e-4}, {11000, 4e-4}, {21000, 5e-4}}}
+	for _, tc := range []struct {
+		bytes int64
+		want  float64
+	}{
+		{0, 1e-4},     // down to Alpha at zero
+		{500, 1.5e-4}, // halfway from Alpha to the first point
+		{1000, 2e-4},  // on a point
+		{6000, 3e-4},  // between points
+		{16000, 4.5e-4},
+		{31000, 6e-4}, // past the last: the last segment's slope (1e-8 > Beta)
+	} {
+		if got := c.Seconds(tc.bytes); math.Abs(got-tc.want) > 1e-12 {
+			t.Errorf("curve at %d bytes: %v, want %v", tc.bytes, got, tc.want)
+		}
+	}
+}
+
+func TestFitRecoversLine(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	alpha, beta := 3e-5, 8e-10
+	var pts []Point
+	for k := range 8 {
+		b := int64(64<<10) << k
+		pts = append(pts, Point{b, alpha + beta*float64(b)})
+		// a slower repeat of the same size must be ignored
+		pts = append(pts, Point{b, (alpha + beta*float64(b)) * (1.5 + rng.Float64())})
+	}
+	c, err := Fit(pts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if math.Abs(c.Alpha-alpha) > 1e-9 || math.Abs(c.Beta-beta)/beta > 1e-9 {
+		t.Errorf("Fit: α %v β %v, want %v %v", c.Alpha, c.Beta, alpha, beta)
+	}
+	if len(c.Points) != 8 {
+		t.Errorf("Fit kept %d points, want the 8 distinct sizes", len(c.Points))
+	}
+	if _, err := Fit(nil); !errors.Is(err, ErrInvalid) {
+		t.Errorf("Fit(nil): %v, want ErrInvalid", err)
+	}
+}
+
+func TestRingTreeHierarchical(t *testing.T) {
+	r := Ring(8, 1e-6, 1e9)
+	if math.Abs(r.Alpha-14e-6) > 1e-15 || math.Abs(r.Beta-1.75e-9) > 1e-18 {
+		t.Errorf("Ring(8): %+v", r)
+	}
+	tr := Tree(8, 1e-6, 1e9)
+	if math.Abs(tr.Alpha-6e-6) > 1e-15 || math.Abs(tr.Beta-2e-9) > 1e-18 {
+		t.Errorf("Tree(8): %+v", tr)
+	}
+	h := Hierarchical(4, 8, 1e-6, 1e11, Ring, 5e-6, 1e10)
+	want := Comm{Alpha: 14e-6 + 30e-6, Beta: 1.75e-11 + 1.5e-10/8}
+	if math.Abs(h.Alpha-want.Alpha) > 1e-15 || math.Abs(h.Beta-want.Beta) > 1e-20 {
+		t.Errorf("Hierarchical: %+v, want %+v", h, want)
+	}
+	if r1 := Ring(1, 1, 1); r1.Alpha != 0 || r1.Beta != 0 {
+		t.Error("Ring(1) should cost nothing")
+	}
+}
+
+// TestSimulateByHand: two parameters, two buckets, every number worked out on paper.
+func TestSimulateByHand(t *testing.T) {
+	p := &Profile{
+		Params:   []bucket.Param{{Name: "a", DType: bucket.Float32, Len: 250}, {Name: "b", DType: bucket.Float32, Len: 250}},
+		Order:    []int{1, 0},
+		Ready:    []float64{3, 1}, // b ready at 1, a at 3
+		Backward: 4,
+		Other:    10,
+		Comm:     Comm{Alpha: 1, Beta: 0.002}, // 1000 bytes: 3 s
+		Slowdown: 1,                           // compute at half speed while comm runs
+	}
+	bs, err := bucket.AssignOrdered(p.Params, p.Order, 1000, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(bs) != 2 {
+		t.Fatalf("%d buckets, want 2", len(bs))
+	}
+	r, err := p.Simulate(bs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// t=1: b ready, bucket 0 launches, its collective runs 1..4. Compute from 1 to a's
+	// ready (2 s of work) at half speed: done at 5, but the collective ends at 4: 3 s
+	// pass for 1.5 s of work, the remaining 0.5 s at full speed: a ready at 4.5; bucket 1
+	// runs 4.5..7.5 alongside the last 1 s of compute, at half speed: backward ends at
+	// 6.5. Finalize waits to 7.5. Step 10 + 7.5.
+	want := Result{Step: 17.5, Backward: 6.5, Exposed: 1, Comm: 6, Buckets: 2}
+	if !close(r, want) {
+		t.Errorf("Simulate: %+v, want %+v", r, want)
+	}
+	// With the last rank 0.5 s behind: bucket 0 waits to 1.5 (compute at full speed meanwhile,
+	// 0.5 s of a's 2 s done), then runs 1.5..4.5 while the other 1.5 s of compute take 3 s;
+	// a is ready at 4.5, bucket 1 waits to 5.0 (0.5 s of the last 1 s of compute), then the
+	// last 0.5 s take 1 s: backward ends at 6.0 with 2 s of bucket 1 left, done at 8.0.
+	p.Skew = 0.5
+	r, err = p.Simulate(bs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := (Result{Step: 18, Backward: 6, Exposed: 2, Comm: 6, Buckets: 2}); !close(r, want) {
+		t.Errorf("with skew: %+v, want %+v", r, want)
+	}
+	p.Skew = 0
+	// One bucket: it launches at 3 and runs 5 s, to 8, alongside the last 1 s of compute,
+	// done at half speed by 5.
+	r, err = p.SimulateCaps(2000, 2000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want = Result{Step: 18, Backward: 5, Exposed: 3, Comm: 5, Buckets: 1}
+	if !close(r, want) {
+		t.Errorf("one bucket: %+v, want %+v", r, want)
+	}
+}
+
+func close(a, b Result) bool {
+	near := func(x, y float64) bool { return math.Abs(x-y) <= 1e-9*math.Max(1, math.Abs(y)) }
+	return near(a.Step, b.Step) && near(a.Backward, b.Backward) && near(a.Exposed, b.Exposed) && near(a.Comm, b.Comm) && a.Buckets == b.Buckets
+}
+
+// tickSim is the step model again, computed another way: time advances in fixed ticks, and
+// in each tick compute and the running collective each do their share of work.
+func tickSim(p *Profile, bs []bucket.Bucket, dt float64) float64 {
+	lay, _ := bucket.NewLayout(p.Params, bs)
+	// the compute work, as a list of (work, then: the gradient it makes ready, or -1)
+	type seg struct {
+		work  float64
+		param int
+	}
+	var segs []seg
+	prev := 0.0
+	for _, i := range p.Order {
+		segs = append(segs, seg{math.Max(p.Ready[i]-prev, 0) + p.CopyPerByte*float64(p.Params[i].Bytes()), i})
+		prev = math.Max(prev, p.Ready[i])
+	}
+	segs = append(segs, seg{math.Max(p.Backward-prev, 0), -1})
+	pending := make([]int, len(bs))
+	for b := range bs {
+		pending[b] = len(bs[b].Params)
+	}
+	left := make([]float64, len(bs))
+	for b := range bs {
+		left[b] = p.Comm.Seconds(bs[b].Bytes())
+	}
+	finish := make([]float64, len(bs))
+	start := make([]float64, len(bs)) // launch + Skew
+	complete := 0                     // buckets whose gradients are all ready, in order
+	launched, running := 0, 0         // launched: their launch work done
+	t, k := 0.0, 0
+	segLeft, launchLeft := segs[0].work, 0.0
+	bwdEnd := -1.0
+	for running < len(bs) || bwdEnd < 0 {
+		computing := bwdEnd < 0
+		commBusy := running < launched && t >= start[running]-1e-12
+		cr, mr := 1.0, 1.0
+		if computing && commBusy {
+			cr, mr = 1/(1+p.Slowdown), 1/(1+p.CommSlowdown)
+		}
+		if commBusy {
+			left[running] -= dt * mr
+			if left[running] <= 1e-12 {
+				finish[running] = t + dt
+				running++
+			}
+		}
+		if computing {
+			w := dt * cr
+			for w > 1e-15 && bwdEnd < 0 {
+				if launched < complete { // a launch's work comes first
+					if launchLeft <= 0 {
+						launchLeft = p.Launch
+					}
+					d := math.Min(w, launchLeft)
+					launchLeft -= d
+					w -= d
+					if launchLeft <= 1e-12 {
+						launchLeft = 0
+						start[launched] = t + dt + p.Skew
+						launched++
+					}
+					continue
+				}
+				d := math.Min(w, segLeft)
+				segLeft -= d
+				w -= d
+				if segLeft > 1e-12 {
+					break
+				}
+				if i := segs[k].param; i >= 0 {
+					pending[lay.Where[i].Bucket]--
+					for complete < len(bs) && pending[complete] == 0 {
+						complete++
+					}
+				}
+				k++
+				if k == len(segs) { // the tail after the last gradient, whose launches came first
+					bwdEnd = t + dt
+					break
+				}
+				segLeft = segs[k].work
+			}
+		}
+		t += dt
+	}
+	fin := bwdEnd
+	for b := range bs {
+		fin = math.Max(fin, finish[b]) + p.UnpackPerByte*float64(bs[b].Bytes())
+	}
+	return p.Other + fin
+}
+
+func randomProfile(rng *rand.Rand, n int) *Profile {
+	p := &Profile{Other: rng.Float64() * 0.05, Backward: 0}
+	t := 0.0
+	for i := range n {
+		p.Params = append(p.Params, bucket.Param{Name: "p", DType: bucket.Float32, Len: 1000 + rng.IntN(200000)})
+		p.Order = append(p.Order, n-1-i)
+		p.Ready = append(p.Ready, 0)
+	}
+	for _, i := range p.Order {
+		t += rng.Float64() * 0.01
+		p.Ready[i] = t
+	}
+	p.Backward = t + rng.Float64()*0.01
+	p.CopyPerByte = rng.Float64() * 1e-10
+	p.UnpackPerByte = rng.Float64() * 1e-10
+	p.Launch = rng.Float64() * 1e-4
+	p.Slowdown = rng.Float64()
+	p.CommSlowdown = rng.Float64() * 2
+	p.Comm = Comm{Alpha: rng.Float64() * 1e-3, Beta: rng.Float64() * 2e-8}
+	p.Skew = rng.Float64() * 0.01
+	return p
+}
+
+// TestSimulateAgainstTicks checks Simulate against tickSim on random profiles and caps.
+func TestSimulateAgainstTicks(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 11))
+	for trial := range 40 {
+		p := randomProfile(rng, 5+rng.IntN(20))
+		cap := int64(64<<10) << rng.IntN(5)
+		bs, err := p.Layout(cap/2, cap)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := p.Simulate(bs)
+		if err != nil {
+			t.Fatal(err)
+		}
+		const dt = 2e-6
+		ref := tickSim(p, bs, dt)
+		// each tick can overshoot an event by dt; a few per segment and bucket
+		if tol := dt * float64(4*len(p.Params)+4*len(bs)+4); math.Abs(r.Step-ref) > tol {
+			t.Errorf("trial %d (%d params, %d buckets): Simulate %.6f s, ticks %.6f s (tolerance %.6f)", trial, len(p.Params), len(bs), r.Step, ref, tol)
+		}
+	}
+}
+
+// TestBestIsTheLeastOnItsGrid: Best's step is no more than any (first, cap) pair's on the
+// grid it searches, and it is deterministic.
+func TestBestIsTheLeastOnItsGrid(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 5))
+	for range 5 {
+		p := randomProfile(rng, 30)
+		o := SearchOptions{Steps: 2}
+		best, err := p.Best(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		caps := o.Caps(p.TotalBytes())
+		for j, c := range caps {
+			for _, f := range caps[:j+1] {
+				r, err := p.SimulateCaps(f, c)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if r.Step < best.Predicted.Step*(1-1e-3)-1e-12 {
+					t.Errorf("caps %d/%d: %.6f s beats Best's %d/%d at %.6f s", f, c, r.Step, best.FirstCapBytes, best.CapBytes, best.Predicted.Step)
+				}
+			}
+		}
+		again, _ := p.Best(o)
+		if again.FirstCapBytes != best.FirstCapBytes || again.CapBytes != best.CapBytes {
+			t.Error("Best is not deterministic")
+		}
+	}
+}
+
+// TestOverlapPays: with slow links and no slowdown, small buckets beat one bucket by about
+// the communication they hide; with a large launch cost, one bucket wins.
+func TestOverlapPays(t *testing.T) {
+	p := randomProfile(rand.New(rand.NewPCG(9, 9)), 40)
+	p.Slowdown, p.CommSlowdown, p.Launch = 0, 0, 0
+	p.Comm = Comm{Alpha: 0, Beta: p.Backward / float64(p.TotalBytes())} // comm as long as backward
+	one, _ := p.SimulateCaps(p.TotalBytes(), p.TotalBytes())
+	best, err := p.Best(SearchOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !(best.Predicted.Step < one.Step-0.5*p.Backward) {
+		t.Errorf("best %.4f s with %d buckets, one bucket %.4f s: want overlap to hide most of %.4f s", best.Predicted.Step, best.Predicted.Buckets, one.Step, p.Backward)
+	}
+	p.Comm.Alpha = p.Backward // each collective costs a whole backward
+	best, _ = p.Best(SearchOptions{})
+	if best.Predicted.Buckets != 1 {
+		t.Errorf("with a huge per-collective cost Best chose %d buckets, want 1", best.Predicted.Buckets)
+	}
+}
+
+func TestCheck(t *testing.T) {
+	p := &Profile{Params: []bucket.Param{{Name: "a", DType: bucket.Float32, Len: 1}}, Order: []int{0}, Ready: []float64{0}}
+	if err := p.Check(); err != nil {
+		t.Fatal(err)
+	}
+	p.Order = []int{1}
+	if err := p.Check(); !errors.Is(err, ErrInvalid) {
+		t.Errorf("bad order: %v", err)
+	}
+	p.Order, p.Slowdown = []int{0}, -1
+	if _, err := p.SimulateCaps(4, 4); !errors.Is(err, ErrInvalid) {
+		t.Errorf("negative slowdown: %v", err)
+	}
+}

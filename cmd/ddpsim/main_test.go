@@ -1,0 +1,183 @@
+package main
+
+import (
+	"encoding/json"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/goddp/goddp/bucket"
+	"github.com/goddp/goddp/bucket/sim"
+)
+
+// TestSeedModel checks the seed's models against counts worked out separately (from the
+// layer's tensor shapes, by hand and in a Python script): parameters, sizes and PyTorch's
+// buckets per cap.
+func TestSeedModel(t *testing.T) {
+	for _, tc := range []struct {
+		layers, hidden int
+		params         int64
+		buckets        map[float64]int // cap MB → PyTorch's bucket count
+	}{
+		{6, 2048, 310_542_336, map[float64]int{1: 27, 5: 27, 10: 27, 25: 20, 50: 20, 100: 11, 200: 7}},
+		{24, 4096, 4_866_678_784, map[float64]int{1: 99, 50: 99, 100: 74, 200: 74}},
+	} {
+		m := newSeedModel(tc.layers, tc.hidden)
+		if got := m.bytes() / 4; got != tc.params {
+			t.Errorf("%dL h%d: %d parameters, want %d", tc.layers, tc.hidden, got, tc.params)
+		}
+		p := m.profile(sim.Comm{}, 8)
+		if err := p.Check(); err != nil {
+			t.Fatal(err)
+		}
+		for c, want := range tc.buckets {
+			bs := torchBuckets(p, 1<<20, mib(c))
+			if len(bs) != want {
+				t.Errorf("%dL h%d cap %g: %d buckets, want %d", tc.layers, tc.hidden, c, len(bs), want)
+			}
+			if _, err := bucket.NewLayout(p.Params, bs); err != nil {
+				t.Errorf("cap %g: %v", c, err)
+			}
+		}
+	}
+	if h := stated(6, 88); h != 544 {
+		t.Errorf("6 layers of 88 MB: hidden %d, want 544", h)
+	}
+	if h := stated(24, 1628); h != 1184 {
+		t.Errorf("24 layers of 1628 MB: hidden %d, want 1184", h)
+	}
+	// Forward and backward of the small script model: 7.7 TFLOP (6·P·T plus attention).
+	m := newSeedModel(6, 2048)
+	p := m.profile(sim.Comm{}, 8)
+	if tf := (m.forward + p.Backward*mi300xFP32) / 1e12; tf < 7.6 || tf > 7.8 {
+		t.Errorf("small model: %.3f TFLOP per step, want about 7.71", tf)
+	}
+}
+
+func TestSeedReport(t *testing.T) {
+	var out strings.Builder
+	if err := run([]string{"-seed"}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"| 50 | 6.18 | ", // the article's figure beside the prediction
+		"The script builds 6 layers × 2048 hidden: 1242 MB of fp32 parameters, not 88 MB. 6 layers × 544 hidden is 88 MB.",
+		"| 64 | 512 | 400 |",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("ddpsim -seed lacks %q", want)
+		}
+	}
+}
+
+// profileFile writes a profile of 8 gradients of 1 MiB, ready every 10 ms, on a link of
+// 10 ms per MiB.
+func profileFile(t *testing.T, dir, name string, backward float64) string {
+	t.Helper()
+	p := sim.Profile{Backward: backward, Other: 0.02, Comm: sim.Comm{Alpha: 1e-4, Beta: 0.01 / (1 << 20)}, World: 2}
+	for i := range 8 {
+		p.Params = append(p.Params, bucket.Param{Name: "w", DType: bucket.Float32, Len: 1 << 18})
+		p.Order = append(p.Order, 7-i)
+		p.Ready = append(p.Ready, 0)
+	}
+	for k, i := range p.Order {
+		p.Ready[i] = 0.01 * float64(k+1)
+	}
+	b, err := json.Marshal(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(dir, name)
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func TestPredictAgainstMeasured(t *testing.T) {
+	dir := t.TempDir()
+	a := profileFile(t, dir, "a.json", 0.080)
+	b := profileFile(t, dir, "b.json", 0.090)
+	c := profileFile(t, dir, "c.json", 0.200) // an outlier the median ignores
+	sum := filepath.Join(dir, "summary.csv")
+	csv := "system,bucket_cap_mb,median_ms_step,min_ms_step,max_ms_step,repeats,relative_to_best,compute_ms_step,exposed_ms,exposed_fraction\n" +
+		"goddp,1,125,1,1,3,1,55,1,1\ngoddp,8,180,1,1,3,1,55,1,1\ngoddp,auto,120,1,1,3,1,55,1,1\ntorch,1,1,1,1,3,1,1,1,1\n"
+	if err := os.WriteFile(sum, []byte(csv), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	if err := run([]string{"-profile", a + "," + b + "," + c, "-caps", "1,8", "-measured", sum}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	// Median backward 90 ms. Cap 1 MiB: a bucket per gradient (ready every 10 ms), each
+	// all-reduce 10.1 ms, queued behind the one before: the last ends at 10 + 8·10.1 =
+	// 90.8 ms, 0.8 ms after backward; step 20 + 90.8. Cap 8 MiB (first 1 MiB): the first
+	// gradient alone, then seven in one bucket launched at 80 ms and done 70.1 ms later.
+	for _, want := range []string{
+		"backward compute 90.00 ms, rest of the step 20.00 ms",
+		"| 1 | 8 | 110.8 | 0.8 | 125.0 | -11.4% |",
+		"| 8 | 2 | 170.1 | 60.1 | 180.0 | -5.5% |",
+		"best predicted of these caps: 1 MB; best measured: 1 MB (0 step(s) apart); largest error 11.4%",
+		"(measured with --bucket_cap_mb auto: 120.0 ms/step",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	// Compute rescaled to the summary's compute-only 55 ms (the profile: 90 + 20 ms).
+	out.Reset()
+	if err := run([]string{"-profile", b, "-caps", "8", "-measured", sum, "-compute_ms", "sweep"}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "compute rescaled by 0.500: the profile's step without communication, 110.00 ms, to 55.00 ms") ||
+		!strings.Contains(out.String(), "backward compute 45.00 ms, rest of the step 10.00 ms") {
+		t.Errorf("-compute_ms sweep:\n%s", out.String())
+	}
+	// allreduce-perf's curve instead of the profile's: 1 ms + 1 ns/byte.
+	perf := filepath.Join(dir, "perf.jsonl")
+	rows := `{"size_bytes":1048576,"count":262144,"time_us":2048.576}` + "\n" + `{"size_bytes":4194304,"count":1048576,"time_us":5194.304}` + "\n"
+	if err := os.WriteFile(perf, []byte(rows), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out.Reset()
+	if err := run([]string{"-profile", a, "-allreduce", perf}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "all-reduce: 1000.0 µs + 1.000 ns/byte") {
+		t.Errorf("-allreduce:\n%s", out.String())
+	}
+	// Another link: a ring of 16 at 100 Gbit/s.
+	out.Reset()
+	if err := run([]string{"-profile", a, "-world", "16", "-gbit", "100", "-latency", "5us"}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "all-reduce: 150.0 µs + 0.150 ns/byte") { // 2·15·5 µs; 2·15/16 / 12.5 GB/s
+		t.Errorf("ring of 16:\n%s", out.String())
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	dir := t.TempDir()
+	good := profileFile(t, dir, "p.json", 0.08)
+	other := filepath.Join(dir, "other.json")
+	os.WriteFile(other, []byte(`{"params":[{"Name":"x","DType":1,"Len":3}],"order":[0],"ready_s":[0]}`), 0o644)
+	for name, args := range map[string][]string{
+		"nothing":       {},
+		"bad cap":       {"-profile", good, "-caps", "1,x"},
+		"missing":       {"-profile", filepath.Join(dir, "none.json")},
+		"gbit no world": {"-profile", good, "-gbit", "100"},
+		"algo":          {"-profile", good, "-gbit", "100", "-world", "4", "-algo", "star"},
+		"two models":    {"-profile", good + "," + other},
+		"not a summary": {"-profile", good, "-measured", good},
+		"extra arg":     {"-profile", good, "x"},
+		"compute":       {"-profile", good, "-compute_ms", "-3"},
+		"compute sweep": {"-profile", good, "-compute_ms", "sweep"},
+		"allreduce":     {"-profile", good, "-allreduce", good},
+	} {
+		if err := run(args, io.Discard, io.Discard); err == nil {
+			t.Errorf("%s: no error", name)
+		}
+	}
+}

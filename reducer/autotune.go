@@ -1,0 +1,380 @@
+package reducer
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"math"
+	"slices"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/goddp/goddp/bucket"
+	"github.com/goddp/goddp/bucket/sim"
+	"github.com/goddp/goddp/procgroup"
+)
+
+// AutoBucketCap, as Options.BucketCapMB, has the reducer choose the bucket layout itself
+// (Note [Auto buckets]).
+const AutoBucketCap = -1.0
+
+// autoPasses is the number of synced passes Note [Auto buckets] measures before it decides.
+const autoPasses = 3
+
+// autoMeasured is the number of steps after the decision whose median is reported as the
+// measured step time.
+const autoMeasured = 5
+
+// Note [Auto buckets]: with Options.BucketCapMB = AutoBucketCap the reducer measures its
+// first three synced passes and then picks the caps (first bucket and the others) whose
+// predicted step is the least, with the step model of package bucket/sim.
+//
+//  1. Pass 1 runs PyTorch's default layout (1 and 25 MiB) and gives the grad-ready order, as
+//     without auto (Note [Rebuild]). At its end every rank agrees on rank 0's order and
+//     times a few all-reduces alone (the probe: 64 KiB and every 8× up to the size of all
+//     the gradients, twice each, the faster kept): the cost curve. The next layout is one
+//     bucket, launched when the last gradient is ready.
+//  2. Pass 2, with that one bucket, runs backward with no collective in flight: it gives the
+//     pure compute timeline (each gradient's ready time less the reducer's own time before
+//     it), the copy cost per byte, the copy back, the rest of the step (forward, optimizer:
+//     the time from its Finalize to the next pass), and the skew: how much longer than
+//     alone its bucket took, waiting for the last rank. The next layout has eight
+//     buckets of equal caps.
+//  3. Pass 3, with eight buckets in flight during backward, gives how much compute and the
+//     collectives slow each other down: compute by how much longer backward's compute took
+//     than in pass 2, over the time a collective was in flight; collectives by how much
+//     longer the buckets took than the curve says, over their time inside backward.
+//
+// Rank 0 then searches the caps (package sim, Profile.Best), broadcasts the chosen pair,
+// and every rank rebuilds with it from the agreed order, so the layouts are identical. The
+// choice is logged with the predicted step time for it and for the default caps, and, five
+// steps later, with the measured median (AutoPlan). The layout is not re-tuned later.
+type autoTuner struct {
+	rebuilds int          // rebuilds done so far
+	order    []int        // rank 0's grad-ready order, agreed by all at rebuild 1
+	probe    []sim.Point  // the all-reduces timed at rebuild 1
+	passes   []*IterStats // clones of passes 2 and 3
+	starts   []time.Time  // Start of each synced pass, and …
+	ends     []time.Time  // … when its Finalize ended
+	decided  bool
+	plan     *AutoPlan   // nil if this rank could not model the step
+	after    []time.Time // Start of the synced passes after the decision
+}
+
+// AutoPlan is what Note [Auto buckets] measured and chose.
+type AutoPlan struct {
+	// Profile holds the measurements of the rank that decided (rank 0; on the other ranks,
+	// their own, which did not count).
+	Profile *sim.Profile
+	// FirstCapBytes and CapBytes are the chosen caps; Buckets the number of buckets.
+	FirstCapBytes, CapBytes int64
+	Buckets                 int
+	// Predicted is the model's step for the chosen layout, Default the one for PyTorch's
+	// default caps (1 and 25 MiB).
+	Predicted, Default sim.Result
+	// DecidedAfter is the number of synced passes measured before the decision.
+	DecidedAfter int
+	// Measured is the median step time of the first five steps after the decision (0 until
+	// they are done).
+	Measured time.Duration
+}
+
+func (p *AutoPlan) String() string {
+	s := fmt.Sprintf("auto bucket layout after %d synced steps: first cap %.3g MB, cap %.3g MB, %d buckets; predicted %.2f ms/step (default 1/25 MB: %.2f, %d buckets)",
+		p.DecidedAfter, float64(p.FirstCapBytes)/(1<<20), float64(p.CapBytes)/(1<<20), p.Buckets,
+		p.Predicted.Step*1e3, p.Default.Step*1e3, p.Default.Buckets)
+	if p.Measured > 0 {
+		s += fmt.Sprintf(", measured %.2f ms/step", float64(p.Measured.Microseconds())/1e3)
+	}
+	return s
+}
+
+// AutoPlan returns a copy of the auto sizing's plan, or nil without AutoBucketCap or before
+// it decided.
+func (r *Reducer) AutoPlan() *AutoPlan {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.auto == nil || r.auto.plan == nil {
+		return nil
+	}
+	c := *r.auto.plan
+	return &c
+}
+
+// rebuild is the auto sizing's part of a rebuild: it sets r.firstCap and r.capBytes for the
+// layout to build (from a.order). agreed is the order the ranks agreed on (rebuild 1 only).
+// r.mu must be held.
+func (a *autoTuner) rebuild(ctx context.Context, r *Reducer, agreed []int) error {
+	a.rebuilds++
+	total := int64(0)
+	for _, p := range r.bparams {
+		total += p.Bytes()
+	}
+	switch a.rebuilds {
+	case 1:
+		a.order = agreed
+		if err := a.runProbe(ctx, r, total); err != nil {
+			return err
+		}
+		r.firstCap, r.capBytes = total+1, total+1 // one bucket (per element type)
+	case 2:
+		a.passes = append(a.passes, r.stats[r.cur].Clone())
+		c := max(total/8, 64<<10)
+		r.firstCap, r.capBytes = c, c
+	default:
+		a.passes = append(a.passes, r.stats[r.cur].Clone())
+		return a.decide(ctx, r)
+	}
+	return nil
+}
+
+// runProbe times all-reduces of 64 KiB and every 8× up to total bytes, and total, twice
+// each, on every rank alike.
+func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error {
+	var sizes []int64
+	for s := int64(64 << 10); s < total; s *= 8 {
+		sizes = append(sizes, s)
+	}
+	sizes = append(sizes, max(total, 4))
+	buf := make([]float32, sizes[len(sizes)-1]/4)
+	for _, s := range sizes {
+		b := buf[:s/4]
+		best := math.Inf(1)
+		for range 2 {
+			t0 := time.Now()
+			if err := r.pg.AllReduce(ctx, b, procgroup.Sum).Wait(ctx); err != nil {
+				return fmt.Errorf("reducer: auto bucket sizing: all-reduce of %d bytes: %w", s, err)
+			}
+			best = math.Min(best, time.Since(t0).Seconds())
+		}
+		a.probe = append(a.probe, sim.Point{Bytes: 4 * int64(len(b)), Seconds: best})
+	}
+	return nil
+}
+
+// decide builds the profile (rank 0's counts), picks the caps, and agrees on them.
+func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
+	choice := []int64{0, 0} // 0: keep the default caps
+	var plan *AutoPlan
+	prof, err := a.profile(r)
+	if err == nil {
+		var best sim.Plan
+		if best, err = prof.Best(sim.SearchOptions{}); err == nil {
+			def, _ := prof.SimulateCaps(bucket.DefaultFirstCapBytes, bucket.DefaultCapBytes)
+			plan = &AutoPlan{Profile: prof, FirstCapBytes: best.FirstCapBytes, CapBytes: best.CapBytes,
+				Buckets: best.Predicted.Buckets, Predicted: best.Predicted, Default: def, DecidedAfter: autoPasses}
+			choice = []int64{best.FirstCapBytes, best.CapBytes}
+		}
+	}
+	if err != nil && r.pg.Rank() == 0 {
+		r.log.Warn("reducer: auto bucket sizing could not model the step; keeping the default caps", zap.Error(err))
+	}
+	if err := r.pg.Broadcast(ctx, choice, 0).Wait(ctx); err != nil {
+		return fmt.Errorf("reducer: auto bucket sizing: broadcast of rank 0's caps: %w", err)
+	}
+	a.decided = true
+	if choice[0] <= 0 || choice[1] <= 0 {
+		r.firstCap, r.capBytes = bucket.DefaultFirstCapBytes, bucket.DefaultCapBytes
+		return nil
+	}
+	r.firstCap, r.capBytes = choice[0], choice[1]
+	if plan != nil && (plan.FirstCapBytes != choice[0] || plan.CapBytes != choice[1]) {
+		// Another rank's model: describe rank 0's choice with this rank's profile.
+		bs, _ := plan.Profile.Layout(choice[0], choice[1])
+		plan.FirstCapBytes, plan.CapBytes, plan.Buckets = choice[0], choice[1], len(bs)
+		plan.Predicted, _ = plan.Profile.Simulate(bs)
+	}
+	a.plan = plan
+	if plan != nil {
+		r.log.Info("reducer: "+plan.String(), zap.Int("rank", r.pg.Rank()))
+	}
+	return nil
+}
+
+// profile turns the probe and passes 2 (one bucket) and 3 (eight) into the model's inputs.
+func (a *autoTuner) profile(r *Reducer) (*sim.Profile, error) {
+	if len(a.passes) < 2 || len(a.starts) < 2 || len(a.ends) < 2 {
+		return nil, fmt.Errorf("reducer: auto bucket sizing: %d passes measured, want 2", len(a.passes))
+	}
+	s2, s3 := a.passes[0], a.passes[1]
+	n := len(r.bparams)
+	p := &sim.Profile{Params: r.bparams, Order: a.order, Ready: make([]float64, n), World: r.pg.Size()}
+	total := float64(0)
+	for _, q := range r.bparams {
+		total += float64(q.Bytes())
+	}
+	if total > 0 {
+		p.CopyPerByte = s2.CopyTime.Seconds() / total
+		p.UnpackPerByte = s2.UnpackTime.Seconds() / total
+	}
+	// Pure compute: each ready time less the reducer's time before it (copies; one launch,
+	// at the very end).
+	byTime := make([]int, 0, n)
+	for i := range n {
+		if s2.GradReady[i] < 0 {
+			return nil, fmt.Errorf("reducer: auto bucket sizing: parameter %d (%s) got no gradient in pass 2", i, r.bparams[i].Name)
+		}
+		byTime = append(byTime, i)
+	}
+	slices.SortStableFunc(byTime, func(x, y int) int { return cmp.Compare(s2.GradReady[x], s2.GradReady[y]) })
+	var hooks float64
+	for _, i := range byTime {
+		p.Ready[i] = math.Max(s2.GradReady[i].Seconds()-hooks, 0)
+		hooks += p.CopyPerByte * float64(r.bparams[i].Bytes())
+	}
+	compute2 := s2.Compute().Seconds()
+	p.Backward = compute2
+	// The rest of the step: from the end of pass 2's Finalize to pass 3's start.
+	p.Other = math.Max(s3.Start.Sub(a.ends[1]).Seconds(), 0)
+
+	// The all-reduce curve: the probe, and pass 2's bucket(s), alone after backward.
+	pts := append([]sim.Point(nil), a.probe...)
+	for b := range s2.BucketBytes {
+		if s2.BucketLaunched[b] >= 0 && s2.BucketFinished[b] >= 0 && (b == 0 || s2.BucketFinished[b-1] <= s2.BucketLaunched[b]) {
+			pts = append(pts, sim.Point{Bytes: s2.BucketBytes[b], Seconds: (s2.BucketFinished[b] - s2.BucketLaunched[b]).Seconds()})
+		}
+	}
+	comm, err := sim.Fit(pts)
+	if err != nil {
+		return nil, fmt.Errorf("reducer: auto bucket sizing: %w", err)
+	}
+	p.Comm = comm
+	// The skew: pass 2's last bucket took longer than alone by the time this rank waited for
+	// the last one to launch it (zero when this rank was the last): one sample of the wait.
+	if b := len(s2.BucketBytes) - 1; b >= 0 && s2.BucketLaunched[b] >= 0 && s2.BucketFinished[b] >= 0 {
+		p.Skew = math.Max((s2.BucketFinished[b]-s2.BucketLaunched[b]).Seconds()-comm.Seconds(s2.BucketBytes[b]), 0)
+	}
+
+	// Pass 3: launches, and the slowdowns under overlap.
+	if nb := len(s3.BucketBytes); nb > 0 {
+		p.Launch = math.Max((s3.HookTime-s3.CopyTime).Seconds()/float64(nb), 0)
+	}
+	p.Slowdown = slowdown(s2, s3, byTime)
+	r.log.Info("reducer: auto bucket sizing: measured", zap.Int("rank", r.pg.Rank()),
+		zap.Duration("compute_one_bucket", s2.Compute()), zap.Duration("compute_eight", s3.Compute()),
+		zap.Duration("overlap_eight", s3.Overlap()), zap.Duration("backward_eight", s3.BackwardEnd),
+		zap.Duration("hooks_eight", s3.HookTime), zap.Duration("copies_eight", s3.CopyTime))
+	var inside, outside, alone float64
+	prevEnd := time.Duration(-1)
+	for b := range s3.BucketBytes {
+		lo, hi := s3.BucketLaunched[b], s3.BucketFinished[b]
+		if lo < 0 || hi < 0 {
+			continue
+		}
+		lo = max(lo, prevEnd)
+		prevEnd = hi
+		in := min(hi, s3.BackwardEnd) - lo
+		if in < 0 {
+			in = 0
+		}
+		inside += in.Seconds()
+		outside += (hi - lo - in).Seconds()
+		alone += comm.Seconds(s3.BucketBytes[b])
+	}
+	if inside > 1e-4 && alone-outside > 0 {
+		p.CommSlowdown = min(math.Max(inside/(alone-outside)-1, 0), 9)
+	}
+	return p, p.Check()
+}
+
+// passDone records a finalized synced pass's times; after the decision, it measures the
+// steps that follow. r.mu must be held.
+func (a *autoTuner) passDone(r *Reducer, st *IterStats) {
+	if !a.decided {
+		a.starts = append(a.starts, st.Start)
+		a.ends = append(a.ends, st.Start.Add(st.FinalizeEnd))
+		return
+	}
+	if a.plan == nil || a.plan.Measured > 0 {
+		return
+	}
+	a.after = append(a.after, st.Start)
+	if len(a.after) <= autoMeasured {
+		return
+	}
+	steps := make([]time.Duration, autoMeasured)
+	for k := range steps {
+		steps[k] = a.after[k+1].Sub(a.after[k])
+	}
+	slices.Sort(steps)
+	a.plan.Measured = steps[len(steps)/2]
+	r.log.Info("reducer: "+a.plan.String(), zap.Int("rank", r.pg.Rank()))
+}
+
+// slowdown estimates how much slower compute runs while a collective is in flight, from
+// pass 2 (no collective during backward) and pass 3 (eight buckets), stretch by stretch of
+// backward between two gradients (in pass 2's order). Pass 3 may run slower than pass 2 for
+// reasons that have nothing to do with overlap (a collector cycle after the new buckets were
+// allocated, a busier machine): that general ratio g is taken from the stretches where no
+// collective was in flight (the forward pass and the start of backward, at least), and each
+// overlapped stretch's extra time beyond it, as a fraction of the time a collective was in
+// flight there, estimates f = s/(1+s) for a compute speed of 1/(1+s). The median of those
+// fractions, weighted by the in-flight time, ignores a stretch that a one-off stall made
+// long. f is at most 1/2 (s at most 1): one collective at a time runs on one goroutine, and
+// a fair scheduler gives the compute thread it competes with at least half of a core.
+func slowdown(s2, s3 *IterStats, order []int) float64 {
+	type stretch struct{ d2, d3, w float64 }
+	var ss []stretch
+	var prev2, prev3 time.Duration
+	for k := 0; k <= len(order); k++ {
+		end2, end3 := s2.BackwardEnd, s3.BackwardEnd
+		if k < len(order) {
+			end2, end3 = s2.GradReady[order[k]], s3.GradReady[order[k]]
+		}
+		if end3 < prev3 || end2 < prev2 { // another order in pass 3: skip the stretch
+			continue
+		}
+		ss = append(ss, stretch{(end2 - prev2).Seconds(), (end3 - prev3).Seconds(), inflight(s3, prev3, end3).Seconds()})
+		prev2, prev3 = end2, end3
+	}
+	var base2, base3 float64
+	for _, x := range ss {
+		if x.w == 0 {
+			base2, base3 = base2+x.d2, base3+x.d3
+		}
+	}
+	g := 1.0
+	if base2 > 0 {
+		g = base3 / base2
+	}
+	type frac struct{ f, w float64 }
+	var fs []frac
+	var total float64
+	for _, x := range ss {
+		if x.w > 0 {
+			fs = append(fs, frac{(x.d3 - x.d2*g) / x.w, x.w})
+			total += x.w
+		}
+	}
+	if len(fs) == 0 {
+		return 0
+	}
+	slices.SortFunc(fs, func(a, b frac) int { return cmp.Compare(a.f, b.f) })
+	f, acc := fs[len(fs)-1].f, 0.0
+	for _, x := range fs {
+		if acc += x.w; acc >= total/2 {
+			f = x.f
+			break
+		}
+	}
+	f = min(max(f, 0), 0.5)
+	return f / (1 - f)
+}
+
+// inflight is the time within [lo, hi] during which one of st's collectives was in flight.
+func inflight(st *IterStats, lo, hi time.Duration) time.Duration {
+	var total, covered time.Duration
+	for b := range st.BucketLaunched {
+		a, z := st.BucketLaunched[b], st.BucketFinished[b]
+		if a < 0 || z < 0 {
+			continue
+		}
+		a, z = max(a, lo, covered), min(z, hi)
+		if z > a {
+			total += z - a
+			covered = z
+		}
+	}
+	return total
+}

@@ -1,0 +1,197 @@
+package reducer
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/goddp/goddp/bucket"
+	"github.com/goddp/goddp/bucket/sim"
+	"github.com/goddp/goddp/procgroup/pgtest"
+)
+
+// TestAutoEquivalence is TestEquivalence with AutoBucketCap: the gradients are right at
+// every step, through the three rebuilds of Note [Auto buckets] (a probe, one bucket, eight,
+// then the chosen caps), and every rank issues the same collectives in the same order.
+func TestAutoEquivalence(t *testing.T) {
+	rng := rand.New(rand.NewPCG(77, 1))
+	for n := 1; n <= 3; n++ {
+		for _, view := range []bool{false, true} {
+			for _, noSync := range []bool{false, true} {
+				for trial := 0; trial < 3; trial++ {
+					seed := rng.Uint64()
+					t.Run(fmt.Sprintf("n=%d/view=%v/nosync=%v/seed=%d", n, view, noSync, seed), func(t *testing.T) {
+						checkEquivalence(t, n, view, noSync, true, seed, 12)
+					})
+				}
+			}
+		}
+	}
+}
+
+// checkAutoPlan: after the steps of checkEquivalence, the plan exists and the layout is the
+// one its caps give from the agreed order.
+func checkAutoPlan(r *Reducer) error {
+	p := r.AutoPlan()
+	if p == nil {
+		return errors.New("no AutoPlan after 6 synced steps")
+	}
+	if p.DecidedAfter != autoPasses || p.Profile == nil || p.Measured != 0 {
+		return fmt.Errorf("plan %+v: want decided after %d passes, a profile, and no measured time before 5 more steps", p, autoPasses)
+	}
+	want, err := bucket.AssignOrdered(r.bparams, r.auto.order, p.FirstCapBytes, p.CapBytes)
+	if err != nil {
+		return err
+	}
+	if got := r.Buckets(); !sameBuckets(got, want) || p.Buckets != len(want) {
+		return fmt.Errorf("layout of %d buckets (plan says %d), want the %d of caps %d/%d", len(got), p.Buckets, len(want), p.FirstCapBytes, p.CapBytes)
+	}
+	return nil
+}
+
+// TestAutoOneRank: with one rank there is nothing to tune: PyTorch's default layout, no plan.
+func TestAutoOneRank(t *testing.T) {
+	_, r, _ := newSingle(t, []int{300000, 10, 300000}, Options{BucketCapMB: AutoBucketCap})
+	ctx := testCtx(t)
+	for range 4 {
+		if err := r.BeginBackward(Sync); err != nil {
+			t.Fatal(err)
+		}
+		for _, i := range []int{2, 1, 0} {
+			if err := r.GradReady(i, make([]float32, []int{300000, 10, 300000}[i])); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := r.Finalize(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if p := r.AutoPlan(); p != nil {
+		t.Errorf("AutoPlan with one rank: %v", p)
+	}
+	if got := len(r.Buckets()); got != 2 { // 1 MiB first cap: {2}, then {1, 0} under 25 MiB
+		t.Errorf("%d buckets, want the default caps' 2", got)
+	}
+}
+
+func TestAutoBadOptions(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	params := []Param{{Name: "w", Grad: make([]float32, 4)}}
+	if _, err := New(c.Group(0), params, Options{BucketCapMB: AutoBucketCap, Device: true}); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("AutoBucketCap with Device: %v, want ErrInvalidArgument", err)
+	}
+	if _, err := New(c.Group(0), params, Options{BucketCapMB: -2}); !errors.Is(err, ErrInvalidArgument) {
+		t.Errorf("BucketCapMB -2: %v, want ErrInvalidArgument", err)
+	}
+}
+
+func ms(x float64) time.Duration { return time.Duration(x * float64(time.Millisecond)) }
+
+// TestAutoProfile turns hand-made measurements into the model's inputs, every figure worked
+// out on paper: three gradients of 400 bytes, ready in the order 2, 1, 0.
+func TestAutoProfile(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	r := &Reducer{pg: c.Group(0), log: zap.NewNop(), bparams: []bucket.Param{
+		{Name: "a", DType: bucket.Float32, Len: 100}, {Name: "b", DType: bucket.Float32, Len: 100}, {Name: "c", DType: bucket.Float32, Len: 100}}}
+	t0 := time.Unix(1000, 0)
+	// Pass 2: one bucket, launched with the last gradient at 30 ms and done at 45 ms.
+	s2 := &IterStats{Start: t0.Add(ms(100)),
+		GradReady:   []time.Duration{ms(30), ms(20), ms(10)},
+		BucketBytes: []int64{1200}, BucketLaunched: []time.Duration{ms(30)}, BucketFinished: []time.Duration{ms(45)},
+		BackwardEnd: ms(40), CopyTime: ms(1.2), HookTime: ms(1.3), UnpackTime: ms(0.6)}
+	// Pass 3: one bucket per gradient. Stretches of backward against pass 2's: 10→12 ms with
+	// 10 ms in flight (a fraction 0.2), 10→14.5 ms with 5 ms in flight (0.9, an outlier),
+	// 10→12 ms with 10 ms in flight (0.2).
+	s3 := &IterStats{Start: t0.Add(ms(200)),
+		GradReady:      []time.Duration{ms(36.5), ms(22), ms(10)},
+		BucketBytes:    []int64{400, 400, 400},
+		BucketLaunched: []time.Duration{ms(10), ms(22), ms(36.5)},
+		BucketFinished: []time.Duration{ms(20), ms(27), ms(46.5)},
+		BackwardEnd:    ms(48.5), CopyTime: ms(1.2), HookTime: ms(1.5)}
+	a := &autoTuner{order: []int{2, 1, 0}, passes: []*IterStats{s2, s3},
+		probe:  []sim.Point{{Bytes: 400, Seconds: 5e-3}, {Bytes: 1200, Seconds: 13e-3}},
+		starts: []time.Time{t0, t0.Add(ms(100))}, ends: []time.Time{t0.Add(ms(60)), t0.Add(ms(150))}}
+	p, err := a.profile(r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	near := func(what string, got, want float64) {
+		t.Helper()
+		if math.Abs(got-want) > 1e-9*math.Max(1, math.Abs(want)) {
+			t.Errorf("%s = %v, want %v", what, got, want)
+		}
+	}
+	near("CopyPerByte", p.CopyPerByte, 1.2e-3/1200)
+	near("UnpackPerByte", p.UnpackPerByte, 0.6e-3/1200)
+	// each ready time less the copies before it (0.4 ms per gradient)
+	near("Ready[2]", p.Ready[2], 10e-3)
+	near("Ready[1]", p.Ready[1], 19.6e-3)
+	near("Ready[0]", p.Ready[0], 29.2e-3)
+	near("Backward", p.Backward, 38.7e-3)             // 40 ms less 1.3 ms in the hooks
+	near("Other", p.Other, 50e-3)                     // pass 2's Finalize ended at 150 ms, pass 3 began at 200
+	near("Launch", p.Launch, 0.1e-3)                  // (1.5 − 1.2) ms over 3 buckets
+	near("Slowdown", p.Slowdown, 0.25)                // the weighted median fraction 0.2 = s/(1+s)
+	near("CommSlowdown", p.CommSlowdown, 25.0/15.0-1) // 25 ms in flight inside backward for 3 × 5 ms alone
+	near("Comm(1200)", p.Comm.Seconds(1200), 13e-3)   // the probe's 13 ms, not pass 2's slower 15 ms
+	near("Skew", p.Skew, 2e-3)                        // pass 2's bucket: 15 ms, alone 13
+	if p.World != 2 || len(p.Order) != 3 || p.Order[0] != 2 {
+		t.Errorf("World %d, Order %v", p.World, p.Order)
+	}
+
+	// A gradient pass 2 never got: no model.
+	s2.GradReady[1] = -1
+	if _, err := a.profile(r); err == nil {
+		t.Error("profile with a missing gradient: no error")
+	}
+	// The old estimate, extra compute over the whole in-flight time, would have taken the
+	// outlier in: (48.5 − 1.5 − (40 − 1.3)) / 25 = 0.332, s = 0.497.
+	s2.GradReady[1] = ms(20)
+	if got := slowdown(s2, s3, []int{2, 1, 0}); math.Abs(got-0.25) > 1e-9 {
+		t.Errorf("slowdown %v, want 0.25", got)
+	}
+}
+
+// TestSlowdownNotOverlap: a pass 3 uniformly 1.5× slower than pass 2, collectives in flight
+// or not, is a slower machine, not a slowdown under overlap; an overlapped stretch slowed
+// beyond that counts, up to s = 1.
+func TestSlowdownNotOverlap(t *testing.T) {
+	s2 := &IterStats{GradReady: []time.Duration{ms(40), ms(30), ms(20)}, BackwardEnd: ms(50)}
+	s3 := &IterStats{GradReady: []time.Duration{ms(60), ms(45), ms(30)}, BackwardEnd: ms(75),
+		BucketLaunched: []time.Duration{ms(30), ms(45)}, BucketFinished: []time.Duration{ms(45), ms(60)}}
+	order := []int{2, 1, 0}
+	if got := slowdown(s2, s3, order); got != 0 {
+		t.Errorf("uniformly slower pass 3: slowdown %v, want 0", got)
+	}
+	// The stretch 30→45 ms takes 3 ms more than 1.5 × 10 ms, with 15 ms in flight
+	// (f = 0.2), and so does 45→60 (shifted by 3 ms): the weighted median is 0.2, s = 0.25.
+	s3 = &IterStats{GradReady: []time.Duration{ms(66), ms(48), ms(30)}, BackwardEnd: ms(81),
+		BucketLaunched: []time.Duration{ms(30), ms(48)}, BucketFinished: []time.Duration{ms(45), ms(63)}}
+	if got := slowdown(s2, s3, order); math.Abs(got-0.25) > 1e-9 {
+		t.Errorf("slowdown %v, want 0.25", got)
+	}
+	// Far slower stretches are capped at s = 1.
+	s3.GradReady = []time.Duration{ms(130), ms(80), ms(30)}
+	s3.BackwardEnd = ms(145)
+	s3.BucketFinished = []time.Duration{ms(80), ms(130)}
+	s3.BucketLaunched = []time.Duration{ms(30), ms(80)}
+	if got := slowdown(s2, s3, order); got != 1 {
+		t.Errorf("slowdown %v, want the cap 1", got)
+	}
+}
+
+// TestAutoPlanString: the line the trainer prints.
+func TestAutoPlanString(t *testing.T) {
+	p := &AutoPlan{FirstCapBytes: 1 << 19, CapBytes: 5 << 20, Buckets: 7, DecidedAfter: 3,
+		Predicted: sim.Result{Step: 0.1234}, Default: sim.Result{Step: 0.2, Buckets: 2}, Measured: ms(130.5)}
+	want := "auto bucket layout after 3 synced steps: first cap 0.5 MB, cap 5 MB, 7 buckets; predicted 123.40 ms/step (default 1/25 MB: 200.00, 2 buckets), measured 130.50 ms/step"
+	if got := p.String(); got != want {
+		t.Errorf("String:\n got %s\nwant %s", got, want)
+	}
+}
