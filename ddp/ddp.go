@@ -497,7 +497,8 @@ func (d *DDP) BucketParams() [][]int {
 
 // AutoPlan returns the automatic bucket sizing's choice (Options.BucketCapMB =
 // AutoBucketCap), or nil before it decided (at the end of the third synced step), with a
-// fixed cap, or with one rank.
+// fixed cap, with one rank, or if this rank could not model the step (it then logs why,
+// and the DDP keeps its first layout's caps).
 func (d *DDP) AutoPlan() *AutoPlan { return d.r.AutoPlan() }
 
 // Generation counts the bucket layouts (0, then 1 after the first synced Finalize; with

@@ -135,7 +135,7 @@ func TestLocalValidation(t *testing.T) {
 		{"grad len", Param{Name: "w", Data: make([]float32, 6), Grad: make([]float32, 5)}, Options{}, "ddp: invalid argument: parameter 0 (w): Grad is float32×5 but Data is float32×6"},
 		{"grad nil", Param{Name: "w", Data: make([]float32, 6)}, Options{}, "ddp: invalid argument: parameter 0 (w): nil Grad (allowed only with GradientAsBucketView)"},
 		{"grad with view", Param{Name: "w", Data: make([]float32, 6), Grad: make([]float32, 6)}, Options{GradientAsBucketView: true}, "ddp: invalid argument: parameter 0 (w): Grad must be nil with GradientAsBucketView (read gradients with Grad32/Grad64)"},
-		{"negative cap", Param{Name: "w", Data: make([]float32, 6), Grad: make([]float32, 6)}, Options{BucketCapMB: -1}, "ddp: invalid argument: BucketCapMB -1, FirstBucketCapMB 1, BroadcastChunkMB 64: want all positive"},
+		{"negative cap", Param{Name: "w", Data: make([]float32, 6), Grad: make([]float32, 6)}, Options{BucketCapMB: -1}, "ddp: invalid argument: BucketCapMB -1, FirstBucketCapMB 1, BroadcastChunkMB 64: want all positive (or BucketCapMB AutoBucketCap)"},
 	} {
 		_, err := New(ctx, pg, []Param{tc.p}, tc.opts)
 		if err == nil || err.Error() != tc.want || !errors.Is(err, ErrInvalidArgument) {

@@ -16,8 +16,9 @@ import (
 )
 
 // AutoBucketCap, as Options.BucketCapMB, has the reducer choose the bucket layout itself
-// (Note [Auto buckets]).
-const AutoBucketCap = -1.0
+// (Note [Auto buckets]). It is a value no one types by mistake: a negative cap such as -1
+// stays an error.
+const AutoBucketCap = -math.MaxFloat64
 
 // autoPasses is the number of synced passes Note [Auto buckets] measures before it decides.
 const autoPasses = 3
@@ -30,11 +31,13 @@ const autoMeasured = 5
 // first three synced passes and then picks the caps (first bucket and the others) whose
 // predicted step is the least, with the step model of package bucket/sim.
 //
-//  1. Pass 1 runs PyTorch's default layout (1 and 25 MiB) and gives the grad-ready order, as
-//     without auto (Note [Rebuild]). At its end every rank agrees on rank 0's order and
-//     times a few all-reduces alone (the probe: 64 KiB and every 8× up to the size of all
-//     the gradients, twice each, the faster kept): the cost curve. The next layout is one
-//     bucket, launched when the last gradient is ready.
+//  1. Pass 1 runs the layout of FirstBucketCapMB and PyTorch's default 25 MiB and gives the
+//     grad-ready order, as without auto (Note [Rebuild]). At its end every rank agrees on
+//     rank 0's order and times a few all-reduces alone (the probe: 64 KiB and every 8× up
+//     to the size of all the gradients, at most 256 MiB, twice each, the faster kept): the
+//     cost curve. The probe holds the reducer's lock, as the rebuild's broadcast does, and a
+//     buffer of its largest size until it ends. The next layout is one bucket, launched when
+//     the last gradient is ready.
 //  2. Pass 2, with that one bucket, runs backward with no collective in flight: it gives the
 //     pure compute timeline (each gradient's ready time less the reducer's own time before
 //     it), the copy cost per byte, the copy back, the rest of the step (forward, optimizer:
@@ -42,22 +45,27 @@ const autoMeasured = 5
 //     alone its bucket took, waiting for the last rank. The next layout has eight
 //     buckets of equal caps.
 //  3. Pass 3, with eight buckets in flight during backward, gives how much compute and the
-//     collectives slow each other down: compute by how much longer backward's compute took
-//     than in pass 2, over the time a collective was in flight; collectives by how much
-//     longer the buckets took than the curve says, over their time inside backward.
+//     collectives slow each other down: compute from the stretches of backward with a
+//     collective in flight, by how much longer they took than in pass 2 beyond what the
+//     stretches with none did (func slowdown); collectives by how much longer the buckets
+//     took than the curve says, over their time inside backward. Both count a collective
+//     from the skew after its launch, as the model does.
 //
 // Rank 0 then searches the caps (package sim, Profile.Best), broadcasts the chosen pair,
 // and every rank rebuilds with it from the agreed order, so the layouts are identical. The
 // choice is logged with the predicted step time for it and for the default caps, and, five
-// steps later, with the measured median (AutoPlan). The layout is not re-tuned later.
+// steps later, with the measured median (AutoPlan). The layout is not re-tuned later. If
+// rank 0 cannot model the step (a gradient missing in pass 2), every rank goes back to the
+// layout of pass 1's caps.
 type autoTuner struct {
 	rebuilds int          // rebuilds done so far
 	order    []int        // rank 0's grad-ready order, agreed by all at rebuild 1
 	probe    []sim.Point  // the all-reduces timed at rebuild 1
 	passes   []*IterStats // clones of passes 2 and 3
-	starts   []time.Time  // Start of each synced pass, and …
-	ends     []time.Time  // … when its Finalize ended
+	ends     []time.Time  // when each synced pass's Finalize ended, until the decision
 	decided  bool
+	fresh    bool        // the pass that decided has not reached passDone yet
+	measured bool        // plan.Measured is set
 	plan     *AutoPlan   // nil if this rank could not model the step
 	after    []time.Time // Start of the synced passes after the decision
 }
@@ -122,21 +130,27 @@ func (a *autoTuner) rebuild(ctx context.Context, r *Reducer, agreed []int) error
 		a.passes = append(a.passes, r.stats[r.cur].Clone())
 		c := max(total/8, 64<<10)
 		r.firstCap, r.capBytes = c, c
-	default:
+	case autoPasses:
 		a.passes = append(a.passes, r.stats[r.cur].Clone())
 		return a.decide(ctx, r)
+	default:
+		return fmt.Errorf("reducer: auto bucket sizing: rebuild %d, after the decision", a.rebuilds)
 	}
 	return nil
 }
 
-// runProbe times all-reduces of 64 KiB and every 8× up to total bytes, and total, twice
-// each, on every rank alike.
+// probeMax bounds the probe's largest all-reduce.
+const probeMax = 256 << 20
+
+// runProbe times all-reduces of 64 KiB and every 8× up to total bytes, and total (at most
+// probeMax), twice each, on every rank alike.
 func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error {
+	top := min(max(total, 4), probeMax) &^ 3
 	var sizes []int64
-	for s := int64(64 << 10); s < total; s *= 8 {
+	for s := int64(64 << 10); s < top; s *= 8 {
 		sizes = append(sizes, s)
 	}
-	sizes = append(sizes, max(total, 4))
+	sizes = append(sizes, top)
 	buf := make([]float32, sizes[len(sizes)-1]/4)
 	for _, s := range sizes {
 		b := buf[:s/4]
@@ -173,9 +187,9 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	if err := r.pg.Broadcast(ctx, choice, 0).Wait(ctx); err != nil {
 		return fmt.Errorf("reducer: auto bucket sizing: broadcast of rank 0's caps: %w", err)
 	}
-	a.decided = true
+	a.decided, a.fresh = true, true
 	if choice[0] <= 0 || choice[1] <= 0 {
-		r.firstCap, r.capBytes = bucket.DefaultFirstCapBytes, bucket.DefaultCapBytes
+		r.firstCap, r.capBytes = mib(r.opts.FirstBucketCapMB), bucket.DefaultCapBytes
 		return nil
 	}
 	r.firstCap, r.capBytes = choice[0], choice[1]
@@ -194,12 +208,12 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 
 // profile turns the probe and passes 2 (one bucket) and 3 (eight) into the model's inputs.
 func (a *autoTuner) profile(r *Reducer) (*sim.Profile, error) {
-	if len(a.passes) < 2 || len(a.starts) < 2 || len(a.ends) < 2 {
+	if len(a.passes) < 2 || len(a.ends) < 2 {
 		return nil, fmt.Errorf("reducer: auto bucket sizing: %d passes measured, want 2", len(a.passes))
 	}
 	s2, s3 := a.passes[0], a.passes[1]
 	n := len(r.bparams)
-	p := &sim.Profile{Params: r.bparams, Order: a.order, Ready: make([]float64, n), World: r.pg.Size()}
+	p := &sim.Profile{Params: slices.Clone(r.bparams), Order: slices.Clone(a.order), Ready: make([]float64, n), World: r.pg.Size()}
 	total := float64(0)
 	for _, q := range r.bparams {
 		total += float64(q.Bytes())
@@ -228,14 +242,8 @@ func (a *autoTuner) profile(r *Reducer) (*sim.Profile, error) {
 	// The rest of the step: from the end of pass 2's Finalize to pass 3's start.
 	p.Other = math.Max(s3.Start.Sub(a.ends[1]).Seconds(), 0)
 
-	// The all-reduce curve: the probe, and pass 2's bucket(s), alone after backward.
-	pts := append([]sim.Point(nil), a.probe...)
-	for b := range s2.BucketBytes {
-		if s2.BucketLaunched[b] >= 0 && s2.BucketFinished[b] >= 0 && (b == 0 || s2.BucketFinished[b-1] <= s2.BucketLaunched[b]) {
-			pts = append(pts, sim.Point{Bytes: s2.BucketBytes[b], Seconds: (s2.BucketFinished[b] - s2.BucketLaunched[b]).Seconds()})
-		}
-	}
-	comm, err := sim.Fit(pts)
+	// The all-reduce curve: the probe's, each all-reduce alone with the ranks in step.
+	comm, err := sim.Fit(a.probe)
 	if err != nil {
 		return nil, fmt.Errorf("reducer: auto bucket sizing: %w", err)
 	}
@@ -245,48 +253,40 @@ func (a *autoTuner) profile(r *Reducer) (*sim.Profile, error) {
 	if b := len(s2.BucketBytes) - 1; b >= 0 && s2.BucketLaunched[b] >= 0 && s2.BucketFinished[b] >= 0 {
 		p.Skew = math.Max((s2.BucketFinished[b]-s2.BucketLaunched[b]).Seconds()-comm.Seconds(s2.BucketBytes[b]), 0)
 	}
+	skew := time.Duration(p.Skew * float64(time.Second))
 
 	// Pass 3: launches, and the slowdowns under overlap.
 	if nb := len(s3.BucketBytes); nb > 0 {
 		p.Launch = math.Max((s3.HookTime-s3.CopyTime).Seconds()/float64(nb), 0)
 	}
-	p.Slowdown = slowdown(s2, s3, byTime)
-	r.log.Info("reducer: auto bucket sizing: measured", zap.Int("rank", r.pg.Rank()),
-		zap.Duration("compute_one_bucket", s2.Compute()), zap.Duration("compute_eight", s3.Compute()),
-		zap.Duration("overlap_eight", s3.Overlap()), zap.Duration("backward_eight", s3.BackwardEnd),
-		zap.Duration("hooks_eight", s3.HookTime), zap.Duration("copies_eight", s3.CopyTime))
+	p.Slowdown = slowdown(s2, s3, byTime, skew)
 	var inside, outside, alone float64
-	prevEnd := time.Duration(-1)
-	for b := range s3.BucketBytes {
-		lo, hi := s3.BucketLaunched[b], s3.BucketFinished[b]
-		if lo < 0 || hi < 0 {
-			continue
-		}
-		lo = max(lo, prevEnd)
-		prevEnd = hi
-		in := min(hi, s3.BackwardEnd) - lo
-		if in < 0 {
-			in = 0
-		}
+	for _, iv := range running(s3, skew) {
+		in := max(min(iv.hi, s3.BackwardEnd)-iv.lo, 0)
 		inside += in.Seconds()
-		outside += (hi - lo - in).Seconds()
-		alone += comm.Seconds(s3.BucketBytes[b])
+		outside += (iv.hi - iv.lo - in).Seconds()
+		alone += comm.Seconds(s3.BucketBytes[iv.b])
 	}
 	if inside > 1e-4 && alone-outside > 0 {
 		p.CommSlowdown = min(math.Max(inside/(alone-outside)-1, 0), 9)
 	}
+	r.log.Info("reducer: auto bucket sizing: measured", zap.Int("rank", r.pg.Rank()),
+		zap.Duration("compute_one_bucket", s2.Compute()), zap.Duration("compute_eight", s3.Compute()),
+		zap.Duration("skew", skew), zap.Float64("slowdown", p.Slowdown), zap.Float64("comm_slowdown", p.CommSlowdown))
 	return p, p.Check()
 }
 
-// passDone records a finalized synced pass's times; after the decision, it measures the
-// steps that follow. r.mu must be held.
+// passDone records when a finalized synced pass ended; after the decision, it measures the
+// steps that follow (from the first pass with the chosen layout). r.mu must be held.
 func (a *autoTuner) passDone(r *Reducer, st *IterStats) {
-	if !a.decided {
-		a.starts = append(a.starts, st.Start)
+	switch {
+	case !a.decided:
 		a.ends = append(a.ends, st.Start.Add(st.FinalizeEnd))
 		return
-	}
-	if a.plan == nil || a.plan.Measured > 0 {
+	case a.fresh: // the pass that decided ran the eight buckets
+		a.fresh = false
+		return
+	case a.plan == nil || a.measured:
 		return
 	}
 	a.after = append(a.after, st.Start)
@@ -298,7 +298,7 @@ func (a *autoTuner) passDone(r *Reducer, st *IterStats) {
 		steps[k] = a.after[k+1].Sub(a.after[k])
 	}
 	slices.Sort(steps)
-	a.plan.Measured = steps[len(steps)/2]
+	a.plan.Measured, a.measured = steps[len(steps)/2], true
 	r.log.Info("reducer: "+a.plan.String(), zap.Int("rank", r.pg.Rank()))
 }
 
@@ -313,7 +313,8 @@ func (a *autoTuner) passDone(r *Reducer, st *IterStats) {
 // fractions, weighted by the in-flight time, ignores a stretch that a one-off stall made
 // long. f is at most 1/2 (s at most 1): one collective at a time runs on one goroutine, and
 // a fair scheduler gives the compute thread it competes with at least half of a core.
-func slowdown(s2, s3 *IterStats, order []int) float64 {
+func slowdown(s2, s3 *IterStats, order []int, skew time.Duration) float64 {
+	ivs := running(s3, skew)
 	type stretch struct{ d2, d3, w float64 }
 	var ss []stretch
 	var prev2, prev3 time.Duration
@@ -325,7 +326,7 @@ func slowdown(s2, s3 *IterStats, order []int) float64 {
 		if end3 < prev3 || end2 < prev2 { // another order in pass 3: skip the stretch
 			continue
 		}
-		ss = append(ss, stretch{(end2 - prev2).Seconds(), (end3 - prev3).Seconds(), inflight(s3, prev3, end3).Seconds()})
+		ss = append(ss, stretch{(end2 - prev2).Seconds(), (end3 - prev3).Seconds(), inflight(ivs, prev3, end3).Seconds()})
 		prev2, prev3 = end2, end3
 	}
 	var base2, base3 float64
@@ -362,18 +363,36 @@ func slowdown(s2, s3 *IterStats, order []int) float64 {
 	return f / (1 - f)
 }
 
-// inflight is the time within [lo, hi] during which one of st's collectives was in flight.
-func inflight(st *IterStats, lo, hi time.Duration) time.Duration {
-	var total, covered time.Duration
+// interval is when bucket b's collective ran, in a pass's offsets.
+type interval struct {
+	b      int
+	lo, hi time.Duration
+}
+
+// running lists when st's collectives ran, one at a time in bucket order: each from skew
+// after its launch (when the last rank launched it too, as the model has it) or its
+// predecessor's end, whichever is later, to its end.
+func running(st *IterStats, skew time.Duration) []interval {
+	var out []interval
+	prevEnd := time.Duration(-1)
 	for b := range st.BucketLaunched {
-		a, z := st.BucketLaunched[b], st.BucketFinished[b]
-		if a < 0 || z < 0 {
+		lo, hi := st.BucketLaunched[b], st.BucketFinished[b]
+		if lo < 0 || hi < 0 {
 			continue
 		}
-		a, z = max(a, lo, covered), min(z, hi)
-		if z > a {
+		lo = min(max(lo+skew, prevEnd), hi)
+		prevEnd = hi
+		out = append(out, interval{b, lo, hi})
+	}
+	return out
+}
+
+// inflight is the time within [lo, hi] covered by the intervals (in order, not overlapping).
+func inflight(ivs []interval, lo, hi time.Duration) time.Duration {
+	var total time.Duration
+	for _, iv := range ivs {
+		if a, z := max(iv.lo, lo), min(iv.hi, hi); z > a {
 			total += z - a
-			covered = z
 		}
 	}
 	return total

@@ -313,7 +313,8 @@ func (r *Reducer) Buckets() []bucket.Bucket {
 }
 
 // Generation counts the bucket layouts: 0 at New, 1 after the rebuild that follows the first
-// synced backward. Slices from GradView belong to one generation.
+// synced backward (with AutoBucketCap, up to 3 after the third). Slices from GradView belong
+// to one generation.
 func (r *Reducer) Generation() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -602,8 +603,8 @@ func (r *Reducer) poll(now time.Time) {
 // Finalize ends the backward pass. After a synced pass it launches the buckets left (with
 // FindUnusedParameters, those of unused parameters, reduced as zeros), waits for every
 // bucket, and leaves the averaged gradients in each Param.Grad (or, with
-// GradientAsBucketView, in the views); after the first synced pass it also rebuilds the
-// buckets (Note [Rebuild]). After an Accumulate pass it returns at once: the running sum
+// GradientAsBucketView, in the views); after the first synced pass (with AutoBucketCap, each
+// of the first three) it also rebuilds the buckets (Note [Rebuild], Note [Auto buckets]). After an Accumulate pass it returns at once: the running sum
 // stays in the bucket slots (Param.Grad is not written until the next synced Finalize).
 //
 // It fails with an *UnusedError if parameters got no gradient (without
@@ -725,7 +726,8 @@ func (r *Reducer) unpack(b int) error {
 // every bucket of that pass is reduced, every rank issues one Broadcast from rank 0 of
 // rank 0's observed grad-ready order (parameters that got no gradient follow, in reverse
 // registration order), and all ranks rebuild their buckets from it with the same caps, so
-// they agree whatever their own hooks' order. This is done once: later passes keep the
+// they agree whatever their own hooks' order. This is done once (with AutoBucketCap, after
+// each of the first three synced passes, Note [Auto buckets]): later passes keep the
 // layout. It happens inside Finalize because Finalize has a ctx for the broadcast and is
 // already a point every rank reaches in step. In bucket-view mode the averaged gradients
 // are carried over into the new buffers and Generation is incremented, so views taken
@@ -764,7 +766,7 @@ func (r *Reducer) rebuild(ctx context.Context) error {
 	r.setLayout(r.m.Layout())
 	r.gen++
 	r.log.Info("reducer: buckets rebuilt from the observed grad-ready order", zap.Int("rank", r.pg.Rank()),
-		zap.Int("buckets", len(buckets)), zap.Int("generation", r.gen))
+		zap.Int("buckets", len(buckets)), zap.Int("generation", r.gen), zap.Int64("first_cap_bytes", r.firstCap), zap.Int64("cap_bytes", r.capBytes))
 	return nil
 }
 

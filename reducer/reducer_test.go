@@ -158,7 +158,10 @@ func checkEquivalence(t *testing.T, n int, view, noSync, auto bool, seed uint64,
 	steps, maxGen := 3, 1
 	capMB := float64(capBytes) / (1 << 20)
 	if auto {
-		steps, maxGen, capMB = 6, autoPasses, AutoBucketCap
+		steps, capMB = 6, AutoBucketCap
+		if n > 1 {
+			maxGen = autoPasses
+		}
 	}
 	micro := 1
 	if noSync {
@@ -667,7 +670,7 @@ func TestBadInput(t *testing.T) {
 		"nil grad":  {[]Param{{Name: "a"}}, Options{}, "reducer: invalid argument: parameter 0 (a): nil Grad (allowed only with GradientAsBucketView)"},
 		"int grad":  {[]Param{{Name: "a", Grad: []int32{1}}}, Options{}, "reducer: invalid argument: parameter 0 (a): element type int32, want float32 or float64"},
 		"bad type":  {[]Param{{Name: "a", Grad: "x"}}, Options{}, "reducer: invalid argument: parameter 0 (a): procgroup: invalid argument: unsupported buffer type string"},
-		"negative":  {nil, Options{BucketCapMB: -1}, "reducer: invalid argument: bucket caps -1 MiB and first 1 MiB, want both positive"},
+		"negative":  {nil, Options{BucketCapMB: -1}, "reducer: invalid argument: bucket caps -1 MiB and first 1 MiB, want both positive (or the cap AutoBucketCap)"},
 		"mismatch":  {[]Param{{Name: "a", Grad: []float32{1}, Len: 2}}, Options{}, "reducer: invalid argument: parameter 0 (a): Grad is float32×1 but DType, Len say DType(0)×2"},
 		"view nlen": {[]Param{{Name: "a", DType: procgroup.Float32, Len: -1}}, Options{GradientAsBucketView: true}, "reducer: invalid argument: parameter 0 (a): negative length -1"},
 	} {

@@ -14,7 +14,8 @@ type IterStats struct {
 	Iter  int  // backward passes counted from 1
 	Mode  Mode // Sync or Accumulate
 	Start time.Time
-	// Generation of the bucket layout the pass used (0, then 1 after the rebuild).
+	// Generation of the bucket layout the pass used (0, then 1 after the rebuild; with
+	// AutoBucketCap up to 3).
 	Generation int
 
 	// GradReady[i]: when parameter i's gradient was reported.

@@ -43,9 +43,10 @@ type Point struct {
 }
 
 // Comm is the time of one bucket's all-reduce against its size: Alpha + Beta·bytes, or, when
-// Points are given, the piecewise-linear curve through them (sorted by size), continued past
-// the largest point with the slope of its last segment and below the smallest one down to
-// Alpha at zero bytes.
+// Points are given, the piecewise-linear curve through them (ascending by size, as Fit
+// leaves them), continued past the largest point with the slope of its last segment (or
+// Beta, if steeper) and below the smallest one straight down to Alpha (or the smallest
+// point's time, if less) at zero bytes.
 type Comm struct {
 	Alpha  float64 `json:"alpha_s"`          // seconds per collective
 	Beta   float64 `json:"beta_s_per_byte"`  // seconds per byte
@@ -69,17 +70,16 @@ func (c Comm) Seconds(bytes int64) float64 {
 		a := math.Min(c.Alpha, p.Seconds)
 		return a + (p.Seconds-a)*x/float64(p.Bytes)
 	case k == len(ps):
-		k = len(ps) - 1
-		if k == 0 {
-			return ps[0].Seconds + c.Beta*(x-float64(ps[0].Bytes))
+		last := ps[len(ps)-1]
+		slope := c.Beta
+		if k > 1 {
+			prev := ps[k-2]
+			slope = math.Max(slope, (last.Seconds-prev.Seconds)/float64(last.Bytes-prev.Bytes))
 		}
+		return last.Seconds + slope*(x-float64(last.Bytes))
 	}
 	lo, hi := ps[k-1], ps[k]
-	slope := (hi.Seconds - lo.Seconds) / float64(hi.Bytes-lo.Bytes)
-	if bytes > hi.Bytes && slope < c.Beta {
-		slope = c.Beta
-	}
-	return math.Max(0, lo.Seconds+slope*(x-float64(lo.Bytes)))
+	return lo.Seconds + (hi.Seconds-lo.Seconds)*(x-float64(lo.Bytes))/float64(hi.Bytes-lo.Bytes)
 }
 
 // Fit returns the least-squares line α + β·bytes through pts, with α and β clamped at zero,
@@ -93,7 +93,7 @@ func Fit(pts []Point) (Comm, error) {
 	// Keep the fastest of equal sizes: the others met a disturbance.
 	out := ps[:0]
 	for _, p := range ps {
-		if p.Seconds < 0 || math.IsNaN(p.Seconds) || p.Bytes < 0 {
+		if p.Seconds < 0 || math.IsNaN(p.Seconds) || math.IsInf(p.Seconds, 0) || p.Bytes < 0 {
 			return Comm{}, fmt.Errorf("%w: all-reduce of %d bytes in %v s", ErrInvalid, p.Bytes, p.Seconds)
 		}
 		if n := len(out); n > 0 && out[n-1].Bytes == p.Bytes {
@@ -216,6 +216,16 @@ func (p *Profile) Check() error {
 			return fmt.Errorf("%w: negative or non-finite time or factor %v", ErrInvalid, v)
 		}
 	}
+	for i, v := range p.Ready {
+		if v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
+			return fmt.Errorf("%w: parameter %d ready at %v s", ErrInvalid, i, v)
+		}
+	}
+	for k, pt := range p.Comm.Points {
+		if pt.Bytes < 0 || pt.Seconds < 0 || math.IsNaN(pt.Seconds) || math.IsInf(pt.Seconds, 0) || (k > 0 && pt.Bytes <= p.Comm.Points[k-1].Bytes) {
+			return fmt.Errorf("%w: all-reduce point %d (%d bytes, %v s): want finite times at strictly ascending sizes", ErrInvalid, k, pt.Bytes, pt.Seconds)
+		}
+	}
 	return nil
 }
 
@@ -230,7 +240,11 @@ func (p *Profile) TotalBytes() int64 {
 
 // Layout assigns the buckets for the caps in p's order (bucket.AssignOrdered).
 func (p *Profile) Layout(firstCapBytes, capBytes int64) ([]bucket.Bucket, error) {
-	return bucket.AssignOrdered(p.Params, p.Order, firstCapBytes, capBytes)
+	bs, err := bucket.AssignOrdered(p.Params, p.Order, firstCapBytes, capBytes)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	return bs, nil
 }
 
 // SimulateCaps is Simulate of the layout of the given caps.
@@ -379,13 +393,14 @@ func (o SearchOptions) Caps(total int64) []int64 {
 	if hi <= 0 {
 		hi = max(total, lo)
 	}
+	hi = min(hi, 1<<50) // a petabyte: beyond, the float steps below lose their precision
 	if steps <= 0 {
 		steps = 4
 	}
 	var caps []int64
 	for k := 0; ; k++ {
 		c := int64(math.Round(float64(lo) * math.Pow(2, float64(k)/float64(steps))))
-		if c >= hi {
+		if c >= hi || c <= 0 {
 			break
 		}
 		if len(caps) == 0 || c != caps[len(caps)-1] {
@@ -396,15 +411,17 @@ func (o SearchOptions) Caps(total int64) []int64 {
 }
 
 // Best returns the layout with the least predicted step among the pairs (first cap, cap) of
-// caps from o.Caps, the first cap at most the other. Ties go to fewer buckets. The search
-// is deterministic: every rank given the same profile finds the same plan.
+// caps from o.Caps, the first cap at most the other. Among the layouts within 0.1% of the
+// least, it takes the one with the fewest buckets (then the first found: smaller caps
+// first). The search is deterministic: every rank given the same profile finds the same
+// plan.
 func (p *Profile) Best(o SearchOptions) (Plan, error) {
 	if err := p.Check(); err != nil {
 		return Plan{}, err
 	}
 	caps := o.Caps(p.TotalBytes())
-	var best Plan
-	found := false
+	var plans []Plan
+	least := math.Inf(1)
 	for j, c := range caps {
 		for _, f := range caps[:j+1] {
 			bs, err := p.Layout(f, c)
@@ -415,12 +432,16 @@ func (p *Profile) Best(o SearchOptions) (Plan, error) {
 			if err != nil {
 				return Plan{}, err
 			}
-			// Better by more than 0.1%, or as good with fewer buckets.
-			if !found || r.Step < best.Predicted.Step*(1-1e-3) ||
-				(r.Step <= best.Predicted.Step*(1+1e-3) && r.Buckets < best.Predicted.Buckets) {
-				best, found = Plan{FirstCapBytes: f, CapBytes: c, Buckets: bs, Predicted: r}, true
-			}
+			plans = append(plans, Plan{FirstCapBytes: f, CapBytes: c, Buckets: bs, Predicted: r})
+			least = math.Min(least, r.Step)
 		}
 	}
-	return best, nil
+	var best *Plan
+	for k := range plans {
+		q := &plans[k]
+		if q.Predicted.Step <= least*(1+1e-3) && (best == nil || q.Predicted.Buckets < best.Predicted.Buckets) {
+			best = q
+		}
+	}
+	return *best, nil
 }

@@ -95,13 +95,13 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	}
 	for _, s := range strings.Split(*caps, ",") {
 		v, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
-		if err != nil || !(v > 0) {
-			return c, fmt.Errorf("-caps: %q is not a positive size in MB", s)
+		if err != nil || !(v > 0) || v > 1<<30 {
+			return c, fmt.Errorf("-caps: %q is not a size in MB between 0 and 2^30", s)
 		}
 		c.caps = append(c.caps, v)
 	}
-	if !(c.firstMB > 0) {
-		return c, fmt.Errorf("-first_cap_mb %v must be positive", c.firstMB)
+	if !(c.firstMB > 0) || c.firstMB > 1<<30 {
+		return c, fmt.Errorf("-first_cap_mb %v: want a size in MB between 0 and 2^30", c.firstMB)
 	}
 	if c.gbit < 0 || (c.gbit > 0 && c.world < 2) {
 		return c, fmt.Errorf("-gbit %v needs -world of 2 or more (got %d)", c.gbit, c.world)
@@ -177,16 +177,16 @@ func predictTable(w io.Writer, p *sim.Profile, c config, meas map[float64]float6
 		len(p.Params), float64(p.TotalBytes())/(1<<20), p.Backward*1e3, p.Other*1e3, p.Slowdown, p.CommSlowdown, p.Skew*1e3)
 	fmt.Fprintf(w, "all-reduce: %.1f µs + %.3f ns/byte (%.2f ms for all the gradients at once)\n\n",
 		p.Comm.Alpha*1e6, p.Comm.Beta*1e9, p.Comm.Seconds(p.TotalBytes())*1e3)
-	fmt.Fprintf(w, "| bucket_cap_mb | buckets | predicted ms/step | exposed ms |")
+	head, rule := "| bucket_cap_mb | buckets | predicted ms/step | exposed ms |", "|---:|---:|---:|---:|"
 	if meas != nil {
-		fmt.Fprintf(w, " measured ms/step | error |")
+		head, rule = head+" measured ms/step | error |", rule+"---:|---:|"
 	}
-	fmt.Fprintf(w, "\n|---:|---:|---:|---:|%s\n", map[bool]string{true: "---:|---:|", false: ""}[meas != nil])
+	fmt.Fprintf(w, "%s\n%s\n", head, rule)
 	bestPred, bestMeas := -1, -1
 	var preds []float64
 	worst := 0.0
-	for k, cap := range c.caps {
-		r, err := p.SimulateCaps(mib(c.firstMB), mib(cap))
+	for k, capMB := range c.caps {
+		r, err := p.SimulateCaps(mib(c.firstMB), mib(capMB))
 		if err != nil {
 			return err
 		}
@@ -194,9 +194,9 @@ func predictTable(w io.Writer, p *sim.Profile, c config, meas map[float64]float6
 		if bestPred < 0 || r.Step < preds[bestPred] {
 			bestPred = k
 		}
-		fmt.Fprintf(w, "| %g | %d | %.1f | %.1f |", cap, r.Buckets, r.Step*1e3, r.Exposed*1e3)
+		fmt.Fprintf(w, "| %g | %d | %.1f | %.1f |", capMB, r.Buckets, r.Step*1e3, r.Exposed*1e3)
 		if meas != nil {
-			if m, ok := meas[cap]; ok {
+			if m, ok := meas[capMB]; ok {
 				e := (r.Step*1e3 - m) / m
 				worst = math.Max(worst, math.Abs(e))
 				fmt.Fprintf(w, " %.1f | %+.1f%% |", m, 100*e)

@@ -162,10 +162,13 @@ func TestBadInput(t *testing.T) {
 	dir := t.TempDir()
 	good := profileFile(t, dir, "p.json", 0.08)
 	other := filepath.Join(dir, "other.json")
-	os.WriteFile(other, []byte(`{"params":[{"Name":"x","DType":1,"Len":3}],"order":[0],"ready_s":[0]}`), 0o644)
+	if err := os.WriteFile(other, []byte(`{"params":[{"Name":"x","DType":1,"Len":3}],"order":[0],"ready_s":[0]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for name, args := range map[string][]string{
 		"nothing":       {},
 		"bad cap":       {"-profile", good, "-caps", "1,x"},
+		"huge cap":      {"-profile", good, "-caps", "1e300"},
 		"missing":       {"-profile", filepath.Join(dir, "none.json")},
 		"gbit no world": {"-profile", good, "-gbit", "100"},
 		"algo":          {"-profile", good, "-gbit", "100", "-world", "4", "-algo", "star"},

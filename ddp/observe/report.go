@@ -33,7 +33,7 @@ type OverlapReport struct {
 	// BytesReduced is the bytes all-reduced per pass.
 	BytesReduced int64
 	// BucketBytesBefore and BucketBytesAfter are the bucket sizes of the first layout and
-	// of the layout after the rebuild (nil until a pass with it was seen).
+	// of the latest layout after a rebuild (nil until a pass with it was seen).
 	BucketBytesBefore, BucketBytesAfter []int64
 	// UnusedParams names the parameters that got no gradient in some pass of the window
 	// (FindUnusedParameters); UnusedPasses counts those passes.
@@ -128,6 +128,7 @@ type OverlapAccumulator struct {
 	unusedPasses                int
 	unused                      map[int]bool
 	before, after               []int64
+	afterGen                    int // the generation of after
 }
 
 // NewOverlapAccumulator returns an empty accumulator; d (which may be nil) names the unused
@@ -163,8 +164,8 @@ func (a *OverlapAccumulator) Add(st *ddp.IterStats) {
 	switch {
 	case st.Generation == 0 && a.before == nil:
 		a.before = slices.Clone(st.BucketBytes)
-	case st.Generation > 0 && a.after == nil:
-		a.after = slices.Clone(st.BucketBytes)
+	case st.Generation > a.afterGen:
+		a.after, a.afterGen = slices.Clone(st.BucketBytes), st.Generation // the latest layout (auto rebuilds up to 3 times)
 	}
 	if len(st.Unused) > 0 {
 		a.unusedPasses++
@@ -214,5 +215,5 @@ func (a *OverlapAccumulator) Report() OverlapReport {
 
 // Reset starts a new window; the bucket sizes before and after the rebuild are kept.
 func (a *OverlapAccumulator) Reset() {
-	*a = OverlapAccumulator{names: a.names, lastIter: a.lastIter, before: a.before, after: a.after, unused: map[int]bool{}}
+	*a = OverlapAccumulator{names: a.names, lastIter: a.lastIter, before: a.before, after: a.after, afterGen: a.afterGen, unused: map[int]bool{}}
 }

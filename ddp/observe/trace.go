@@ -294,6 +294,11 @@ func (t *Tracer) BeginStep(step int) {
 	defer t.mu.Unlock()
 	t.endStepLocked(now)
 	t.step, t.stepSet, t.stepStart = step, true, now
+	// The layout this step's pass will use: the attached DDP tells only its current one,
+	// and auto bucket sizing changes it after each of its first three synced steps.
+	if t.d != nil {
+		t.layoutLocked(t.d.Generation())
+	}
 }
 
 func (t *Tracer) endStepLocked(now time.Time) {

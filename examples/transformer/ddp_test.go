@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -17,6 +18,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/examples/transformer/model"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -164,6 +166,38 @@ func TestDDPEqualsBigBatch(t *testing.T) {
 			}
 			assertClose(t, "2 ranks × batch 2 vs --no_ddp batch 4, cap "+c.cap, ref, ps[0])
 		})
+	}
+}
+
+// TestAutoBuckets: with --bucket_cap_mb auto the 2 ranks still end with the parameters of
+// one --no_ddp process on the global batch, the same on both, rank 0 prints the plan, and
+// --auto_profile holds a profile the simulator accepts.
+func TestAutoBuckets(t *testing.T) {
+	steps := " --warmup_steps 1 --bench_steps 3" // the decision comes after step 3 of 4
+	ref, _ := trainArgs(t, tinyFlags+" --batch_size 4"+steps)
+	prof := filepath.Join(t.TempDir(), "out", "auto.json")
+	ps, outs := trainRanks(t, 2, tinyDDPFlags+" --batch_size 2"+steps+" --bucket_cap_mb auto --auto_profile "+prof)
+	for _, want := range []string{"bucket_cap_mb=auto  ms/step=", "auto bucket layout after 3 synced steps: first cap "} {
+		if !strings.Contains(outs[0], want) {
+			t.Errorf("rank 0 output lacks %q:\n%s", want, outs[0])
+		}
+	}
+	for i := range ps[0] {
+		if ps[0][i] != ps[1][i] {
+			t.Fatalf("replicas differ at element %d: %v vs %v", i, ps[0][i], ps[1][i])
+		}
+	}
+	assertClose(t, "auto buckets: 2 ranks × batch 2 vs --no_ddp batch 4", ref, ps[0])
+	b, err := os.ReadFile(prof)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p sim.Profile
+	if err := json.Unmarshal(b, &p); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Check(); err != nil || len(p.Params) == 0 || p.World != 2 || len(p.Comm.Points) == 0 {
+		t.Errorf("--auto_profile: %v; %d params, world %d, %d all-reduce points", err, len(p.Params), p.World, len(p.Comm.Points))
 	}
 }
 

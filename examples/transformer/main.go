@@ -106,7 +106,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	var usage bytes.Buffer
 	fs.SetOutput(&usage)
 	f.bucketCapMB = 25
-	fs.Var(&f.bucketCapMB, "bucket_cap_mb", "DDP bucket size cap in MB, or auto: chosen from the first 3 steps' measurements (default 25)")
+	fs.Var(&f.bucketCapMB, "bucket_cap_mb", "DDP bucket size cap in MB, or auto: chosen from the first 3 steps' measurements")
 	fs.StringVar(&f.autoProfile, "auto_profile", "", "with --bucket_cap_mb auto, rank 0 writes what it measured (the step model's inputs, for cmd/ddpsim) to this JSON file")
 	fs.Float64Var(&f.firstCapMB, "first_bucket_cap_mb", 1, "cap of the first bucket in MB (PyTorch: 1 MiB)")
 	fs.DurationVar(&f.timeout, "timeout", 0, "bound on each collective (0: the process group's default, 30m)")
@@ -152,6 +152,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--warmup_steps %d, --bench_steps %d must not be negative", f.warmup, f.bench)
 	case !(f.bucketCapMB > 0 || f.bucketCapMB == ddp.AutoBucketCap) || !(f.firstCapMB > 0):
 		return f, fmt.Errorf("--bucket_cap_mb %v, --first_bucket_cap_mb %v must be positive", f.bucketCapMB, f.firstCapMB)
+	case f.autoProfile != "" && float64(f.bucketCapMB) != ddp.AutoBucketCap:
+		return f, errors.New("--auto_profile needs --bucket_cap_mb auto")
 	case f.timeout < 0:
 		return f, fmt.Errorf("--timeout %v must not be negative", f.timeout)
 	case f.resume && f.checkpointDir == "":
@@ -289,6 +291,9 @@ func checkOutputs(f flags) error {
 		return err
 	}
 	if err := outpath.File("--cpuprofile", f.cpuProfile); err != nil {
+		return err
+	}
+	if err := outpath.File("--auto_profile", f.autoProfile); err != nil {
 		return err
 	}
 	// The trace's file name may hold {rank} and {attempt}; its folder is checked here,
@@ -608,15 +613,17 @@ func (t *trainer) finish(ctx context.Context) error {
 		if t.ov.n > 0 {
 			fmt.Fprintln(t.stdout, t.ov.String())
 		}
-		if err := t.reportAuto(); err != nil {
-			return err
-		}
 	}
 	if t.pg != nil {
 		// Leave together: no rank closes its connections while a peer may still be
 		// finishing the last collective.
 		if err := t.pg.Barrier(ctx).Wait(ctx); err != nil {
 			return fmt.Errorf("rank %d: final barrier: %w", t.w.rank, err)
+		}
+	}
+	if t.w.rank == 0 {
+		if err := t.reportAuto(); err != nil { // after the barrier: a failed write holds up no peer
+			return err
 		}
 	}
 	if rss, ok := peakRSS(); ok {
@@ -682,7 +689,7 @@ func (t *trainer) reportAuto() error {
 	plan := t.d.AutoPlan()
 	if plan == nil {
 		if float64(t.f.bucketCapMB) == ddp.AutoBucketCap {
-			fmt.Fprintln(t.stdout, "auto bucket layout: not decided (it needs 3 synced steps and 2 ranks)")
+			fmt.Fprintln(t.stdout, "auto bucket layout: none (it needs 3 synced steps and 2 ranks; or rank 0 could not model the step: see the log)")
 		}
 		return nil
 	}
@@ -693,6 +700,9 @@ func (t *trainer) reportAuto() error {
 	b, err := json.MarshalIndent(plan.Profile, "", " ")
 	if err != nil {
 		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(t.f.autoProfile), 0o755); err != nil {
+		return fmt.Errorf("--auto_profile: %w", err)
 	}
 	if err := os.WriteFile(t.f.autoProfile, append(b, '\n'), 0o644); err != nil {
 		return fmt.Errorf("--auto_profile: %w", err)

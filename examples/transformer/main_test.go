@@ -167,7 +167,7 @@ func TestCheckpointResume(t *testing.T) {
 func TestBadFlags(t *testing.T) {
 	for _, args := range []string{
 		"--batch_size 0 --no_ddp", "--bucket_cap_mb -1 --no_ddp", "--resume --no_ddp", "--no_ddp extra",
-		"--nope",
+		"--nope", "--bucket_cap_mb nope --no_ddp", "--auto_profile p.json --no_ddp",
 	} {
 		if _, err := parseFlags(strings.Fields(args), &bytes.Buffer{}); err == nil {
 			t.Errorf("%q accepted", args)
