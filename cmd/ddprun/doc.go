@@ -28,6 +28,8 @@
 // command line or in the ranks' environment) and GODDP_RUN_ID (a prefix for store keys that
 // changes with every restart, so a restarted group never sees its predecessor's keys). With
 // more than one rank per node, OMP_NUM_THREADS and OPENBLAS_NUM_THREADS default to 1.
+// OPENBLAS_CORETYPE defaults to the OpenBLAS kernels for the CPU (SkylakeX with AVX-512,
+// Haswell with AVX2 and FMA): an older OpenBLAS takes a CPU it does not know for a Prescott.
 //
 // # The store and the token
 //

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/goddp/goddp/internal/openblascore"
 	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -131,6 +132,7 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 	if cfg.nproc > 1 {
 		setDefaultThreads(j, con)
 	}
+	setCoreType(j, con, openblascore.Host())
 	if cfg.traceMerge != "" {
 		merge, err := j.setupTraceMerge(workDir)
 		if err != nil {
@@ -350,6 +352,18 @@ func setDefaultThreads(j *job, con *console) {
 	if len(set) > 0 {
 		con.msg(fmt.Sprintf("ddprun: setting %s for each rank (set them yourself to change this)\n", strings.Join(set, " ")))
 	}
+}
+
+// setCoreType sets OPENBLAS_CORETYPE for the ranks, unless the environment sets it, to the
+// OpenBLAS kernels that suit this CPU (package openblascore): Debian's OpenBLAS 0.3.21 takes
+// a recent Xeon for a Prescott and runs several times slower. It says so in one line.
+func setCoreType(j *job, con *console, f openblascore.Features) {
+	ct := openblascore.CoreType(f)
+	if ct == "" || hasEnv(j.baseEnv, "OPENBLAS_CORETYPE") {
+		return
+	}
+	j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)], "OPENBLAS_CORETYPE="+ct)
+	con.msg(fmt.Sprintf("ddprun: setting OPENBLAS_CORETYPE=%s for each rank, the OpenBLAS kernels for this CPU (set it yourself to change this)\n", ct))
 }
 
 // lookupEnv returns the value env (KEY=VALUE entries) gives key: its last entry's, as for a

@@ -5,6 +5,8 @@ import (
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/goddp/goddp/internal/openblascore"
 )
 
 // TestDefaultThreads: with several ranks per node, OMP_NUM_THREADS and OPENBLAS_NUM_THREADS
@@ -46,6 +48,56 @@ func TestDefaultThreads(t *testing.T) {
 			if got := envOf(byRank[r])["OMP_NUM_THREADS"]; got != tc.wantOMP {
 				t.Errorf("env %v: rank %d has OMP_NUM_THREADS=%q, want %q", tc.env, r, got, tc.wantOMP)
 			}
+		}
+	}
+}
+
+// TestCoreType: ddprun gives its ranks the OPENBLAS_CORETYPE that suits this CPU (one rank
+// or several), said in one line, unless the environment sets one, which is passed on.
+func TestCoreType(t *testing.T) {
+	want := openblascore.CoreType(openblascore.Host())
+	if want == "" {
+		t.Skip("this CPU has neither AVX2 nor AVX-512: ddprun sets no OPENBLAS_CORETYPE")
+	}
+	var base []string
+	for _, kv := range os.Environ() {
+		if !strings.HasPrefix(kv, "OPENBLAS_CORETYPE=") {
+			base = append(base, kv)
+		}
+	}
+	base = append(base, roleEnv+"=rank")
+	for _, tc := range []struct {
+		env   []string
+		nproc string
+		want  string
+		line  string
+	}{
+		{nil, "1", want, "ddprun: setting OPENBLAS_CORETYPE=" + want + " for each rank, the OpenBLAS kernels for this CPU (set it yourself to change this)"},
+		{nil, "2", want, "ddprun: setting OPENBLAS_CORETYPE=" + want + " for each rank, the OpenBLAS kernels for this CPU (set it yourself to change this)"},
+		{[]string{"OPENBLAS_CORETYPE=Haswell"}, "2", "Haswell", ""},
+	} {
+		res := launch(t, context.Background(), append(base[:len(base):len(base)], tc.env...),
+			[]string{"--nproc_per_node", tc.nproc, "--standalone"}, "env")
+		if res.code != 0 {
+			t.Fatalf("env %v: exit %d\nstderr:\n%s", tc.env, res.code, res.stderr)
+		}
+		var lines []string
+		for _, l := range strings.Split(res.stderr, "\n") {
+			if strings.Contains(l, "OPENBLAS_CORETYPE") {
+				lines = append(lines, l)
+			}
+		}
+		if got := strings.Join(lines, "\n"); got != tc.line {
+			t.Errorf("env %v: stderr lines about OPENBLAS_CORETYPE %q, want %q", tc.env, lines, tc.line)
+		}
+		byRank := rankLines(t, res.stdout)
+		for r := range len(byRank) {
+			if got := envOf(byRank[r])["OPENBLAS_CORETYPE"]; got != tc.want {
+				t.Errorf("env %v: rank %d has OPENBLAS_CORETYPE=%q, want %q", tc.env, r, got, tc.want)
+			}
+		}
+		if n := len(byRank); n != map[string]int{"1": 1, "2": 2}[tc.nproc] {
+			t.Errorf("env %v: %d ranks reported", tc.env, n)
 		}
 	}
 }

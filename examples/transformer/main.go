@@ -269,6 +269,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if err := checkOutputs(f); err != nil {
 		return err
 	}
+	if w := blasWarning(); w != "" {
+		fmt.Fprintln(stderr, "warning:", w)
+	}
 	if f.cpuProfile != "" {
 		fh, err := os.Create(f.cpuProfile)
 		if err != nil {

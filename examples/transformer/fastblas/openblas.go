@@ -5,11 +5,14 @@ package fastblas
 /*
 #cgo LDFLAGS: -lopenblas
 void openblas_set_num_threads(int);
+char* openblas_get_corename(void);
 */
 import "C"
 
 import (
 	"os"
+
+	"github.com/goddp/goddp/internal/openblascore"
 
 	"gonum.org/v1/netlib/blas/netlib"
 	"gorgonia.org/gorgonia"
@@ -28,4 +31,11 @@ func init() {
 		C.openblas_set_num_threads(1)
 	}
 	gorgonia.Use(netlib.Implementation{})
+}
+
+// Warning says, when OpenBLAS chose kernels without AVX2 on a CPU that has it (Debian's
+// OpenBLAS 0.3.21 on a recent Xeon: Prescott), how to fix it; "" when its choice is right.
+func Warning() string {
+	core := C.GoString(C.openblas_get_corename())
+	return openblascore.Advice(core, openblascore.Host(), os.Getenv("OPENBLAS_CORETYPE"))
 }
