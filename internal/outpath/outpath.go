@@ -11,28 +11,28 @@ import (
 	"path/filepath"
 )
 
-// File makes sure a file can be written at path: it creates the folders above it, then
-// opens the file for writing without truncating it (a file it had to create is removed
-// again). flag names the flag in the error, such as "--trace_merge". An empty path is
-// nothing to check.
+// File makes sure a file can be written at path: it creates the folders above it; then
+// opens an existing file for writing without truncating it, or, when there is none, creates
+// and removes a file of its own in the folder. Several processes may check one path at once
+// (every rank of a job, on a shared folder): none of them creates the path itself, so none
+// removes the file another one is opening. flag names the flag in the error, such as
+// "--trace_merge". An empty path is nothing to check.
 func File(flag, path string) error {
 	if path == "" {
 		return nil
 	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("%s: %w", flag, err)
 	}
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
-	if errors.Is(err, fs.ErrExist) {
-		if f, err = os.OpenFile(path, os.O_WRONLY, 0); err == nil {
-			return f.Close()
-		}
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err == nil {
+		return f.Close()
 	}
-	if err != nil {
+	if !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("%s: %w", flag, err)
 	}
-	f.Close()
-	return os.Remove(path)
+	return Dir(flag, dir)
 }
 
 // Dir makes sure files can be created in the folder path: it creates it (and the folders

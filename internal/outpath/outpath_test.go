@@ -52,3 +52,21 @@ func TestFileAndDir(t *testing.T) {
 		t.Errorf("empty paths must be no-ops")
 	}
 }
+
+// TestFileConcurrent: processes checking one path at once all succeed (each rank of a job
+// checks its --save_params; one probing with the path itself removed it under another).
+func TestFileConcurrent(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "out", "params.bin")
+	errs := make(chan error, 16)
+	for range 16 {
+		go func() { errs <- File("--save_params", p) }()
+	}
+	for range 16 {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	if _, err := os.Stat(p); !os.IsNotExist(err) {
+		t.Errorf("File left %s behind: %v", p, err)
+	}
+}
