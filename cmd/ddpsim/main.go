@@ -7,6 +7,7 @@
 //	ddpsim -profile r1.json,r2.json,r3.json -measured out/sweep/summary.csv
 //	ddpsim -profile p.json -world 16 -algo tree -latency 5us -gbit 100
 //	ddpsim -profile p.json -allreduce perf.jsonl                # allreduce-perf --json's curve
+//	ddpsim -profile p.json -trace trace.rank0.json              # a trace's grad-ready times
 //	ddpsim -seed                                            # the seed article's cluster
 //
 // A profile is what a run with --bucket_cap_mb auto --auto_profile F measured on rank 0: the
@@ -24,6 +25,7 @@
 package main
 
 import (
+	"cmp"
 	"encoding/csv"
 	"encoding/json"
 	"errors"
@@ -39,6 +41,8 @@ import (
 
 	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/bucket/sim"
+	"github.com/goddp/goddp/ddp/observe"
+	"github.com/goddp/goddp/ddp/tracefile"
 )
 
 func main() {
@@ -63,6 +67,9 @@ type config struct {
 	seed     bool
 	compute  string // -compute_ms: "", a number, or "sweep"
 	perf     string // -allreduce: allreduce-perf --json output
+	trace    string // -trace: a goddp trace whose grad-ready times replace the profile's
+	rank     int    // -trace_rank
+	from     int    // -trace_from
 }
 
 func parse(args []string, stderr io.Writer) (config, error) {
@@ -80,6 +87,9 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&c.compute, "compute_ms", "", "rescale the profile's compute so that a step without communication takes this many ms; "+
 		"sweep: the compute-only ms/step of -measured (two --no_ddp processes, steady state, where the profile's first steps may be slower)")
 	fs.StringVar(&c.perf, "allreduce", "", "replace the profile's all-reduce curve with allreduce-perf --json output (one JSON object per size)")
+	fs.StringVar(&c.trace, "trace", "", "take the grad-ready times from this goddp trace (--trace) instead: the median over its passes; trace a run with one bucket (--bucket_cap_mb above the model's size), so that no collective runs during backward")
+	fs.IntVar(&c.rank, "trace_rank", 0, "with -trace: the rank whose passes to read")
+	fs.IntVar(&c.from, "trace_from", 3, "with -trace: the first backward pass (counted from 1) to read; the first ones warm up")
 	fs.BoolVar(&c.seed, "seed", false, "print the extrapolation to the seed article's 8-GPU experiment and the multi-node what-if")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -132,6 +142,11 @@ func run(args []string, stdout, stderr io.Writer) error {
 	}
 	if c.perf != "" {
 		if p.Comm, err = readPerf(c.perf); err != nil {
+			return err
+		}
+	}
+	if c.trace != "" {
+		if err := readyFromTrace(p, c.trace, c.rank, c.from); err != nil {
 			return err
 		}
 	}
@@ -291,6 +306,60 @@ func loadProfiles(paths []string) (*sim.Profile, error) {
 	}
 	out.Comm = comm
 	return &out, nil
+}
+
+// readyFromTrace replaces p's ready times and backward compute with the medians, over rank's
+// passes from iteration from on, of each gradient's ready time ("grad" instants) and the
+// backward pass's length ("backward" spans) in a goddp trace, less the reducer's copies
+// before each (p.CopyPerByte).
+func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
+	tf, err := tracefile.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	start := map[int64]float64{} // iteration → the backward pass's start, µs
+	length := map[int64]float64{}
+	for _, e := range tf.TraceEvents {
+		if iter, ok := e.Arg("iter"); ok && e.PID == rank && e.Cat == observe.CatBackward && e.Ph == "X" && iter >= int64(from) {
+			start[iter], length[iter] = e.TS, e.Dur
+		}
+	}
+	if len(start) == 0 {
+		return fmt.Errorf("%s: no backward passes of rank %d from iteration %d (a trace written with --trace?)", path, rank, from)
+	}
+	at := make([][]float64, len(p.Params))
+	for _, e := range tf.TraceEvents {
+		iter, ok1 := e.Arg("iter")
+		i, ok2 := e.Arg("param")
+		s, ok3 := start[iter]
+		if !ok1 || !ok2 || !ok3 || e.PID != rank || e.Cat != observe.CatGrad {
+			continue
+		}
+		if i < 0 || int(i) >= len(p.Params) {
+			return fmt.Errorf("%s: gradient of parameter %d; the profile has %d", path, i, len(p.Params))
+		}
+		at[i] = append(at[i], (e.TS-s)/1e6)
+	}
+	order := make([]int, len(p.Params))
+	for i := range at {
+		if len(at[i]) == 0 {
+			return fmt.Errorf("%s: rank %d never reported parameter %d (%s) ready", path, rank, i, p.Params[i].Name)
+		}
+		p.Ready[i] = median(at[i])
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(p.Ready[a], p.Ready[b]) })
+	var copies float64
+	for _, i := range order {
+		p.Ready[i] = math.Max(p.Ready[i]-copies, 0)
+		copies += p.CopyPerByte * float64(p.Params[i].Bytes())
+	}
+	lens := make([]float64, 0, len(length))
+	for _, l := range length {
+		lens = append(lens, l/1e6)
+	}
+	p.Backward = math.Max(median(lens)-copies, 0)
+	return p.Check()
 }
 
 // readPerf reads allreduce-perf --json's rows (size_bytes, time_us) into a curve.

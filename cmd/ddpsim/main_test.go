@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/bucket/sim"
+	"github.com/goddp/goddp/ddp/tracefile"
 )
 
 // TestSeedModel checks the seed's models against counts worked out separately (from the
@@ -182,5 +184,59 @@ func TestBadInput(t *testing.T) {
 		if err := run(args, io.Discard, io.Discard); err == nil {
 			t.Errorf("%s: no error", name)
 		}
+	}
+}
+
+// TestReadyFromTrace: the ready times and backward length are the medians over the passes
+// from -trace_from on, of the chosen rank only.
+func TestReadyFromTrace(t *testing.T) {
+	dir := t.TempDir()
+	prof := profileFile(t, dir, "p.json", 0.090)
+	var tf tracefile.File
+	jitter := []float64{0, 1e3, 10e3} // µs: passes 2, 3, 4; the median is +1 ms
+	for rank := range 2 {
+		for iter := 1; iter <= 4; iter++ {
+			base := float64(iter) * 1e6
+			extra := 50e3 // pass 1 (before -trace_from) and rank 1: far off
+			if iter > 1 && rank == 0 {
+				extra = jitter[iter-2]
+			}
+			args := map[string]any{"iter": float64(iter)}
+			tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "backward pass", Cat: "backward", Ph: "X", TS: base, Dur: 50e3 + extra, PID: rank, Args: args})
+			for i := range 8 {
+				tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "w", Cat: "grad", Ph: "i", TS: base + float64(8-i)*5e3 + extra, PID: rank,
+					Args: map[string]any{"iter": float64(iter), "param": float64(i)}})
+			}
+		}
+	}
+	b, err := json.Marshal(tf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	trace := filepath.Join(dir, "trace.json")
+	if err := os.WriteFile(trace, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	p, err := loadProfiles([]string{prof})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := readyFromTrace(p, trace, 0, 2); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 8 {
+		if want := (float64(8-i)*5 + 1) / 1e3; math.Abs(p.Ready[i]-want) > 1e-12 {
+			t.Errorf("Ready[%d] = %v, want %v", i, p.Ready[i], want)
+		}
+	}
+	if math.Abs(p.Backward-0.051) > 1e-12 {
+		t.Errorf("Backward = %v, want 0.051", p.Backward)
+	}
+	if err := readyFromTrace(p, trace, 5, 2); err == nil {
+		t.Error("a rank with no passes: no error")
+	}
+	var out strings.Builder
+	if err := run([]string{"-profile", prof, "-trace", trace, "-trace_from", "2"}, &out, io.Discard); err != nil || !strings.Contains(out.String(), "backward compute 51.00 ms") {
+		t.Errorf("ddpsim -trace: %v\n%s", err, out.String())
 	}
 }
