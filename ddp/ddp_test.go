@@ -4,23 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
 
+	"github.com/goddp/goddp/ddp/internal/numtest"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
 	"github.com/goddp/goddp/reducer"
 )
-
-func randF32(r *rand.Rand, n int) []float32 {
-	v := make([]float32, n)
-	for i := range v {
-		v[i] = float32(r.NormFloat64())
-	}
-	return v
-}
 
 func randF64(r *rand.Rand, n int) []float64 {
 	v := make([]float64, n)
@@ -161,7 +153,7 @@ func TestInitialBroadcast(t *testing.T) {
 			}
 			newModel := func(rank int) model {
 				r := rand.New(rand.NewPCG(uint64(rank), 7))
-				m := model{w1: randF32(r, 15), w2: randF64(r, 7), w3: randF32(r, 1000), b1: make([]int64, 4), b2: randF32(r, 2)}
+				m := model{w1: numtest.RandF32(r, 15), w2: randF64(r, 7), w3: numtest.RandF32(r, 1000), b1: make([]int64, 4), b2: numtest.RandF32(r, 2)}
 				for i := range m.b1 {
 					m.b1[i] = r.Int64()
 				}
@@ -253,19 +245,6 @@ func to32(v []float64) []float32 {
 	return out
 }
 
-// closeTo reports the first index where got and want differ by more than tol·(1+|want|).
-func closeTo[T float32 | float64](got []T, want []float64, tol float64) error {
-	if len(got) != len(want) {
-		return fmt.Errorf("length %d, want %d", len(got), len(want))
-	}
-	for i := range want {
-		if math.Abs(float64(got[i])-want[i]) > tol*(1+math.Abs(want[i])) {
-			return fmt.Errorf("[%d] = %v, want %v", i, got[i], want[i])
-		}
-	}
-	return nil
-}
-
 // TestAveragedGradients: R ranks, each with A micro-batches of M samples (all but the last
 // under NoSync), end every step with the gradient of the mean loss over all R·A·M samples,
 // computed in float64 by one process; SGD keeps the replicas identical. Tolerance: 1e-5
@@ -286,7 +265,7 @@ func TestAveragedGradients(t *testing.T) {
 			// The reference: one process, the full batch, rank 0's initial parameters.
 			newModel := func(rank int) *linModel {
 				r := rand.New(rand.NewPCG(uint64(rank), 99))
-				return &linModel{din: din, dout: dout, W: randF32(r, din*dout), b: randF32(r, dout), v: randF64(r, dout)}
+				return &linModel{din: din, dout: dout, W: numtest.RandF32(r, din*dout), b: numtest.RandF32(r, dout), v: randF64(r, dout)}
 			}
 			ref := newModel(0)
 			var refG [steps][3][]float64
@@ -345,7 +324,7 @@ func TestAveragedGradients(t *testing.T) {
 						var err error
 						switch g := g.(type) {
 						case []float32:
-							err = closeTo(g, refG[s][k], 1e-5)
+							err = numtest.CloseTo(g, refG[s][k], 1e-5)
 						case []float64:
 							// Exact but for summation order at step 0; later the float32
 							// parameters have taken float32-rounded updates.
@@ -353,7 +332,7 @@ func TestAveragedGradients(t *testing.T) {
 							if s > 0 {
 								tol = 1e-5
 							}
-							err = closeTo(g, refG[s][k], tol)
+							err = numtest.CloseTo(g, refG[s][k], tol)
 						}
 						if err != nil {
 							return fmt.Errorf("step %d: gradient of %s: %w", s, ps[k].Name, err)
@@ -383,19 +362,11 @@ func TestAveragedGradients(t *testing.T) {
 					t.Errorf("rank %d: parameters differ from rank 0's after %d steps", rank, steps)
 				}
 			}
-			if err := closeTo(finals[0].v, toF64(ref.v), 1e-5); err != nil {
+			if err := numtest.CloseTo(finals[0].v, numtest.ToF64(ref.v), 1e-5); err != nil {
 				t.Errorf("v after %d steps vs one process: %v", steps, err)
 			}
 		})
 	}
-}
-
-func toF64[T float32 | float64](v []T) []float64 {
-	out := make([]float64, len(v))
-	for i, x := range v {
-		out[i] = float64(x)
-	}
-	return out
 }
 
 // TestFailureReachesEveryRank: a rank whose hook reports a gradient of the wrong length
@@ -481,8 +452,8 @@ func TestUnusedAndBuffers(t *testing.T) {
 		bufs[rank] = randF64(r, 3)
 		grads[rank] = []float32{9, 9}
 		d, err := New(context.Background(), pg, []Param{
-			{Name: "used", Data: randF32(r, 2), Grad: make([]float32, 2)},
-			{Name: "unused", Data: randF32(r, 2), Grad: grads[rank]},
+			{Name: "used", Data: numtest.RandF32(r, 2), Grad: make([]float32, 2)},
+			{Name: "unused", Data: numtest.RandF32(r, 2), Grad: grads[rank]},
 		}, Options{FindUnusedParameters: true, Buffers: []Buffer{{Name: "stat", Data: bufs[rank]}}})
 		if err != nil {
 			return err

@@ -13,7 +13,7 @@ import (
 	"gorgonia.org/tensor"
 
 	"github.com/goddp/goddp/ddp"
-	"github.com/goddp/goddp/ddp/internal/ddptest"
+	"github.com/goddp/goddp/ddp/internal/numtest"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
@@ -32,7 +32,7 @@ func newLearnables(g *gorgonia.ExprGraph, seed uint64) gorgonia.Nodes {
 	r := rand.New(rand.NewPCG(seed, 5))
 	var ns gorgonia.Nodes
 	for i, s := range mlpShapes {
-		v := tensor.New(tensor.WithShape(s...), tensor.WithBacking(ddptest.RandF32(r, s[0]*s[1])))
+		v := tensor.New(tensor.WithShape(s...), tensor.WithBacking(numtest.RandF32(r, s[0]*s[1])))
 		ns = append(ns, gorgonia.NewTensor(g, tensor.Float32, 2, gorgonia.WithShape(s...), gorgonia.WithValue(v), gorgonia.WithName(fmt.Sprintf("p%d", i))))
 	}
 	return ns
@@ -87,7 +87,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 		lr      = 0.1
 	)
 	r := rand.New(rand.NewPCG(21, 22))
-	xs, ts := ddptest.RandF32(r, steps*N*3), ddptest.RandF32(r, steps*N*2)
+	xs, ts := numtest.RandF32(r, steps*N*3), numtest.RandF32(r, steps*N*2)
 
 	ref := &mlp{g: gorgonia.NewGraph()}
 	ref.learnables = newLearnables(ref.g, 0)
@@ -100,7 +100,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 		}
 		for _, n := range ref.learnables {
 			g, _ := n.Grad()
-			refG[s] = append(refG[s], ddptest.ToF64(g.(*tensor.Dense).Float32s()))
+			refG[s] = append(refG[s], numtest.ToF64(g.(*tensor.Dense).Float32s()))
 		}
 		sgd(ref.learnables, func(i int) []float32 { g, _ := ref.learnables[i].Grad(); return g.(*tensor.Dense).Float32s() }, lr)
 	}
@@ -144,7 +144,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 				}
 			}
 			for i, n := range m.learnables {
-				if err := ddptest.CloseTo(d.Grad32(i), refG[s][i], 1e-5); err != nil {
+				if err := numtest.CloseTo(d.Grad32(i), refG[s][i], 1e-5); err != nil {
 					return fmt.Errorf("step %d: Grad32(%d): %w", s, i, err)
 				}
 				g, err := n.Grad()
@@ -178,7 +178,7 @@ func TestWrapNodesEndToEnd(t *testing.T) {
 func TestHookAllocs(t *testing.T) {
 	c := pgtest.NewCluster(1)
 	defer c.Close()
-	g := tensor.New(tensor.WithShape(4, 8), tensor.WithBacking(ddptest.RandF32(rand.New(rand.NewPCG(1, 1)), 32)))
+	g := tensor.New(tensor.WithShape(4, 8), tensor.WithBacking(numtest.RandF32(rand.New(rand.NewPCG(1, 1)), 32)))
 	d, err := ddp.New(context.Background(), c.Group(0), []ddp.Param{{Name: "w", Data: make([]float32, 32), Grad: make([]float32, 32)}}, ddp.Options{})
 	if err != nil {
 		t.Fatal(err)
