@@ -41,18 +41,19 @@ var rcclAllReduce8 = []sim.Point{
 
 // seedTable is one of the article's tables: ms/step per bucket_cap_mb.
 type seedTable struct {
-	title  string
-	layers int
-	hidden int
-	ms     map[float64]float64
+	title    string
+	layers   int
+	hidden   int
+	statedMB float64 // the model size the article states
+	ms       map[float64]float64
 }
 
 var seedCaps = []float64{1, 5, 10, 25, 50, 100, 200}
 
 var seedTables = []seedTable{
-	{"small model (stated: 88 MB, 6 layers, 2048 hidden)", 6, 2048,
+	{"small model (stated: 88 MB, 6 layers, 2048 hidden)", 6, 2048, 88,
 		map[float64]float64{1: 12.87, 5: 10.55, 10: 7.90, 25: 9.82, 50: 6.18, 100: 7.78, 200: 7.32}},
-	{"large model (stated: 1628 MB, 24 layers, 4096 hidden)", 24, 4096,
+	{"large model (stated: 1628 MB, 24 layers, 4096 hidden)", 24, 4096, 1628,
 		map[float64]float64{1: 28.57, 5: 26.95, 10: 27.36, 25: 28.35, 50: 36.83, 100: 35.73, 200: 35.90}},
 }
 
@@ -210,14 +211,13 @@ func seedReport(w io.Writer) error {
 	}
 	for _, tb := range seedTables {
 		script := newSeedModel(tb.layers, tb.hidden)
-		statedMB := map[int]float64{6: 88, 24: 1628}[tb.layers]
-		h2 := stated(tb.layers, statedMB)
+		h2 := stated(tb.layers, tb.statedMB)
 		small := newSeedModel(tb.layers, h2)
 		ps := script.profile(comm8, 8)
 		pt := small.profile(comm8, 8)
 		fmt.Fprintf(w, "\n## %s\n\n", tb.title)
 		fmt.Fprintf(w, "The script builds %d layers × %d hidden: %.0f MB of fp32 parameters, not %.0f MB. %d layers × %d hidden is %.0f MB.\n\n",
-			tb.layers, tb.hidden, float64(script.bytes())/1e6, statedMB, tb.layers, h2, float64(small.bytes())/1e6)
+			tb.layers, tb.hidden, float64(script.bytes())/1e6, tb.statedMB, tb.layers, h2, float64(small.bytes())/1e6)
 		fmt.Fprintf(w, "| bucket_cap_mb | seed ms/step | predicted, script's model (buckets, exposed ms) | predicted, %dL×%d (buckets, exposed ms) |\n|---:|---:|---:|---:|\n", tb.layers, h2)
 		for _, c := range seedCaps {
 			a, err := torchStep(ps, c)
@@ -234,22 +234,26 @@ func seedReport(w io.Writer) error {
 			(script.forward+ps.Backward*mi300xFP32)/1e12, (script.forward/mi300xFP32+ps.Backward)*1e3, tb.layers, h2,
 			(small.forward+pt.Backward*mi300xFP32)/1e12, (small.forward/mi300xFP32+pt.Backward)*1e3)
 	}
-	return whatIf(w)
+	return whatIf(w, comm8)
 }
 
 // whatIf predicts, for 2–64 nodes of 8 MI300X joined at 100 or 400 Gbit/s with one NIC per
 // GPU, the best cap and its exposed communication. The all-reduce is hierarchical: inside
 // each node the measured 8-GPU curve (a reduce-scatter and an all-gather), between nodes 8
-// parallel all-reduces of 1/8 of the bucket, each the cheaper of a ring and a tree.
-func whatIf(w io.Writer) error {
+// parallel all-reduces of 1/8 of the bucket, each the cheaper of a ring and a tree. comm8 is
+// the measured 8-GPU curve.
+func whatIf(w io.Writer, comm8 sim.Comm) error {
 	fmt.Fprintln(w, "\n## What-if: nodes of 8 MI300X, one NIC per GPU (as on Azure ND MI300X v5)")
 	fmt.Fprintln(w, "\nAll-reduce: the measured 8-GPU curve inside the node, then 8 parallel all-reduces of 1/8 of the bucket")
 	fmt.Fprintln(w, "between nodes, each the cheaper of a ring and a double binary tree, 5 µs per hop (assumed), line rate.")
-	comm8, err := sim.Fit(rcclAllReduce8)
-	if err != nil {
-		return err
+	var shapes [][2]int // the stated sizes' shapes, then the script's
+	for _, tb := range seedTables {
+		shapes = append(shapes, [2]int{tb.layers, stated(tb.layers, tb.statedMB)})
 	}
-	for _, shape := range [][2]int{{6, stated(6, 88)}, {24, stated(24, 1628)}, {6, 2048}, {24, 4096}} {
+	for _, tb := range seedTables {
+		shapes = append(shapes, [2]int{tb.layers, tb.hidden})
+	}
+	for _, shape := range shapes {
 		m := newSeedModel(shape[0], shape[1])
 		fmt.Fprintf(w, "\n### %d layers × %d hidden (%.0f MB of gradients)\n\n", shape[0], shape[1], float64(m.bytes())/1e6)
 		fmt.Fprintln(w, "| nodes | GPUs | Gbit/s | best cap MB | buckets | ms/step | exposed ms | at 25 MB: ms/step | exposed ms |")
