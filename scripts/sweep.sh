@@ -81,6 +81,23 @@ goddp_testbed() {
     > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap on the testbed${*:+ ($*)}"
 }
 
+# goddp_point CAP LOG: one goddp launch with --bucket_cap_mb CAP (CAP may carry more of the
+# trainer's flags, as "auto --auto_profile F"): on a fresh two-host testbed with TESTBED_RATE,
+# else 2 ranks on this host. Sets m to rank 0's ms/step, or fails the sweep.
+goddp_point() {
+  local cap=$1 log=$2
+  if [ -n "$TESTBED_RATE" ]; then
+    goddp_testbed "$cap" "$log"
+    m=$(sed -n 's/^\[host0\] \(\[rank0\].*\)/\1/p' "$log" | msstep)
+  else
+    # shellcheck disable=SC2086 # $cap may hold several flags
+    ./bin/ddprun --nproc_per_node 2 ./bin/transformer -- --bucket_cap_mb $cap \
+      --warmup_steps "$WARMUP" --bench_steps "$STEPS" $CONFIG > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap"
+    m=$(grep '^\[rank0\]' "$log" | msstep)
+  fi
+  [ -n "$m" ] || fail "$log" "goddp bucket_cap_mb=$cap"
+}
+
 for rep in $(seq 1 "$REPEATS"); do
   # compute only: two --no_ddp processes at once; the step time is the slower one
   echo "# repeat $rep: goddp compute-only" >&2
@@ -104,37 +121,21 @@ for rep in $(seq 1 "$REPEATS"); do
   for cap in $CAPS; do
     echo "# repeat $rep: goddp bucket_cap_mb=$cap" >&2
     log="$OUT/logs/goddp_cap${cap}_r${rep}.log"
+    goddp_point "$cap" "$log"
     if [ -n "$TESTBED_RATE" ]; then
-      goddp_testbed "$cap" "$log"
-      m=$(sed -n 's/^\[host0\] \(\[rank0\].*\)/\1/p' "$log" | msstep)
       # link use while buckets are in flight: bytes on the wire each way per pass (a two-rank
       # all-reduce sends its whole buffer each way) over the in-flight time
       sed -n 's/^\[host0\] \[rank0\]: ddp: .* comm \([0-9.]*\)ms .* reduced \([0-9.]*\)MB\/pass.*/\1 \2/p' "$log" | tail -1 |
         awk -v cap="$cap" -v rep="$rep" -v rate="$TESTBED_RATE" '
           function bps(r) { r = tolower(r); if (r ~ /gbit$/) return r * 1e9; if (r ~ /mbit$/) return r * 1e6; return r }
           { printf "goddp,%s,%s,%s,%s,%.3f\n", cap, rep, $1, $2, ($2 * 1048576 * 8) / ($1 / 1000) / bps(rate) }' >> "$OUT/util.csv"
-    else
-      ./bin/ddprun --nproc_per_node 2 ./bin/transformer -- --bucket_cap_mb "$cap" \
-        --warmup_steps "$WARMUP" --bench_steps "$STEPS" $CONFIG > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap"
-      m=$(grep '^\[rank0\]' "$log" | msstep)
     fi
-    [ -n "$m" ] || fail "$log" "goddp bucket_cap_mb=$cap"
     echo "goddp,ddp,$cap,$rep,$m" >> "$raw"
     if [ "$AUTO" = 1 ] && [ "$cap" = "$(echo $CAPS | awk '{print $NF}')" ]; then
       # after the last cap: goddp choosing its own layout; its measurements go to
       # auto_profile_rN.json (cmd/ddpsim -profile)
       echo "# repeat $rep: goddp bucket_cap_mb=auto" >&2
-      alog="$OUT/logs/goddp_auto_r${rep}.log"
-      aprof="$OUT/logs/auto_profile_r${rep}.json"
-      if [ -n "$TESTBED_RATE" ]; then
-        goddp_testbed "auto --auto_profile $aprof" "$alog"
-        m=$(sed -n 's/^\[host0\] \(\[rank0\].*\)/\1/p' "$alog" | msstep)
-      else
-        ./bin/ddprun --nproc_per_node 2 ./bin/transformer -- --bucket_cap_mb auto --auto_profile "$aprof" \
-          --warmup_steps "$WARMUP" --bench_steps "$STEPS" $CONFIG > "$alog" 2>&1 || fail "$alog" "goddp bucket_cap_mb=auto"
-        m=$(grep '^\[rank0\]' "$alog" | msstep)
-      fi
-      [ -n "$m" ] || fail "$alog" "goddp bucket_cap_mb=auto"
+      goddp_point "auto --auto_profile $OUT/logs/auto_profile_r${rep}.json" "$OUT/logs/goddp_auto_r${rep}.log"
       echo "goddp,auto,,$rep,$m" >> "$raw"
     fi
     if [ "$TORCH" = 1 ]; then
