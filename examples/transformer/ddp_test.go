@@ -175,7 +175,7 @@ func TestDDPEqualsBigBatch(t *testing.T) {
 func TestAutoBuckets(t *testing.T) {
 	steps := " --warmup_steps 1 --bench_steps 3" // the decision comes after step 3 of 4
 	ref, _ := trainArgs(t, tinyFlags+" --batch_size 4"+steps)
-	prof := filepath.Join(t.TempDir(), "out", "auto.json")
+	prof := filepath.Join(t.TempDir(), "auto.json") // train, as here, skips run's checkOutputs, which makes the folder
 	ps, outs := trainRanks(t, 2, tinyDDPFlags+" --batch_size 2"+steps+" --bucket_cap_mb auto --auto_profile "+prof)
 	for _, want := range []string{"bucket_cap_mb=auto  ms/step=", "auto bucket layout after 3 synced steps: first cap "} {
 		if !strings.Contains(outs[0], want) {

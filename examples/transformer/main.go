@@ -704,9 +704,6 @@ func (t *trainer) reportAuto() error {
 	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(filepath.Dir(t.f.autoProfile), 0o755); err != nil {
-		return fmt.Errorf("--auto_profile: %w", err)
-	}
 	if err := os.WriteFile(t.f.autoProfile, append(b, '\n'), 0o644); err != nil {
 		return fmt.Errorf("--auto_profile: %w", err)
 	}
