@@ -58,6 +58,7 @@ const autoMeasured = 5
 // rank 0 cannot model the step (a gradient missing in pass 2), every rank goes back to the
 // layout of pass 1's caps.
 type autoTuner struct {
+	total    int64        // the bytes of all the gradients
 	rebuilds int          // rebuilds done so far
 	order    []int        // rank 0's grad-ready order, agreed by all at rebuild 1
 	probe    []sim.Point  // the all-reduces timed at rebuild 1
@@ -115,10 +116,7 @@ func (r *Reducer) AutoPlan() *AutoPlan {
 // r.mu must be held.
 func (a *autoTuner) rebuild(ctx context.Context, r *Reducer, agreed []int) error {
 	a.rebuilds++
-	total := int64(0)
-	for _, p := range r.bparams {
-		total += p.Bytes()
-	}
+	total := a.total
 	switch a.rebuilds {
 	case 1:
 		a.order = agreed
@@ -167,22 +165,22 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 	return nil
 }
 
-// decide builds the profile (rank 0's counts), picks the caps, and agrees on them.
+// decide builds this rank's profile; rank 0 picks the caps with it, and every rank takes
+// rank 0's and describes them with its own profile (AutoPlan).
 func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
-	choice := []int64{0, 0} // 0: keep the default caps
-	var plan *AutoPlan
+	choice := []int64{0, 0} // 0: keep pass 1's caps
 	prof, err := a.profile(r)
-	if err == nil {
+	if err != nil {
+		prof = nil
+	}
+	if prof != nil && r.pg.Rank() == 0 {
 		var best sim.Plan
 		if best, err = prof.Best(sim.SearchOptions{}); err == nil {
-			def, _ := prof.SimulateCaps(bucket.DefaultFirstCapBytes, bucket.DefaultCapBytes)
-			plan = &AutoPlan{Profile: prof, FirstCapBytes: best.FirstCapBytes, CapBytes: best.CapBytes,
-				Buckets: best.Predicted.Buckets, Predicted: best.Predicted, Default: def, DecidedAfter: autoPasses}
 			choice = []int64{best.FirstCapBytes, best.CapBytes}
 		}
 	}
 	if err != nil && r.pg.Rank() == 0 {
-		r.log.Warn("reducer: auto bucket sizing could not model the step; keeping the default caps", zap.Error(err))
+		r.log.Warn("reducer: auto bucket sizing could not model the step; keeping pass 1's caps", zap.Error(err))
 	}
 	if err := r.pg.Broadcast(ctx, choice, 0).Wait(ctx); err != nil {
 		return fmt.Errorf("reducer: auto bucket sizing: broadcast of rank 0's caps: %w", err)
@@ -193,16 +191,18 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 		return nil
 	}
 	r.firstCap, r.capBytes = choice[0], choice[1]
-	if plan != nil && (plan.FirstCapBytes != choice[0] || plan.CapBytes != choice[1]) {
-		// Another rank's model: describe rank 0's choice with this rank's profile.
-		bs, _ := plan.Profile.Layout(choice[0], choice[1])
-		plan.FirstCapBytes, plan.CapBytes, plan.Buckets = choice[0], choice[1], len(bs)
-		plan.Predicted, _ = plan.Profile.Simulate(bs)
+	if prof == nil { // this rank could not model the step; rank 0 could
+		return nil
 	}
-	a.plan = plan
-	if plan != nil {
-		r.log.Info("reducer: "+plan.String(), zap.Int("rank", r.pg.Rank()))
+	bs, err := prof.Layout(choice[0], choice[1])
+	if err != nil {
+		return fmt.Errorf("reducer: auto bucket sizing: rank 0's caps: %w", err)
 	}
+	predicted, _ := prof.Simulate(bs)
+	def, _ := prof.SimulateCaps(bucket.DefaultFirstCapBytes, bucket.DefaultCapBytes)
+	a.plan = &AutoPlan{Profile: prof, FirstCapBytes: choice[0], CapBytes: choice[1], Buckets: len(bs),
+		Predicted: predicted, Default: def, DecidedAfter: autoPasses}
+	r.log.Info("reducer: "+a.plan.String(), zap.Int("rank", r.pg.Rank()))
 	return nil
 }
 
@@ -214,11 +214,7 @@ func (a *autoTuner) profile(r *Reducer) (*sim.Profile, error) {
 	s2, s3 := a.passes[0], a.passes[1]
 	n := len(r.bparams)
 	p := &sim.Profile{Params: slices.Clone(r.bparams), Order: slices.Clone(a.order), Ready: make([]float64, n), World: r.pg.Size()}
-	total := float64(0)
-	for _, q := range r.bparams {
-		total += float64(q.Bytes())
-	}
-	if total > 0 {
+	if total := float64(a.total); total > 0 {
 		p.CopyPerByte = s2.CopyTime.Seconds() / total
 		p.UnpackPerByte = s2.UnpackTime.Seconds() / total
 	}

@@ -195,7 +195,7 @@ func TestAutoProfile(t *testing.T) {
 		BucketLaunched: []time.Duration{ms(10), ms(22), ms(36.5)},
 		BucketFinished: []time.Duration{ms(20), ms(27), ms(46.5)},
 		BackwardEnd:    ms(48.5), CopyTime: ms(1.2), HookTime: ms(1.5)}
-	a := &autoTuner{order: []int{2, 1, 0}, passes: []*IterStats{s2, s3},
+	a := &autoTuner{total: 1200, order: []int{2, 1, 0}, passes: []*IterStats{s2, s3},
 		probe: []sim.Point{{Bytes: 400, Seconds: 5e-3}, {Bytes: 1200, Seconds: 13e-3}},
 		ends:  []time.Time{t0.Add(ms(60)), t0.Add(ms(150))}}
 	p, err := a.profile(r)

@@ -202,6 +202,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 		r.capBytes = bucket.DefaultCapBytes
 		if pg.Size() > 1 {
 			r.auto = &autoTuner{}
+			for _, p := range r.bparams {
+				r.auto.total += p.Bytes()
+			}
 			rebuilds = autoPasses
 		}
 	}
