@@ -1,12 +1,13 @@
-# The trainer image: examples/transformer (and ddprun) on Debian, gorgonia on OpenBLAS.
+# The trainer image: examples/transformer (and ddprun) on Debian, its matrix products on
+# goddp's Go-assembly SGEMM (or on OpenBLAS, with TAGS=openblas).
 #
 #   docker build -t goddp/transformer .
-#   docker build --build-arg TAGS= -t goddp/transformer:pure-go .   # gorgonia's pure-Go BLAS
+#   docker build --build-arg TAGS=openblas -t goddp/transformer:openblas .
 #
 # The image runs one rank; the launcher (Kubernetes with the manifests in deploy/k8s/,
 # torchrun, srun, mpirun) says which one through the environment.
 FROM golang:1.26-bookworm AS build
-ARG TAGS=openblas
+ARG TAGS=
 RUN apt-get update && apt-get install -y --no-install-recommends libopenblas-dev && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY go.mod go.sum ./

@@ -20,7 +20,6 @@ STEPS=${STEPS:-30}
 EVERY=${EVERY:-5}
 CONFIG=${CONFIG:---num_layers 1 --hidden_size 64}
 TAGS=${TAGS:-}
-if [ -z "$TAGS" ] && ls /usr/lib/x86_64-linux-gnu/libopenblas.so >/dev/null 2>&1; then TAGS=openblas; fi
 
 rm -rf "$OUT"
 mkdir -p "$OUT/bin"

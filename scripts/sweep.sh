@@ -30,7 +30,6 @@ CONFIG=${CONFIG:-}            # e.g. "--num_layers 4 --hidden_size 512"
 TORCH_DIR=${TORCH_DIR:-../shared/bench/torch}
 OUT=${OUT:-out/sweep_$(date +%Y%m%d_%H%M%S)}
 TAGS=${TAGS:-}
-if [ -z "$TAGS" ] && ls /usr/lib/x86_64-linux-gnu/libopenblas.so >/dev/null 2>&1; then TAGS=openblas; fi
 TORCH=${TORCH:-auto}
 LINK=${LINK:-1}               # on the testbed: one more traced goddp launch per cap (link.txt)
 AUTO=${AUTO:-1}               # also run goddp with --bucket_cap_mb auto (kind auto in raw.csv)

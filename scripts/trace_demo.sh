@@ -19,7 +19,6 @@ REPEATS=${REPEATS:-5}
 STRAGGLE=${STRAGGLE:-1:20}
 PORT=${PORT:-9464}
 TAGS=${TAGS:-}
-if [ -z "$TAGS" ] && ls /usr/lib/x86_64-linux-gnu/libopenblas.so >/dev/null 2>&1; then TAGS=openblas; fi
 
 mkdir -p "$OUT/bin" "$OUT/logs"
 "$GO" build -o "$OUT/bin/ddprun" ./cmd/ddprun

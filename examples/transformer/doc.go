@@ -6,10 +6,10 @@
 //
 // # Usage
 //
-//	make run                                                      # 2 ranks under ddprun (OpenBLAS if present)
+//	make run                                                      # 2 ranks under ddprun
 //	ddprun --nproc_per_node 2 ./examples/transformer -- --bucket_cap_mb 25
 //	GODDP_GO_TAGS=openblas ddprun --nproc_per_node 2 ./examples/transformer -- --accum_steps 4
-//	go run ./examples/transformer --no_ddp                        # one process, pure-Go BLAS
+//	go run ./examples/transformer --no_ddp                        # one process, Go-assembly SGEMM
 //	go run -tags openblas ./examples/transformer --no_ddp         # OpenBLAS (libopenblas-dev)
 //	go run ./examples/transformer --no_ddp --task copy --lr 1e-3 --bench_steps 100
 //

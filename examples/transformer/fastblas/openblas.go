@@ -19,7 +19,7 @@ import (
 )
 
 // Name is the BLAS gorgonia uses in this build.
-const Name = "openblas"
+var Name = "openblas"
 
 // With -tags openblas, gorgonia's matrix products (BatchedMatMul included) run on
 // OpenBLAS through gonum's cgo bindings. One thread per rank, like ddp_bench.py's

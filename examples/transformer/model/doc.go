@@ -20,8 +20,8 @@
 // packed qkv projection (scaling, softmax, dropout, head split and merge without
 // transposes), and residual + dropout + LayerNorm, each with a hand-written backward
 // checked against finite differences. The matrix products run on the BLAS gorgonia
-// is set to (OpenBLAS in the trainer's -tags openblas build, gonum's pure Go BLAS
-// otherwise); the ops reuse their output buffers from run to run. The loss (MSE, or
+// is set to (in the trainer, package fastblas: goddp's Go-assembly SGEMM, or OpenBLAS
+// with -tags openblas); the ops reuse their output buffers from run to run. The loss (MSE, or
 // log-softmax cross-entropy for TaskCopy) and the copy task's embedding are gorgonia
 // primitives.
 //

@@ -18,8 +18,8 @@ import (
 // time of the matrix products at the seed shape). Each fused op
 //
 //   - runs typed loops over []float32 or []float64 (kernels.go), with the big
-//     products on the BLAS gorgonia uses (gorgonia.Use / WhichBLAS: OpenBLAS with
-//     -tags openblas, gonum's pure-Go BLAS otherwise);
+//     products on the BLAS gorgonia uses (gorgonia.Use / WhichBLAS: in the trainer,
+//     package fastblas's Go-assembly SGEMM, or OpenBLAS with -tags openblas);
 //   - owns its output tensor and returns the same one every run. The tape machine's
 //     Reset drops its registers, so gorgonia's own ops allocate every value anew each
 //     run; ours do not. Reusing is safe because gorgonia only overwrites a value (in
