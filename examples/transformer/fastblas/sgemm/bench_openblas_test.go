@@ -1,10 +1,13 @@
 //go:build openblas && cgo
 
-package sgemm
+package sgemm_test
 
 import (
 	"gonum.org/v1/gonum/blas"
 	"gonum.org/v1/netlib/blas/netlib"
+
+	// Its cgo preamble links -lopenblas, which netlib's bindings need.
+	_ "github.com/goddp/goddp/examples/transformer/fastblas"
 )
 
 func init() {

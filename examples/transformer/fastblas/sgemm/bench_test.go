@@ -1,4 +1,4 @@
-package sgemm
+package sgemm_test
 
 import (
 	"fmt"
@@ -7,6 +7,8 @@ import (
 
 	"gonum.org/v1/gonum/blas"
 	"gonum.org/v1/gonum/blas/gonum"
+
+	"github.com/goddp/goddp/examples/transformer/fastblas/sgemm"
 )
 
 // benchImpls are the SGEMMs BenchmarkSgemm compares; bench_openblas_test.go adds
@@ -15,13 +17,21 @@ var benchImpls = []struct {
 	name string
 	impl blas.Float32Level3
 }{
-	{"goddp", Implementation{}},
+	{"goddp", sgemm.Implementation{}},
 	{"gonum", gonum.Implementation{}},
+}
+
+// benchShape is one product: op(A) m×k, op(B) k×n, and each leading dimension's excess
+// over its minimum (the attention products work inside the packed q, k, v projections).
+type benchShape struct {
+	tA, tB           bool
+	m, n, k          int
+	padA, padB, padC int
 }
 
 // benchShapes are the seed model's products (L=2, h=256, 8 heads, batch 8 × seq 64 =
 // 512 rows), forward and backward, and a square one.
-var benchShapes = []gemmCase{
+var benchShapes = []benchShape{
 	{m: 512, n: 768, k: 256},                              // qkv projection
 	{m: 512, n: 1024, k: 256},                             // feed-forward up
 	{m: 512, n: 256, k: 1024},                             // feed-forward down
@@ -33,16 +43,38 @@ var benchShapes = []gemmCase{
 	{m: 1024, n: 1024, k: 1024},
 }
 
+func tr(t bool) blas.Transpose {
+	if t {
+		return blas.Trans
+	}
+	return blas.NoTrans
+}
+
 // BenchmarkSgemm reports GFLOPS per implementation and shape. Single-threaded, as the
 // ranks run: gonum's SGEMM spreads over GOMAXPROCS, hence -cpu 1.
 //
 //	go test -run '^$' -bench Sgemm -cpu 1 ./examples/transformer/fastblas/sgemm
-//	CGO_LDFLAGS=-lopenblas OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX go test -tags openblas ... (adds openblas)
+//	OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX go test -tags openblas ... (adds openblas)
+//	GODDP_SGEMM_KERNEL=avx2 ... (goddp's AVX2 kernel on an AVX-512 CPU)
 func BenchmarkSgemm(b *testing.B) {
 	rng := rand.New(rand.NewPCG(5, 6))
+	fill := func(n int) []float32 {
+		s := make([]float32, n)
+		for i := range s {
+			s[i] = float32(rng.NormFloat64())
+		}
+		return s
+	}
 	for _, g := range benchShapes {
-		g.alpha = 1
-		a, lda, bm, ldb, c, ldc := g.operands(rng)
+		ra, ca, rb, cb := g.m, g.k, g.k, g.n
+		if g.tA {
+			ra, ca = ca, ra
+		}
+		if g.tB {
+			rb, cb = cb, rb
+		}
+		lda, ldb, ldc := ca+g.padA, cb+g.padB, g.n+g.padC
+		a, bm, c := fill(ra*lda), fill(rb*ldb), fill(g.m*ldc)
 		for _, im := range benchImpls {
 			name := fmt.Sprintf("%s/%s%s_%dx%dx%d", im.name, map[bool]string{false: "N", true: "T"}[g.tA], map[bool]string{false: "N", true: "T"}[g.tB], g.m, g.n, g.k)
 			b.Run(name, func(b *testing.B) {

@@ -15,6 +15,8 @@
 package sgemm
 
 import (
+	"os"
+	"strings"
 	"sync"
 	"unsafe"
 )
@@ -42,10 +44,25 @@ const (
 	tileMax = 12 * 32 // the largest mr×nr
 )
 
-// kern is the widest kernel this CPU runs.
-var kern = func() microKernel { ks := kernels(); return ks[len(ks)-1] }()
+// kern is the widest kernel this CPU runs, or the one GODDP_SGEMM_KERNEL names.
+var kern = pickKernel(os.Getenv("GODDP_SGEMM_KERNEL"))
+
+// pickKernel returns the kernel whose name starts with want ("avx512", "avx2", "go")
+// among those this CPU runs, or the widest one when want is empty or names none of
+// them (Kernel then says which runs).
+func pickKernel(want string) microKernel {
+	ks := kernels()
+	for _, k := range ks {
+		if want != "" && strings.HasPrefix(k.name, want+" ") {
+			return k
+		}
+	}
+	return ks[len(ks)-1]
+}
 
 // Kernel names the micro-kernel in use: "avx512 12x32", "avx2 6x16" or "go 4x8".
+// GODDP_SGEMM_KERNEL=avx2 (or go) picks a narrower one than the CPU allows, for
+// comparisons.
 func Kernel() string { return kern.name }
 
 type workspace struct {

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"gonum.org/v1/gonum/blas"
@@ -200,4 +201,22 @@ func FuzzSgemm(f *testing.F) {
 		}
 		check(t, kern, g, rng)
 	})
+}
+
+// TestPickKernel: GODDP_SGEMM_KERNEL picks a kernel by its first word; anything else
+// leaves the widest.
+func TestPickKernel(t *testing.T) {
+	ks := kernels()
+	widest := ks[len(ks)-1].name
+	for _, k := range ks {
+		want := strings.Fields(k.name)[0]
+		if got := pickKernel(want).name; got != k.name {
+			t.Errorf("pickKernel(%q) = %s, want %s", want, got, k.name)
+		}
+	}
+	for _, want := range []string{"", "avx", "sse", "go 4x8"} {
+		if got := pickKernel(want).name; got != widest {
+			t.Errorf("pickKernel(%q) = %s, want the widest, %s", want, got, widest)
+		}
+	}
 }
