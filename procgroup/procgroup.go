@@ -335,6 +335,27 @@ func Transports(pg ProcessGroup) []string {
 	return nil
 }
 
+// AlgorithmReporter is implemented by groups that can say how they would all-reduce a
+// message: the algorithm's name, and its memory traffic per rank: the bytes of the ranks'
+// own buffers it reads and writes, per byte of the message (staging memory that stays in
+// cache, such as gloo's shared-memory slots, is not counted). allreduce-perf --ceiling
+// divides the memory bandwidth it measures by it. traffic is 0 where the model does not
+// apply (bfloat16 and float16, which are widened first).
+type AlgorithmReporter interface {
+	AllReduceAlgorithm(dt DType, bytes int) (name string, traffic float64)
+}
+
+// AllReduceAlgorithm is pg's AlgorithmReporter answer, looking through wrappers (Find);
+// ok is false when no layer reports.
+func AllReduceAlgorithm(pg ProcessGroup, dt DType, bytes int) (name string, traffic float64, ok bool) {
+	a, ok := Find[AlgorithmReporter](pg)
+	if !ok {
+		return "", 0, false
+	}
+	name, traffic = a.AllReduceAlgorithm(dt, bytes)
+	return name, traffic, true
+}
+
 // CompletedAt is when f completed (the zero time before).
 func (f *Future) CompletedAt() time.Time {
 	select {

@@ -10,6 +10,35 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
+// AllReduceAlgorithm names the path run takes for an all-reduce of bytes bytes of dt, and
+// the bytes of the ranks' buffers it reads and writes per rank, per message byte
+// (procgroup.AlgorithmReporter). Slots, segments and scratch are small and stay in cache.
+// With chunks c = bytes/n:
+//   - shm-ring, ring, pair: each of the n-1 reduce-scatter steps reads the chunk it sends
+//     and reads and writes the chunk it reduces into (3c); each of the n-1 all-gather
+//     steps reads the chunk it sends and writes the one it receives (2c): 5(n-1)/n;
+//   - shm-direct, direct: the buffer is read once per peer it goes to and once into the
+//     accumulator, and written once with the result: n+1.
+func (g *group) AllReduceAlgorithm(dt procgroup.DType, bytes int) (name string, traffic float64) {
+	n := float64(g.size)
+	ring := 5 * (n - 1) / n
+	switch {
+	case g.size == 1 || bytes == 0:
+		return "none", 0
+	case dt == procgroup.BFloat16 || dt == procgroup.Float16:
+		return "widened", 0
+	case g.useDirect(bytes) && g.useShmDirect(bytes):
+		return "shm-direct", n + 1
+	case g.useDirect(bytes):
+		return "direct", n + 1
+	case g.useShmRing():
+		return "shm-ring", ring
+	case g.size == 2:
+		return "pair", ring
+	}
+	return "ring", ring
+}
+
 // run executes one collective on the worker goroutine.
 func (g *group) run(o *op) error {
 	if err := o.ctx.Err(); err != nil {

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -149,5 +150,44 @@ func TestShmAbort(t *testing.T) {
 	}
 	for _, g := range groups {
 		g.Abort(nil)
+	}
+}
+
+// TestAllReduceAlgorithm: the algorithm and traffic the group reports for each path
+// (procgroup.AlgorithmReporter, allreduce-perf --ceiling).
+func TestAllReduceAlgorithm(t *testing.T) {
+	type want struct {
+		bytes   int
+		dt      procgroup.DType
+		name    string
+		traffic float64
+	}
+	for _, tc := range []struct {
+		name  string
+		size  int
+		cfg   *Config
+		wants []want
+	}{
+		{"unix/n2", 2, &Config{Transport: TransportUnix}, []want{
+			{4 << 10, procgroup.Float32, "shm-direct", 3}, {1 << 20, procgroup.Float32, "shm-ring", 2.5},
+			{1 << 20, procgroup.BFloat16, "widened", 0}, {0, procgroup.Float32, "none", 0},
+		}},
+		{"tcp/n2", 2, &Config{Transport: TransportTCP}, []want{
+			{4 << 10, procgroup.Float32, "direct", 3}, {1 << 20, procgroup.Int64, "pair", 2.5},
+		}},
+		{"tcp/n3", 3, &Config{Transport: TransportTCP}, []want{
+			{1 << 20, procgroup.Float64, "ring", 5 * 2.0 / 3},
+		}},
+		{"unix/n1", 1, &Config{Transport: TransportUnix}, []want{{1 << 20, procgroup.Float32, "none", 0}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			groups := startGroups(t, tc.size, tc.cfg)
+			for _, w := range tc.wants {
+				name, traffic, ok := procgroup.AllReduceAlgorithm(groups[0], w.dt, w.bytes)
+				if !ok || name != w.name || math.Abs(traffic-w.traffic) > 1e-12 {
+					t.Errorf("%d bytes of %v: %q, %g (reported %t); want %q, %g", w.bytes, w.dt, name, traffic, ok, w.name, w.traffic)
+				}
+			}
+		})
 	}
 }

@@ -81,6 +81,11 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			ok := wrong == 0
 			r.OK = &ok
 		}
+		if cfg.ceiling {
+			if err := addCeiling(ctx, pg, cfg.dtype, &r); err != nil {
+				return err
+			}
+		}
 		emit(r)
 		if size > cfg.maxBytes/cfg.factor {
 			break // the next step would pass -e (or overflow)

@@ -9,6 +9,7 @@
 //	allreduce-perf --nproc 2 -b 4K -e 256M          # 2 local ranks, spawned by the command
 //	ddprun --nproc_per_node=4 allreduce-perf -d bf16  # ranks from the environment (torchrun style)
 //	allreduce-perf --nproc 2 --json | jq .busbw_gbs
+//	allreduce-perf --nproc 2 -b 1M -e 256M --ceiling # busbw against the memory bandwidth (Note [Ceiling])
 //
 // Without --nproc the process is one rank: it reads RANK, WORLD_SIZE, MASTER_ADDR, ... (or
 // SLURM/Open MPI variables, see procgroup.InitFromEnv) and meets the others through
@@ -51,6 +52,7 @@ type config struct {
 	json               bool
 	transport, algo    string
 	timeout            time.Duration
+	ceiling            bool
 }
 
 // errUsage marks flag errors (exit status 2).
@@ -84,6 +86,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&transport, "transport", "", "gloo transport: auto, tcp or unix (sets GODDP_GLOO_TRANSPORT)")
 	fs.StringVar(&algo, "algo", "", "gloo algorithm: auto, ring or direct (sets GODDP_GLOO_ALGO)")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "collective and rendezvous timeout")
+	fs.BoolVar(&c.ceiling, "ceiling", false, "also measure the memory bandwidth (every rank at once) and print each busbw as a percentage of the ceiling the algorithm's memory traffic implies")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: allreduce-perf [flags]\n\nnccl-tests style all-reduce benchmark; see the package doc.\n\n")
 		fs.PrintDefaults()
@@ -280,6 +283,17 @@ type row struct {
 	BusBW     float64 `json:"busbw_gbs"`
 	OK        *bool   `json:"ok"`    // null when not checked (-c 0)
 	Wrong     int64   `json:"wrong"` // elements differing from the reference, over all ranks; -1 unchecked
+
+	// --ceiling (Note [Ceiling]): the algorithm and its memory traffic per rank per message
+	// byte, the memory rate (GB/s read plus written, the slowest rank's, every rank copying
+	// at once), the busbw ceiling they imply for the algorithm and for a single-copy one,
+	// and busbw's share of the first.
+	Algo            string  `json:"algo,omitempty"`
+	Traffic         float64 `json:"traffic_per_byte,omitempty"`
+	MemGBs          float64 `json:"mem_gbs,omitempty"`
+	CeilBusBW       float64 `json:"ceiling_busbw_gbs,omitempty"`
+	PctCeil         float64 `json:"pct_of_ceiling,omitempty"`
+	SingleCopyBusBW float64 `json:"single_copy_ceiling_busbw_gbs,omitempty"`
 }
 
 type reporter interface {
@@ -319,8 +333,15 @@ func (t *tableReporter) header() {
 	}
 	fmt.Fprintf(t.w, "# allreduce-perf: backend %s, %d ranks, dtype %s, op %s, -b %d -e %d -f %d -n %d -w %d -c %d\n",
 		t.cfg.backend, t.ranks, t.cfg.dtype, t.cfg.op, t.cfg.minBytes, t.cfg.maxBytes, t.cfg.factor, t.cfg.iters, t.cfg.warmup, check)
-	fmt.Fprintf(t.w, "#\n# %12s %12s %9s %6s %12s %10s %10s %8s\n", "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong")
-	fmt.Fprintf(t.w, "# %12s %12s %9s %6s %12s %10s %10s %8s\n", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "")
+	fmt.Fprintf(t.w, "#\n# %12s %12s %9s %6s %12s %10s %10s %8s", "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong")
+	if t.cfg.ceiling {
+		fmt.Fprintf(t.w, " %10s %7s %9s %9s %9s %9s", "algo", "traffic", "memory", "ceiling", "%ceiling", "1-copy")
+	}
+	fmt.Fprintf(t.w, "\n# %12s %12s %9s %6s %12s %10s %10s %8s", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "")
+	if t.cfg.ceiling {
+		fmt.Fprintf(t.w, " %10s %7s %9s %9s %9s %9s", "", "(B/B)", "(GB/s)", "(GB/s)", "", "(GB/s)")
+	}
+	fmt.Fprintln(t.w)
 }
 
 func (t *tableReporter) row(r row) {
@@ -338,8 +359,17 @@ func (t *tableReporter) row(r row) {
 	if r.Wrong >= 0 {
 		wrong = strconv.FormatInt(r.Wrong, 10)
 	}
-	fmt.Fprintf(t.w, "  %12d %12d %9s %6s %12.2f %10.3f %10.3f %8s\n",
+	fmt.Fprintf(t.w, "  %12d %12d %9s %6s %12.2f %10.3f %10.3f %8s",
 		r.SizeBytes, r.Count, r.DType, r.Op, r.TimeUS, r.AlgBW, r.BusBW, wrong)
+	if t.cfg.ceiling {
+		traffic, ceil, pct, one := "-", "-", "-", "-"
+		if r.CeilBusBW > 0 {
+			traffic, ceil, pct = fmt.Sprintf("%.2f", r.Traffic), fmt.Sprintf("%.3f", r.CeilBusBW), fmt.Sprintf("%.1f%%", r.PctCeil)
+			one = fmt.Sprintf("%.3f", r.SingleCopyBusBW)
+		}
+		fmt.Fprintf(t.w, " %10s %7s %9.2f %9s %9s %9s", r.Algo, traffic, r.MemGBs, ceil, pct, one)
+	}
+	fmt.Fprintln(t.w)
 }
 
 func (t *tableReporter) footer() {

@@ -423,3 +423,72 @@ func TestCommandBadFlags(t *testing.T) {
 		t.Errorf("without a launcher: %v\n%s", err, out)
 	}
 }
+
+// TestCeilingArithmetic: Note [Ceiling]'s bound from a rate and a traffic.
+func TestCeilingArithmetic(t *testing.T) {
+	for _, tc := range []struct {
+		n             int
+		traffic, rate float64
+		want          float64
+	}{
+		{2, 2.5, 10, 4},   // algbw 4, busbw = algbw at n = 2
+		{4, 3.75, 30, 12}, // algbw 8, busbw 8·2·3/4
+		{1, 2.5, 10, 0},   // no busbw for one rank
+		{2, 0, 10, 0},     // traffic unknown
+		{2, 2.5, 0, 0},    // no rate
+		{3, singleCopyTraffic(3), 8, 8 / (8.0 / 3) * 4 / 3},
+	} {
+		if got := ceilingBusBW(tc.n, tc.traffic, tc.rate); math.Abs(got-tc.want) > 1e-12 {
+			t.Errorf("ceilingBusBW(%d, %g, %g) = %g, want %g", tc.n, tc.traffic, tc.rate, got, tc.want)
+		}
+	}
+	if got := singleCopyTraffic(2); got != 2.5 {
+		t.Errorf("singleCopyTraffic(2) = %g, want 2.5 (read both halves of your chunk, write it, copy the other half)", got)
+	}
+}
+
+// TestCommandCeiling: --ceiling adds the algorithm, the memory rate and the ceilings to
+// every row, consistently with the row's busbw.
+func TestCommandCeiling(t *testing.T) {
+	bin, haveGloo := buildCommand(t)
+	if !haveGloo {
+		t.Skip("the gloo backend is not built in")
+	}
+	stdout, stderr, code := runCommand(t, bin, nil, "--nproc", "2", "-b", "4K", "-e", "1M", "-f", "16", "-n", "2", "-w", "1", "--ceiling", "--json")
+	if code != 0 {
+		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	lines := strings.Split(strings.TrimSpace(stdout), "\n")
+	if len(lines) != 3 {
+		t.Fatalf("%d lines, want 3 (4K, 64K, 1M):\n%s", len(lines), stdout)
+	}
+	wantAlgo := []string{"shm-direct", "shm-direct", "shm-ring"}
+	for i, l := range lines {
+		var r row
+		if err := json.Unmarshal([]byte(l), &r); err != nil {
+			t.Fatalf("line %q: %v", l, err)
+		}
+		wantTraffic := map[string]float64{"shm-direct": 3, "shm-ring": 2.5}[wantAlgo[i]]
+		if r.Algo != wantAlgo[i] || r.Traffic != wantTraffic || r.MemGBs <= 0 {
+			t.Errorf("row %d: algo %q traffic %g memory %g GB/s; want %q, %g, a positive rate", i, r.Algo, r.Traffic, r.MemGBs, wantAlgo[i], wantTraffic)
+		}
+		if want := ceilingBusBW(2, r.Traffic, r.MemGBs); math.Abs(r.CeilBusBW-want) > 1e-9*want || want <= 0 {
+			t.Errorf("row %d: ceiling %g, want %g from its own rate and traffic", i, r.CeilBusBW, want)
+		}
+		if want := 100 * r.BusBW / r.CeilBusBW; math.Abs(r.PctCeil-want) > 1e-9*want {
+			t.Errorf("row %d: %g%% of the ceiling, want %g", i, r.PctCeil, want)
+		}
+		if want := ceilingBusBW(2, 2.5, r.MemGBs); math.Abs(r.SingleCopyBusBW-want) > 1e-9*want {
+			t.Errorf("row %d: single-copy ceiling %g, want %g", i, r.SingleCopyBusBW, want)
+		}
+	}
+	// The table form has the extra columns.
+	stdout, stderr, code = runCommand(t, bin, nil, "--nproc", "2", "-b", "1M", "-e", "1M", "-n", "1", "-w", "0", "--ceiling")
+	if code != 0 {
+		t.Fatalf("table: exit %d\n%s\n%s", code, stdout, stderr)
+	}
+	rows := dataRows(stdout)
+	if len(rows) != 1 || len(rows[0]) != 14 || rows[0][8] != "shm-ring" || !strings.HasSuffix(rows[0][12], "%") {
+		t.Errorf("table rows %q, want one of 14 fields (algo shm-ring, a %% of the ceiling):\n%s", rows, stdout)
+	}
+}
