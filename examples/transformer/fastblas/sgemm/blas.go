@@ -38,7 +38,11 @@ func validGemm(tA, tB blas.Transpose, m, n, k, na, lda, nb, ldb, nc, ldc int) bo
 	if lda < max(1, ca) || ldb < max(1, cb) || ldc < max(1, n) {
 		return false
 	}
-	// holds: a slice of length l has the r×c matrix with leading dimension ld.
-	holds := func(l, r, c, ld int) bool { return r == 0 || c == 0 || l >= (r-1)*ld+c }
+	if m == 0 || n == 0 {
+		return true // gonum checks no lengths then
+	}
+	// holds: a slice of length l has the r×c matrix with leading dimension ld (gonum's
+	// formula, which also covers r = 0 or c = 0 when k is 0).
+	holds := func(l, r, c, ld int) bool { return l >= (r-1)*ld+c }
 	return holds(na, ra, ca, lda) && holds(nb, rb, cb, ldb) && holds(nc, m, n, ldc)
 }

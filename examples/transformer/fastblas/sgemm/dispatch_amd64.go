@@ -16,7 +16,7 @@ func kernels() []microKernel {
 	if cpu.X86.HasAVX2 && cpu.X86.HasFMA {
 		ks = append(ks, avx2Kernel)
 	}
-	if cpu.X86.HasAVX512F {
+	if cpu.X86.HasAVX512F && cpu.X86.HasBMI2 { // transpose16AVX512 uses SHLX
 		ks = append(ks, avx512Kernel)
 	}
 	return ks

@@ -174,6 +174,8 @@ func TestImplementationChecks(t *testing.T) {
 		{"small lda", func() { Implementation{}.Sgemm(blas.NoTrans, blas.NoTrans, 3, 2, 2, 1, a, 1, a, 2, 0, a, 2) }},
 		{"bad transpose", func() { Implementation{}.Sgemm('x', blas.NoTrans, 3, 2, 2, 1, a, 2, a, 2, 0, a, 2) }},
 		{"negative m", func() { Implementation{}.Sgemm(blas.NoTrans, blas.NoTrans, -1, 2, 2, 1, a, 2, a, 2, 0, a, 2) }},
+		{"short a with k = 0", func() { Implementation{}.Sgemm(blas.NoTrans, blas.NoTrans, 3, 2, 0, 1, nil, 1, a, 2, 0, a, 2) }},
+		{"short b with k = 0", func() { Implementation{}.Sgemm(blas.NoTrans, blas.Trans, 3, 2, 0, 1, a, 1, nil, 1, 0, a, 2) }},
 	} {
 		func() {
 			defer func() {
@@ -187,7 +189,7 @@ func TestImplementationChecks(t *testing.T) {
 }
 
 // FuzzSgemm draws shapes, transposes, paddings and scalars and checks the result
-// against gonum on the kernel in use.
+// against gonum on every kernel this CPU runs.
 func FuzzSgemm(f *testing.F) {
 	f.Add(uint64(1), uint8(13), uint8(35), uint8(7), uint8(0), uint8(0))
 	f.Add(uint64(2), uint8(200), uint8(40), uint8(255), uint8(3), uint8(9))
@@ -199,7 +201,9 @@ func FuzzSgemm(f *testing.F) {
 			padA: int(pad & 3), padB: int(pad >> 2 & 3), padC: int(pad >> 4 & 3),
 			alpha: []float32{1, 0, -2, 0.5}[flags>>2&3], beta: []float32{0, 1, -1, 0.25}[flags>>4&3],
 		}
-		check(t, kern, g, rng)
+		for _, k := range kernels() {
+			check(t, k, g, rng)
+		}
 	})
 }
 
