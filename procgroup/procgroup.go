@@ -336,24 +336,43 @@ func Transports(pg ProcessGroup) []string {
 }
 
 // AlgorithmReporter is implemented by groups that can say how they would all-reduce a
-// message: the algorithm's name, and its memory traffic per rank: the bytes of the ranks'
+// buffer: the algorithm's name, and its memory traffic per rank: the bytes of the ranks'
 // own buffers it reads and writes, per byte of the message (staging memory that stays in
 // cache, such as gloo's shared-memory slots, is not counted). allreduce-perf --ceiling
 // divides the memory bandwidth it measures by it. traffic is 0 where the model does not
-// apply (bfloat16 and float16, which are widened first).
+// apply (bfloat16 and float16, which are widened first). The answer assumes that every
+// rank passes the same kind of buffer (all from AllocBuffer, or none).
 type AlgorithmReporter interface {
-	AllReduceAlgorithm(dt DType, bytes int) (name string, traffic float64)
+	AllReduceAlgorithm(buf any) (name string, traffic float64)
 }
 
 // AllReduceAlgorithm is pg's AlgorithmReporter answer, looking through wrappers (Find);
 // ok is false when no layer reports.
-func AllReduceAlgorithm(pg ProcessGroup, dt DType, bytes int) (name string, traffic float64, ok bool) {
+func AllReduceAlgorithm(pg ProcessGroup, buf any) (name string, traffic float64, ok bool) {
 	a, ok := Find[AlgorithmReporter](pg)
 	if !ok {
 		return "", 0, false
 	}
-	name, traffic = a.AllReduceAlgorithm(dt, bytes)
+	name, traffic = a.AllReduceAlgorithm(buf)
 	return name, traffic, true
+}
+
+// BufferAllocator is implemented by groups that can place a collective's buffer where
+// their collectives run faster: gloo puts it in memory that the ranks of a host share, so
+// that an all-reduce reads the peers' buffers in place instead of copying through staging
+// slots (Note [Shared buffers] in backends/gloo). The reducer allocates its buckets this
+// way when the group offers it.
+//
+// AllocBuffer returns a zeroed buffer of count elements of dt (the slice type DTypeOf maps
+// back to dt), or nil when the group has no such memory for it (then use an ordinary
+// slice: collectives take both). Call it on every rank in the same order with the same
+// sizes, as the buckets are: whether a buffer fits is decided on each rank alone, and an
+// all-reduce only runs in place when it does on all of them. FreeBuffer gives a buffer back
+// once no collective uses it; afterwards it reads as zeros. Buffers stay addressable after
+// the group is closed.
+type BufferAllocator interface {
+	AllocBuffer(dt DType, count int) (any, error)
+	FreeBuffer(buf any)
 }
 
 // CompletedAt is when f completed (the zero time before).

@@ -10,27 +10,36 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
-// AllReduceAlgorithm names the path run takes for an all-reduce of bytes bytes of dt, and
-// the bytes of the ranks' buffers it reads and writes per rank, per message byte
-// (procgroup.AlgorithmReporter). Slots, segments and scratch are small and stay in cache.
-// With chunks c = bytes/n:
+// AllReduceAlgorithm names the path run takes for an all-reduce of buf (every rank passing
+// the same kind of buffer), and the bytes of the ranks' buffers it reads and writes per
+// rank, per message byte (procgroup.AlgorithmReporter). Slots, segments and scratch are
+// small and stay in cache. With chunks c = bytes/n:
 //   - shm-ring, ring, pair: each of the n-1 reduce-scatter steps reads the chunk it sends
 //     and reads and writes the chunk it reduces into (3c); each of the n-1 all-gather
 //     steps reads the chunk it sends and writes the one it receives (2c): 5(n-1)/n;
+//   - shm-inplace (Note [Shared buffers]): n-1 reductions of a peer's chunk into one's own
+//     (3c each), n-1 chunks copied from the peers (2c each): 5(n-1)/n as well; it saves
+//     the copies through the slots, not buffer traffic;
 //   - shm-direct, direct: the buffer is read once per peer it goes to and once into the
 //     accumulator, and written once with the result: n+1.
-func (g *group) AllReduceAlgorithm(dt procgroup.DType, bytes int) (name string, traffic float64) {
+func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
+	b, dt, _, err := kernels.Bytes(buf)
+	if err != nil {
+		return "invalid", 0
+	}
 	n := float64(g.size)
 	ring := 5 * (n - 1) / n
 	switch {
-	case g.size == 1 || bytes == 0:
+	case g.size == 1 || len(b) == 0:
 		return "none", 0
 	case dt == procgroup.BFloat16 || dt == procgroup.Float16:
 		return "widened", 0
-	case g.useDirect(bytes) && g.useShmDirect(bytes):
+	case g.useDirect(len(b)) && g.useShmDirect(len(b)):
 		return "shm-direct", n + 1
-	case g.useDirect(bytes):
+	case g.useDirect(len(b)):
 		return "direct", n + 1
+	case g.useShmRing() && g.inPlaceOK() && g.ownsShared(b):
+		return "shm-inplace", ring
 	case g.useShmRing():
 		return "shm-ring", ring
 	case g.size == 2:
@@ -61,7 +70,7 @@ func (g *group) run(o *op) error {
 			return g.directAllReduce(o)
 		}
 		if g.useShmRing() {
-			return g.shmRingAllReduce(o)
+			return g.shmAllReduce(o)
 		}
 		if n == 2 {
 			if g.inlinePair() {

@@ -4,6 +4,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"os"
+	"strconv"
 	"time"
 
 	"github.com/goddp/goddp/procgroup"
@@ -63,6 +64,11 @@ type Config struct {
 	ShmSlotSize int
 	// ShmSlots is the number of slots per directed pair of ranks (default 8).
 	ShmSlots int
+	// ShmArenaMiB is the shared memory each rank of a host may hand out with AllocBuffer,
+	// in MiB (Note [Shared buffers]; default 1024, -1: none). It is address space: pages
+	// take memory only once written. Only the lowest rank of a host's value counts.
+	// GODDP_GLOO_SHM_ARENA_MIB overrides it.
+	ShmArenaMiB int
 	// HostID identifies this host to the other ranks (default procgroup.HostIdentity: the
 	// boot id and the network namespace, never the hostname alone); ranks with the same
 	// HostID use Unix sockets and shared memory. Tests set it to simulate hosts.
@@ -71,6 +77,9 @@ type Config struct {
 	// nil means procgroup.Options.TLS, and both nil plain TCP (authenticated by the token).
 	TLS *tls.Config
 }
+
+// maxShmArenaMiB bounds Config.ShmArenaMiB (1 TiB per rank).
+const maxShmArenaMiB = 1 << 20
 
 func (c *Config) validate() error {
 	if v := os.Getenv("GODDP_GLOO_TRANSPORT"); v != "" {
@@ -98,6 +107,19 @@ func (c *Config) validate() error {
 	}
 	if c.ShmSlots == 0 {
 		c.ShmSlots = 8
+	}
+	if v := os.Getenv("GODDP_GLOO_SHM_ARENA_MIB"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < -1 {
+			return fmt.Errorf("%w: gloo: GODDP_GLOO_SHM_ARENA_MIB=%q: want a number of MiB, or -1 for none", procgroup.ErrInvalidArgument, v)
+		}
+		c.ShmArenaMiB = n
+	}
+	switch {
+	case c.ShmArenaMiB == 0:
+		c.ShmArenaMiB = 1024
+	case c.ShmArenaMiB < -1 || c.ShmArenaMiB > maxShmArenaMiB:
+		return fmt.Errorf("%w: gloo: shared arena of %d MiB outside [-1, %d]", procgroup.ErrInvalidArgument, c.ShmArenaMiB, maxShmArenaMiB)
 	}
 	if c.ShmSlots < 1 || c.ShmSlots > maxShmSlots {
 		return fmt.Errorf("%w: gloo: %d shared-memory slots outside [1, %d]", procgroup.ErrInvalidArgument, c.ShmSlots, maxShmSlots)

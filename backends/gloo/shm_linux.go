@@ -107,13 +107,26 @@ type shmRegion struct {
 	// worker-only
 	prod []uint64 // by local index: segments this rank published to that member
 	cons []uint64 // by local index: segments this rank consumed from that member
+
+	// Note [Shared buffers]: every member's arena, arenaLen bytes each, back to back; nil
+	// when the host has none. heap hands out this rank's.
+	arena    []byte
+	arenaLen int
+	heap     arenaHeap
+	peerBufs [][]byte // worker-only: the peers' buffers of an in-place all-reduce
 }
 
 func shmLayout(members, slot, slots int) (chanLen, total int) {
 	hdr := (shmSlotHdrs + 8*slots + shmLine - 1) &^ (shmLine - 1)
 	chanLen = hdr + slots*slot
-	total = shmHeaderLen + members*shmRankLen + members*members*chanLen
+	total = shmHeaderLen + members*shmRankLen + members*members*chanLen + members*shmLine
 	return chanLen, total
+}
+
+// post is member i's line of Note [Shared buffers]: its state, then the offset and length
+// of its buffer in its arena and whether the buffer is there at all.
+func (m *shmRegion) post(i int) int {
+	return shmHeaderLen + m.members*shmRankLen + m.members*m.members*m.chanLen + i*shmLine
 }
 
 func (m *shmRegion) rankArea(i int) int { return shmHeaderLen + i*shmRankLen }
@@ -191,10 +204,23 @@ func (g *group) leadShm(members []int) error {
 	if fd >= 0 {
 		defer syscall.Close(fd)
 	}
+	// Note [Shared buffers]: the arena, one part per member, sent with the region.
+	arenaMiB, afd := 0, -1
+	var arena []byte
+	if L > 0 && g.cfg.ShmArenaMiB > 0 {
+		afd, arena, err = createShm(L * g.cfg.ShmArenaMiB << 20)
+		if err != nil {
+			g.log.Warn("gloo: no shared arena, buckets stay in private memory", zap.Error(err))
+		} else {
+			arenaMiB = g.cfg.ShmArenaMiB
+			defer syscall.Close(afd)
+		}
+	}
 	payload := make([]byte, 16+4*L)
 	binary.LittleEndian.PutUint32(payload[0:], uint32(L))
 	binary.LittleEndian.PutUint32(payload[4:], uint32(S))
 	binary.LittleEndian.PutUint32(payload[8:], uint32(K))
+	binary.LittleEndian.PutUint32(payload[12:], uint32(arenaMiB))
 	for i, r := range members[:L] {
 		binary.LittleEndian.PutUint32(payload[16+4*i:], uint32(r))
 	}
@@ -202,7 +228,10 @@ func (g *group) leadShm(members []int) error {
 	putHeader(frame, kindShm, 0, len(payload))
 	copy(frame[frameHeaderLen:], payload)
 	var oob []byte
-	if L > 0 {
+	switch {
+	case L > 0 && arenaMiB > 0:
+		oob = syscall.UnixRights(fd, afd)
+	case L > 0:
 		oob = syscall.UnixRights(fd)
 	}
 	for _, j := range members[1:] {
@@ -217,6 +246,9 @@ func (g *group) leadShm(members []int) error {
 			if mem != nil {
 				syscall.Munmap(mem)
 			}
+			if arena != nil {
+				syscall.Munmap(arena)
+			}
 			return fmt.Errorf("send region to rank %d: %w", j, err)
 		}
 	}
@@ -224,6 +256,7 @@ func (g *group) leadShm(members []int) error {
 		return nil
 	}
 	g.shm = newShmRegion(mem, members, g.size, g.rank, S, K, chanLen)
+	g.shm.setArena(arena, arenaMiB<<20)
 	return nil
 }
 
@@ -291,8 +324,12 @@ func (g *group) joinShm(ctx context.Context, leader int) error {
 	if members[0] != leader || me < 0 {
 		return fmt.Errorf("from rank %d: %w: member list %v lacks it or this rank", leader, errBadFrame, members)
 	}
-	if len(fds) != 1 {
-		return fmt.Errorf("from rank %d: %w: %d descriptors with the setup frame", leader, errBadFrame, len(fds))
+	arenaMiB := int(binary.LittleEndian.Uint32(payload[12:]))
+	if arenaMiB > maxShmArenaMiB {
+		return fmt.Errorf("from rank %d: %w: shared arena of %d MiB", leader, errBadFrame, arenaMiB)
+	}
+	if want := 1 + min(arenaMiB, 1); len(fds) != want {
+		return fmt.Errorf("from rank %d: %w: %d descriptors with the setup frame, want %d", leader, errBadFrame, len(fds), want)
 	}
 	chanLen, total := shmLayout(L, S, K)
 	var st syscall.Stat_t
@@ -302,11 +339,28 @@ func (g *group) joinShm(ctx context.Context, leader int) error {
 	if st.Size != int64(total) {
 		return fmt.Errorf("from rank %d: %w: region of %d bytes, layout needs %d", leader, errBadFrame, st.Size, total)
 	}
+	var arena []byte
+	if arenaMiB > 0 {
+		alen := L * arenaMiB << 20
+		if err := syscall.Fstat(fds[1], &st); err != nil {
+			return fmt.Errorf("arena from rank %d: %w", leader, err)
+		}
+		if st.Size != int64(alen) {
+			return fmt.Errorf("from rank %d: %w: arena of %d bytes, want %d", leader, errBadFrame, st.Size, alen)
+		}
+		if arena, err = syscall.Mmap(fds[1], 0, alen, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED); err != nil {
+			return fmt.Errorf("map arena from rank %d: %w", leader, err)
+		}
+	}
 	mem, err := syscall.Mmap(fds[0], 0, total, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED)
 	if err != nil {
+		if arena != nil {
+			syscall.Munmap(arena)
+		}
 		return fmt.Errorf("map region from rank %d: %w", leader, err)
 	}
 	g.shm = newShmRegion(mem, members, g.size, g.rank, S, K, chanLen)
+	g.shm.setArena(arena, arenaMiB<<20)
 	return nil
 }
 
@@ -387,6 +441,13 @@ func (g *group) releaseShm() {
 	if m.mem != nil {
 		syscall.Munmap(m.mem)
 		m.mem = nil
+	}
+	m.heap.mu.Lock()
+	defer m.heap.mu.Unlock()
+	if m.arena != nil && len(m.heap.live) == 0 {
+		syscall.Munmap(m.arena)
+		m.arena = nil
+		m.heap.closed = true
 	}
 }
 

@@ -2,7 +2,12 @@
 
 package gloo
 
-import "context"
+import (
+	"context"
+	"fmt"
+
+	"github.com/goddp/goddp/procgroup"
+)
 
 // Shared memory (Note [Shared memory] in shm_linux.go) is Linux-only; elsewhere same-host
 // data goes over the sockets.
@@ -22,5 +27,19 @@ func (g *group) useShmRing() bool                       { return false }
 func (g *group) shmRingAllReduce(o *op) error           { panic("gloo: no shared memory") }
 func (g *group) useShmDirect(int) bool                  { return false }
 func (g *group) shmDirectAllReduce(o *op) error         { panic("gloo: no shared memory") }
+func (g *group) shmAllReduce(o *op) error               { panic("gloo: no shared memory") }
+func (g *group) inPlaceOK() bool                        { return false }
+func (g *group) ownsShared([]byte) bool                 { return false }
+
+// AllocBuffer has no shared memory to hand out here (procgroup.BufferAllocator).
+func (g *group) AllocBuffer(dt procgroup.DType, count int) (any, error) {
+	if dt.Size() == 0 || count < 0 {
+		return nil, fmt.Errorf("%w: gloo: AllocBuffer of %d elements of %v", procgroup.ErrInvalidArgument, count, dt)
+	}
+	return nil, nil
+}
+
+// FreeBuffer has nothing to give back here.
+func (g *group) FreeBuffer(any) {}
 
 func (r *shmRegion) has(int) bool { return false }

@@ -183,7 +183,7 @@ func TestAllReduceAlgorithm(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			groups := startGroups(t, tc.size, tc.cfg)
 			for _, w := range tc.wants {
-				name, traffic, ok := procgroup.AllReduceAlgorithm(groups[0], w.dt, w.bytes)
+				name, traffic, ok := procgroup.AllReduceAlgorithm(groups[0], procgroup.NewBuffer(w.dt, w.bytes/w.dt.Size()))
 				if !ok || name != w.name || math.Abs(traffic-w.traffic) > 1e-12 {
 					t.Errorf("%d bytes of %v: %q, %g (reported %t); want %q, %g", w.bytes, w.dt, name, traffic, ok, w.name, w.traffic)
 				}

@@ -36,7 +36,10 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 		bytes := int64(count) * esize
 		src := procgroup.NewBuffer(cfg.dtype, count)
 		fill(src, newGen(rank, world, bytes, cfg.dtype, cfg.op))
-		buf := procgroup.NewBuffer(cfg.dtype, count)
+		buf, free, err := newBuffer(pg, cfg, count)
+		if err != nil {
+			return err
+		}
 
 		for range cfg.warmup {
 			copyBuf(buf, src)
@@ -82,16 +85,33 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			r.OK = &ok
 		}
 		if cfg.ceiling {
-			if err := addCeiling(ctx, pg, cfg.dtype, &r); err != nil {
+			if err := addCeiling(ctx, pg, buf, &r); err != nil {
 				return err
 			}
 		}
 		emit(r)
+		free()
 		if size > cfg.maxBytes/cfg.factor {
 			break // the next step would pass -e (or overflow)
 		}
 	}
 	return nil
+}
+
+// newBuffer returns the buffer a size is all-reduced in: from the group's allocator with
+// --shared (procgroup.BufferAllocator: gloo's shared arena) when it has one and gives
+// one, an ordinary slice otherwise; free gives it back.
+func newBuffer(pg procgroup.ProcessGroup, cfg config, count int) (buf any, free func(), err error) {
+	if a, ok := procgroup.Find[procgroup.BufferAllocator](pg); ok && cfg.shared {
+		b, err := a.AllocBuffer(cfg.dtype, count)
+		if err != nil {
+			return nil, nil, fmt.Errorf("shared buffer of %d elements: %w", count, err)
+		}
+		if b != nil {
+			return b, func() { a.FreeBuffer(b) }, nil
+		}
+	}
+	return procgroup.NewBuffer(cfg.dtype, count), func() {}, nil
 }
 
 // gen yields one rank's data for one size: the same sequence whoever draws it, so that

@@ -10,46 +10,58 @@ import (
 )
 
 // Note [Ceiling]: --ceiling bounds each size's busbw by this machine's memory bandwidth.
-// On one host an all-reduce is memory traffic. The group says which algorithm a size takes
-// and how many bytes of the ranks' buffers it reads and writes per rank, per byte of the
-// message (procgroup.AlgorithmReporter; gloo's ring: 5(n-1)/n). memRates measures how fast a
-// rank moves memory, read plus written, copying a message-sized buffer while every rank
-// does the same at once, as they do in the collective; the slowest rank counts. The
-// ceiling's algbw is that rate divided by the traffic, and its busbw follows as for the
-// measured time. The single-copy column is the same bound for an algorithm that reads its
-// peers' buffers in place: a rank reads its chunk of all n buffers and writes its own, then
-// copies the other n-1 chunks from their owners: (3n-1)/n.
+// On one host an all-reduce is memory traffic. The group says which algorithm a buffer
+// takes and how many bytes of the ranks' buffers it reads and writes per rank, per byte of
+// the message (procgroup.AlgorithmReporter; gloo's rings, in place or through slots:
+// 5(n-1)/n). memRates measures how fast a rank streams memory at that size while every rank
+// does the same at once, as they do in the collective, the slowest rank counting: a copy
+// (2 bytes of traffic per byte) and a reduction dst += src (3), and keeps the faster, since
+// the collective does both. The ceiling's algbw is that rate divided by the traffic; its
+// busbw follows as for the measured time. The single-copy column is the bound for an
+// algorithm that reads its chunk of all n buffers once and writes it, then copies the other
+// n-1 chunks from their owners: (3n-1)/n.
 //
 // Staging memory (gloo's shared-memory slots, socket segments) is not counted: it is small
-// and stays in cache. Counting it (9(n-1)/n for the shared-memory ring: every chunk copied
-// into a slot and out again) gave ceilings below the measured busbw at 64 and 256 MiB on the
-// development VM (115-120%), so that model is no bound. Over sockets the kernel's own costs
-// are not counted either, so the ceiling there is looser.
+// and stays in cache. Counting it (9(n-1)/n for the slot ring: every chunk copied into a
+// slot and out again) with the copy rate gave ceilings below the measured busbw at 64 and
+// 256 MiB on the development VM (115-120%), and so did the copy rate alone for the in-place
+// ring (a copy that writes a line it has not read also pays for reading it first: write
+// allocation, which the reduction, writing what it just read, does not). The bound is an
+// empirical one: the rates of two plain loops, not the hardware's peak.
 
 // minProbeTraffic is how many bytes each rate measurement moves at least.
 const minProbeTraffic = 256 << 20
 
-// memRate returns the slowest rank's copy rate in GB/s of memory traffic (bytes read plus
-// written) for buffers of bytes bytes, every rank measuring at once.
-func memRate(ctx context.Context, pg procgroup.ProcessGroup, bytes int) (float64, error) {
+// memRates returns the slowest rank's copy and reduction rates in GB/s of memory traffic
+// (bytes read plus written) for buffers of bytes bytes of dt, every rank measuring at once.
+func memRates(ctx context.Context, pg procgroup.ProcessGroup, dt procgroup.DType, bytes int) (copyGBs, reduceGBs float64, err error) {
 	src, dst := kernels.Aligned(bytes), kernels.Aligned(bytes)
 	for i := range src {
-		src[i] = byte(i)
+		src[i] = 0x3c // a normal number in every float type (float32 0.0115): no subnormal slow path
 	}
 	copy(dst, src) // fault the pages in before timing
 	reps := max(3, minProbeTraffic/max(bytes, 1))
-	if err := pg.AllReduce(ctx, []int32{0}, procgroup.Sum).Wait(ctx); err != nil {
-		return 0, fmt.Errorf("ceiling probe barrier: %w", err)
+	measure := func(traffic int, f func()) (float64, error) {
+		if err := pg.AllReduce(ctx, []int32{0}, procgroup.Sum).Wait(ctx); err != nil {
+			return 0, fmt.Errorf("ceiling probe barrier: %w", err)
+		}
+		start := time.Now()
+		for range reps {
+			f()
+		}
+		secs := []float64{time.Since(start).Seconds()}
+		if err := pg.AllReduce(ctx, secs, procgroup.Max).Wait(ctx); err != nil {
+			return 0, fmt.Errorf("ceiling probe time: %w", err)
+		}
+		return float64(traffic) * float64(reps) / secs[0] / 1e9, nil
 	}
-	start := time.Now()
-	for range reps {
-		copy(dst, src)
+	if copyGBs, err = measure(2*bytes, func() { copy(dst, src) }); err != nil {
+		return 0, 0, err
 	}
-	secs := []float64{time.Since(start).Seconds()}
-	if err := pg.AllReduce(ctx, secs, procgroup.Max).Wait(ctx); err != nil {
-		return 0, fmt.Errorf("ceiling probe time: %w", err)
+	if reduceGBs, err = measure(3*bytes, func() { kernels.Reduce(dt, procgroup.Sum, dst, src) }); err != nil {
+		return 0, 0, err
 	}
-	return 2 * float64(bytes) * float64(reps) / secs[0] / 1e9, nil
+	return copyGBs, reduceGBs, nil
 }
 
 // ceilingBusBW is the busbw (GB/s) of an all-reduce over n ranks that moves traffic bytes
@@ -64,23 +76,30 @@ func ceilingBusBW(n int, traffic, rate float64) float64 {
 // singleCopyTraffic is the traffic of Note [Ceiling]'s single-copy all-reduce.
 func singleCopyTraffic(n int) float64 { return float64(3*n-1) / float64(n) }
 
-// addCeiling fills r's ceiling fields for the group's algorithm at this size.
-func addCeiling(ctx context.Context, pg procgroup.ProcessGroup, dt procgroup.DType, r *row) error {
+// addCeiling fills r's ceiling fields for the group's algorithm on buf.
+func addCeiling(ctx context.Context, pg procgroup.ProcessGroup, buf any, r *row) error {
 	bytes, n := int(r.SizeBytes), pg.Size()
-	rate, err := memRate(ctx, pg, bytes)
+	dt, _, err := procgroup.DTypeOf(buf)
 	if err != nil {
 		return err
 	}
-	r.MemGBs = rate
-	name, traffic, ok := procgroup.AllReduceAlgorithm(pg, dt, bytes)
+	if dt == procgroup.BFloat16 || dt == procgroup.Float16 {
+		dt = procgroup.Float32 // the probe's reduction: these are widened to float32 anyway
+	}
+	cp, rd, err := memRates(ctx, pg, dt, bytes)
+	if err != nil {
+		return err
+	}
+	r.CopyGBs, r.ReduceGBs, r.MemGBs = cp, rd, max(cp, rd)
+	name, traffic, ok := procgroup.AllReduceAlgorithm(pg, buf)
 	if !ok {
 		name = "?"
 	}
 	r.Algo, r.Traffic = name, traffic
-	r.CeilBusBW = ceilingBusBW(n, traffic, rate)
+	r.CeilBusBW = ceilingBusBW(n, traffic, r.MemGBs)
 	if r.CeilBusBW > 0 {
 		r.PctCeil = 100 * r.BusBW / r.CeilBusBW
-		r.SingleCopyBusBW = ceilingBusBW(n, singleCopyTraffic(n), rate)
+		r.SingleCopyBusBW = ceilingBusBW(n, singleCopyTraffic(n), r.MemGBs)
 	}
 	return nil
 }

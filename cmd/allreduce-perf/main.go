@@ -52,7 +52,7 @@ type config struct {
 	json               bool
 	transport, algo    string
 	timeout            time.Duration
-	ceiling            bool
+	ceiling, shared    bool
 }
 
 // errUsage marks flag errors (exit status 2).
@@ -86,6 +86,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&transport, "transport", "", "gloo transport: auto, tcp or unix (sets GODDP_GLOO_TRANSPORT)")
 	fs.StringVar(&algo, "algo", "", "gloo algorithm: auto, ring or direct (sets GODDP_GLOO_ALGO)")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "collective and rendezvous timeout")
+	fs.BoolVar(&c.shared, "shared", false, "all-reduce buffers from the group's allocator (gloo: its shared arena, all-reduced in place) where it has one")
 	fs.BoolVar(&c.ceiling, "ceiling", false, "also measure the memory bandwidth (every rank at once) and print each busbw as a percentage of the ceiling the algorithm's memory traffic implies")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: allreduce-perf [flags]\n\nnccl-tests style all-reduce benchmark; see the package doc.\n\n")
@@ -285,12 +286,14 @@ type row struct {
 	Wrong     int64   `json:"wrong"` // elements differing from the reference, over all ranks; -1 unchecked
 
 	// --ceiling (Note [Ceiling]): the algorithm and its memory traffic per rank per message
-	// byte, the memory rate (GB/s read plus written, the slowest rank's, every rank copying
-	// at once), the busbw ceiling they imply for the algorithm and for a single-copy one,
-	// and busbw's share of the first.
+	// byte, the memory rates (GB/s read plus written, the slowest rank's, every rank
+	// copying, then reducing, at once), the busbw ceiling they imply for the algorithm and
+	// for a single-copy one, and busbw's share of the first.
 	Algo            string  `json:"algo,omitempty"`
 	Traffic         float64 `json:"traffic_per_byte,omitempty"`
-	MemGBs          float64 `json:"mem_gbs,omitempty"`
+	CopyGBs         float64 `json:"mem_copy_gbs,omitempty"`
+	ReduceGBs       float64 `json:"mem_reduce_gbs,omitempty"`
+	MemGBs          float64 `json:"mem_gbs,omitempty"` // the faster of the two
 	CeilBusBW       float64 `json:"ceiling_busbw_gbs,omitempty"`
 	PctCeil         float64 `json:"pct_of_ceiling,omitempty"`
 	SingleCopyBusBW float64 `json:"single_copy_ceiling_busbw_gbs,omitempty"`
@@ -331,8 +334,12 @@ func (t *tableReporter) header() {
 	if !t.cfg.check {
 		check = 0
 	}
-	fmt.Fprintf(t.w, "# allreduce-perf: backend %s, %d ranks, dtype %s, op %s, -b %d -e %d -f %d -n %d -w %d -c %d\n",
-		t.cfg.backend, t.ranks, t.cfg.dtype, t.cfg.op, t.cfg.minBytes, t.cfg.maxBytes, t.cfg.factor, t.cfg.iters, t.cfg.warmup, check)
+	shared := ""
+	if t.cfg.shared {
+		shared = " --shared"
+	}
+	fmt.Fprintf(t.w, "# allreduce-perf: backend %s, %d ranks, dtype %s, op %s, -b %d -e %d -f %d -n %d -w %d -c %d%s\n",
+		t.cfg.backend, t.ranks, t.cfg.dtype, t.cfg.op, t.cfg.minBytes, t.cfg.maxBytes, t.cfg.factor, t.cfg.iters, t.cfg.warmup, check, shared)
 	fmt.Fprintf(t.w, "#\n# %12s %12s %9s %6s %12s %10s %10s %8s", "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong")
 	if t.cfg.ceiling {
 		fmt.Fprintf(t.w, " %10s %7s %9s %9s %9s %9s", "algo", "traffic", "memory", "ceiling", "%ceiling", "1-copy")

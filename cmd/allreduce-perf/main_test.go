@@ -469,6 +469,9 @@ func TestCommandCeiling(t *testing.T) {
 			t.Fatalf("line %q: %v", l, err)
 		}
 		wantTraffic := map[string]float64{"shm-direct": 3, "shm-ring": 2.5}[wantAlgo[i]]
+		if r.MemGBs != max(r.CopyGBs, r.ReduceGBs) || r.CopyGBs <= 0 || r.ReduceGBs <= 0 {
+			t.Errorf("row %d: memory rate %g GB/s, want the faster of copy %g and reduce %g, both positive", i, r.MemGBs, r.CopyGBs, r.ReduceGBs)
+		}
 		if r.Algo != wantAlgo[i] || r.Traffic != wantTraffic || r.MemGBs <= 0 {
 			t.Errorf("row %d: algo %q traffic %g memory %g GB/s; want %q, %g, a positive rate", i, r.Algo, r.Traffic, r.MemGBs, wantAlgo[i], wantTraffic)
 		}
@@ -481,6 +484,12 @@ func TestCommandCeiling(t *testing.T) {
 		if want := ceilingBusBW(2, 2.5, r.MemGBs); math.Abs(r.SingleCopyBusBW-want) > 1e-9*want {
 			t.Errorf("row %d: single-copy ceiling %g, want %g", i, r.SingleCopyBusBW, want)
 		}
+	}
+	// --shared: the 1 MiB buffer comes from the arena and is all-reduced in place.
+	stdout, stderr, code = runCommand(t, bin, nil, "--nproc", "2", "-b", "1M", "-e", "1M", "-n", "2", "-w", "1", "--ceiling", "--shared", "--json")
+	var r row
+	if err := json.Unmarshal([]byte(strings.TrimSpace(stdout)), &r); code != 0 || err != nil || r.Algo != "shm-inplace" || r.OK == nil || !*r.OK {
+		t.Errorf("--shared: exit %d, row %+v (%v); want shm-inplace, checked OK\n%s", code, r, err, stderr)
 	}
 	// The table form has the extra columns.
 	stdout, stderr, code = runCommand(t, bin, nil, "--nproc", "2", "-b", "1M", "-e", "1M", "-n", "1", "-w", "0", "--ceiling")

@@ -60,6 +60,27 @@ func as[T any](b []byte) []T {
 	return unsafe.Slice((*T)(unsafe.Pointer(&b[0])), n)
 }
 
+// Typed returns b viewed as a host buffer of dt ([]float32, ..., []procgroup.F16): the
+// inverse of Bytes. b must be aligned for dt and a multiple of its size. It panics on an
+// unknown dt (the caller validated it).
+func Typed(dt procgroup.DType, b []byte) any {
+	switch dt {
+	case procgroup.Float32:
+		return as[float32](b)
+	case procgroup.Float64:
+		return as[float64](b)
+	case procgroup.Int32:
+		return as[int32](b)
+	case procgroup.Int64:
+		return as[int64](b)
+	case procgroup.BFloat16:
+		return as[procgroup.BF16](b)
+	case procgroup.Float16:
+		return as[procgroup.F16](b)
+	}
+	panic(fmt.Sprintf("kernels: Typed of unknown %v", dt))
+}
+
 // Aligned returns a zeroed byte slice of length n whose start is 8-byte aligned, so that it
 // can be viewed as any element type.
 func Aligned(n int) []byte {

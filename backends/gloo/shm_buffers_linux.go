@@ -1,0 +1,274 @@
+package gloo
+
+import (
+	"fmt"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/goddp/goddp/internal/kernels"
+	"github.com/goddp/goddp/procgroup"
+)
+
+// Note [Shared buffers]: buffers from AllocBuffer (the reducer's buckets) live in an arena
+// that the ranks of a host share, so that an all-reduce among them reads the peers' buffers
+// in place rather than copying every chunk into a slot and out again (Note [Shared memory]).
+//
+// The arena is a second memfd the host's leader creates with the region, one part per
+// member (Config.ShmArenaMiB), sent with it and mapped whole by every member. It is address
+// space: a page takes memory once written, and FreeBuffer gives the pages back
+// (MADV_REMOVE), so a freed buffer reads as zeros. Each rank hands out its own part, first
+// fit, page by page. The reducer allocates its buckets in the same order and sizes on every
+// rank, so whether a bucket fits comes out the same everywhere; the all-reduce checks it
+// anyway, below. Buffers stay mapped after Close while any is still handed out (a view of
+// one must not turn into a fault).
+//
+// An all-reduce of more than DirectMaxBytes, when every rank shares the region, first posts
+// in its line of the region: the offset and length of its buffer in its arena part and
+// whether it is there, then state = seq<<2|1, and rings the others. Once every peer has
+// posted for this seq: if all buffers are in their arenas and of one length, the ranks run
+// in place; otherwise all of them run the slot ring, with nothing else changed. In place,
+// rank r reduces chunk r of every peer's buffer into its own chunk r (state seq<<2|2: its
+// chunk is final), then, once all chunks are final, copies chunk j from rank j for every
+// j ≠ r (state seq<<2|3), and returns once every rank has done so: no rank may touch its
+// buffer again while a peer still reads it. Each chunk is computed by one rank and copied
+// by the others, so every rank ends with the same bits. Waiting is the bell of Note [Shared
+// memory], with its abort checks and Note [Stalls].
+
+const pageSize = 4096
+
+// arenaHeap is a first-fit allocator over one arena part, in pages.
+type arenaHeap struct {
+	mu     sync.Mutex
+	free   []span      // sorted by offset, coalesced
+	live   map[int]int // offset → length of the buffers handed out
+	closed bool        // the arena is unmapped
+}
+
+type span struct{ off, n int }
+
+// setArena installs the arena (all parts, part bytes each); nil leaves the region without.
+func (m *shmRegion) setArena(arena []byte, part int) {
+	if arena == nil || part <= 0 {
+		return
+	}
+	m.arena, m.arenaLen = arena, part
+	m.heap.free = []span{{0, part}}
+	m.heap.live = map[int]int{}
+}
+
+// get hands out n bytes (rounded up to pages), first fit; ok is false when none is left.
+func (h *arenaHeap) get(n int) (off int, ok bool) {
+	n = (n + pageSize - 1) &^ (pageSize - 1)
+	for i, s := range h.free {
+		if s.n < n {
+			continue
+		}
+		h.live[s.off] = n
+		if s.n == n {
+			h.free = append(h.free[:i], h.free[i+1:]...)
+		} else {
+			h.free[i] = span{s.off + n, s.n - n}
+		}
+		return s.off, true
+	}
+	return 0, false
+}
+
+// put takes back the buffer at off and returns its length (0 if none was handed out there).
+func (h *arenaHeap) put(off int) int {
+	n, ok := h.live[off]
+	if !ok {
+		return 0
+	}
+	delete(h.live, off)
+	i := sort.Search(len(h.free), func(i int) bool { return h.free[i].off > off })
+	h.free = append(h.free, span{})
+	copy(h.free[i+1:], h.free[i:])
+	h.free[i] = span{off, n}
+	// Coalesce with the next, then the previous.
+	if i+1 < len(h.free) && h.free[i].off+h.free[i].n == h.free[i+1].off {
+		h.free[i].n += h.free[i+1].n
+		h.free = append(h.free[:i+1], h.free[i+2:]...)
+	}
+	if i > 0 && h.free[i-1].off+h.free[i-1].n == h.free[i].off {
+		h.free[i-1].n += h.free[i].n
+		h.free = append(h.free[:i], h.free[i+1:]...)
+	}
+	return n
+}
+
+// inPlaceOK reports whether all-reduces may run in place: every rank shares the region, and
+// it has an arena.
+func (g *group) inPlaceOK() bool {
+	m := g.shm
+	return m != nil && m.arena != nil && m.members == g.size
+}
+
+// AllocBuffer hands out count elements of dt from this rank's arena part
+// (procgroup.BufferAllocator, Note [Shared buffers]); nil when the group has no arena, the
+// ranks do not all share it, dt is widened for reductions (bfloat16, float16), or the part
+// is full.
+func (g *group) AllocBuffer(dt procgroup.DType, count int) (any, error) {
+	if dt.Size() == 0 || count < 0 {
+		return nil, fmt.Errorf("%w: gloo: AllocBuffer of %d elements of %v", procgroup.ErrInvalidArgument, count, dt)
+	}
+	if !g.inPlaceOK() || count == 0 || dt == procgroup.BFloat16 || dt == procgroup.Float16 {
+		return nil, nil
+	}
+	m := g.shm
+	m.heap.mu.Lock()
+	defer m.heap.mu.Unlock()
+	if m.heap.closed {
+		return nil, nil
+	}
+	off, ok := m.heap.get(count * dt.Size())
+	if !ok {
+		return nil, nil
+	}
+	base := m.me*m.arenaLen + off
+	return kernels.Typed(dt, m.arena[base:base+count*dt.Size():base+count*dt.Size()]), nil
+}
+
+// FreeBuffer gives back a buffer from AllocBuffer; its pages read as zeros afterwards.
+// Other buffers are ignored.
+func (g *group) FreeBuffer(buf any) {
+	b, _, _, err := kernels.Bytes(buf)
+	if err != nil || len(b) == 0 || g.shm == nil || g.shm.arena == nil {
+		return
+	}
+	m := g.shm
+	off, ok := m.ownOffset(b)
+	if !ok {
+		return
+	}
+	m.heap.mu.Lock()
+	defer m.heap.mu.Unlock()
+	if n := m.heap.put(off); n > 0 {
+		base := m.me*m.arenaLen + off
+		unix.Madvise(m.arena[base:base+n], unix.MADV_REMOVE)
+	}
+}
+
+// ownOffset is b's offset in this rank's arena part; ok is false when b is not inside it.
+func (m *shmRegion) ownOffset(b []byte) (int, bool) {
+	if m.arena == nil || len(b) == 0 {
+		return 0, false
+	}
+	start := uintptr(unsafe.Pointer(&m.arena[m.me*m.arenaLen]))
+	p := uintptr(unsafe.Pointer(&b[0]))
+	if p < start || p+uintptr(len(b)) > start+uintptr(m.arenaLen) {
+		return 0, false
+	}
+	return int(p - start), true
+}
+
+// ownsShared reports whether b lies in this rank's arena part.
+func (g *group) ownsShared(b []byte) bool {
+	if g.shm == nil {
+		return false
+	}
+	_, ok := g.shm.ownOffset(b)
+	return ok
+}
+
+// shmAllReduce is the all-reduce over shared memory for messages above DirectMaxBytes:
+// in place when every rank's buffer is in its arena, the slot ring otherwise (Note
+// [Shared buffers]).
+func (g *group) shmAllReduce(o *op) error {
+	if !g.inPlaceOK() {
+		return g.shmRingAllReduce(o)
+	}
+	m := g.shm
+	n, r := g.size, g.rank // every rank is a member: local index = rank
+	off, mine := m.ownOffset(o.buf)
+	p := m.post(r)
+	*m.u64(p + 8) = uint64(off)
+	*m.u64(p + 16) = uint64(len(o.buf))
+	flag := uint32(0)
+	if mine {
+		flag = 1
+	}
+	atomic.StoreUint32(m.u32(p+24), flag)
+	base := o.seq << 2
+	if err := g.shmPhase(base | 1); err != nil {
+		return err
+	}
+	if len(m.peerBufs) != n {
+		m.peerBufs = make([][]byte, n) // once: all-reduces allocate nothing
+	}
+	peers := m.peerBufs
+	inPlace := true
+	for j := range n {
+		if j == r {
+			continue
+		}
+		q := m.post(j)
+		pOff, pLen := *m.u64(q + 8), *m.u64(q + 16)
+		if atomic.LoadUint32(m.u32(q+24)) == 0 {
+			inPlace = false
+			continue
+		}
+		if pLen != uint64(len(o.buf)) || pOff+pLen > uint64(m.arenaLen) {
+			return fmt.Errorf("%w: rank %d posted a buffer of %d bytes at %d of its arena for collective #%d, this rank has %d bytes (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, j, pLen, pOff, o.seq, len(o.buf))
+		}
+		at := j*m.arenaLen + int(pOff)
+		peers[j] = m.arena[at : at+len(o.buf) : at+len(o.buf)]
+	}
+	if !inPlace || !mine {
+		return g.shmRingAllReduce(o)
+	}
+	es := o.dt.Size()
+	g.setChunks(len(o.buf)/es, es)
+	own := g.chunk(o.buf, r)
+	for j := range n {
+		if j != r {
+			kernels.Reduce(o.dt, o.rop, own, g.chunk(peers[j], r))
+		}
+	}
+	if o.rop == procgroup.Avg {
+		kernels.Divide(o.dt, own, n)
+	}
+	if err := g.shmPhase(base | 2); err != nil {
+		return err
+	}
+	for j := range n {
+		if j != r {
+			copy(g.chunk(o.buf, j), g.chunk(peers[j], j))
+		}
+	}
+	return g.shmPhase(base | 3)
+}
+
+// shmPhase publishes this rank's state, rings the peers, and waits until every peer's
+// state has reached it.
+func (g *group) shmPhase(state uint64) error {
+	m := g.shm
+	atomic.StoreUint64(m.u64(m.post(m.me)), state)
+	for i := range m.members {
+		if i != m.me {
+			m.ring(i)
+		}
+	}
+	bell := m.u32(m.rankArea(m.me) + shmBell)
+	for {
+		v := atomic.LoadUint32(bell)
+		done := true
+		for i := range m.members {
+			if i != m.me && atomic.LoadUint64(m.u64(m.post(i))) < state {
+				done = false
+				break
+			}
+		}
+		if done {
+			return nil
+		}
+		if err := g.shmWait(v); err != nil {
+			return err
+		}
+	}
+}

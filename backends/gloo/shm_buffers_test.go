@@ -1,0 +1,218 @@
+//go:build linux
+
+package gloo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/goddp/goddp/internal/kernels"
+	"github.com/goddp/goddp/procgroup"
+)
+
+// sharedBuf allocates count elements of dt from g's arena and fills them with v.
+func sharedBuf(t *testing.T, g procgroup.ProcessGroup, dt procgroup.DType, v []float64) any {
+	t.Helper()
+	buf, err := g.(procgroup.BufferAllocator).AllocBuffer(dt, len(v))
+	if err != nil || (buf == nil && len(v) > 0) {
+		t.Fatalf("rank %d: AllocBuffer(%v, %d) = %v, %v; want a shared buffer", g.Rank(), dt, len(v), buf, err)
+	}
+	if len(v) == 0 {
+		return procgroup.NewBuffer(dt, 0)
+	}
+	dst, _, _, _ := kernels.Bytes(buf)
+	src, _, _, _ := kernels.Bytes(toBuf(dt, v))
+	copy(dst, src)
+	return buf
+}
+
+// slotSegments counts the segments rank g has sent through the slots (the ring's traffic).
+func slotSegments(g procgroup.ProcessGroup) uint64 {
+	var n uint64
+	for _, p := range g.(*group).shm.prod {
+		n += p
+	}
+	return n
+}
+
+// TestSharedBuffersAllReduce: all-reduces of buffers from AllocBuffer run in place (no
+// segment goes through the slots) and match a float64 reference, for world sizes 2-4, every
+// type the arena takes and every op, counts below the world size included, many in flight
+// at once and interleaved with all-reduces of private buffers (which take the ring). Every
+// rank ends with the same bits.
+func TestSharedBuffersAllReduce(t *testing.T) {
+	counts := []int{1, 2, 3, 7, 100, 4099, 70000}
+	dts := []procgroup.DType{procgroup.Float32, procgroup.Float64, procgroup.Int32, procgroup.Int64}
+	for size := 2; size <= 4; size++ {
+		t.Run(fmt.Sprintf("n%d", size), func(t *testing.T) {
+			groups := startGroups(t, size, &Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2})
+			seed := uint64(100)
+			for _, dt := range dts {
+				for _, op := range procgroup.ReduceOps {
+					xs := make([][][]float64, len(counts))
+					shared := make([][]any, len(counts))
+					private := make([][]any, len(counts))
+					for i, count := range counts {
+						seed++
+						xs[i] = inputs(seed, size, count, op)
+						shared[i], private[i] = make([]any, size), make([]any, size)
+						for r, g := range groups {
+							shared[i][r] = sharedBuf(t, g, dt, xs[i][r])
+							private[i][r] = toBuf(dt, xs[i][r])
+						}
+					}
+					before := slotSegments(groups[0])
+					each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+						var works []procgroup.Work
+						for i := range counts {
+							works = append(works, g.AllReduce(ctx, shared[i][r], op))
+						}
+						for _, w := range works {
+							if err := wait(w); err != nil {
+								return err
+							}
+						}
+						return nil
+					})
+					if after := slotSegments(groups[0]); after != before {
+						t.Fatalf("%v %v: %d segments went through the slots; want none (in place)", dt, op, after-before)
+					}
+					each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+						var works []procgroup.Work
+						for i := range counts { // shared and private alternate, all in flight
+							works = append(works, g.AllReduce(ctx, private[i][r], op), g.AllReduce(ctx, toBuf(dt, xs[i][r]), op))
+						}
+						for _, w := range works {
+							if err := wait(w); err != nil {
+								return err
+							}
+						}
+						return nil
+					})
+					if slotSegments(groups[0]) == before {
+						t.Fatalf("%v %v: private buffers did not take the slot ring", dt, op)
+					}
+					for i, count := range counts {
+						want := reduceRef(xs[i], op)
+						got0 := fromBuf(shared[i][0])
+						for r := range size {
+							what := fmt.Sprintf("%v %v count %d rank %d", dt, op, count, r)
+							got := fromBuf(shared[i][r])
+							checkClose(t, what+" (shared)", dt, op, got, want)
+							checkClose(t, what+" (private)", dt, op, fromBuf(private[i][r]), want)
+							for k := range got {
+								if math.Float64bits(got[k]) != math.Float64bits(got0[k]) {
+									t.Fatalf("%s: element %d is %v, rank 0 has %v: ranks differ", what, k, got[k], got0[k])
+								}
+							}
+						}
+						for r, g := range groups {
+							g.(procgroup.BufferAllocator).FreeBuffer(shared[i][r])
+						}
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestSharedBuffersMixed: when one rank's buffer is private and the others' shared, every
+// rank falls back to the slot ring, and the result is still right.
+func TestSharedBuffersMixed(t *testing.T) {
+	const size, count = 3, 50000
+	groups := startGroups(t, size, &Config{Transport: TransportUnix})
+	xs := inputs(7, size, count, procgroup.Sum)
+	bufs := make([]any, size)
+	for r, g := range groups {
+		if r == 1 {
+			bufs[r] = toBuf(procgroup.Float64, xs[r])
+		} else {
+			bufs[r] = sharedBuf(t, g, procgroup.Float64, xs[r])
+		}
+	}
+	before := slotSegments(groups[0])
+	each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum)) })
+	if slotSegments(groups[0]) == before {
+		t.Errorf("no segment went through the slots: the mixed all-reduce did not fall back to the ring")
+	}
+	want := reduceRef(xs, procgroup.Sum)
+	for r := range size {
+		checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float64, procgroup.Sum, fromBuf(bufs[r]), want)
+	}
+}
+
+// TestArenaHeap: first fit in pages, full arena → nil, freed buffers read as zeros and are
+// handed out again, neighbours coalesce, and a buffer stays readable after Close.
+func TestArenaHeap(t *testing.T) {
+	groups := startGroupsNoCleanup(t, 2, &Config{Transport: TransportUnix, ShmArenaMiB: 1})
+	a := groups[0].(procgroup.BufferAllocator)
+	var bufs [][]float32
+	for range 256 { // 1 MiB = 256 pages
+		b, err := a.AllocBuffer(procgroup.Float32, 1000) // 4000 bytes: one page each
+		if err != nil || b == nil {
+			t.Fatalf("allocation %d: %v, %v", len(bufs), b, err)
+		}
+		bufs = append(bufs, b.([]float32))
+	}
+	if b, err := a.AllocBuffer(procgroup.Float32, 1); b != nil || err != nil {
+		t.Fatalf("full arena: %v, %v; want nil, nil", b, err)
+	}
+	for i := range bufs[10] {
+		bufs[10][i], bufs[11][i] = 3, 4
+	}
+	a.FreeBuffer(bufs[10])
+	a.FreeBuffer(bufs[11])
+	for i := range bufs[10] {
+		if bufs[10][i] != 0 || bufs[11][i] != 0 {
+			t.Fatalf("freed buffers read %v, %v at %d; want zeros", bufs[10][i], bufs[11][i], i)
+		}
+	}
+	// The two freed pages coalesced: a two-page buffer fits, where they were.
+	b, err := a.AllocBuffer(procgroup.Float64, 1000) // 8000 bytes
+	if err != nil || b == nil {
+		t.Fatalf("two pages after freeing two neighbours: %v, %v", b, err)
+	}
+	two := b.([]float64)
+	if uintptrOf(&two[0]) != uintptrOf(&bufs[10][0]) {
+		t.Errorf("the two-page buffer is not where the freed ones were")
+	}
+	if b, err := a.AllocBuffer(procgroup.BFloat16, 10); b != nil || err != nil {
+		t.Errorf("bfloat16 (widened for reductions): %v, %v; want nil, nil", b, err)
+	}
+	if _, err := a.AllocBuffer(procgroup.Float32, -1); !errors.Is(err, procgroup.ErrInvalidArgument) {
+		t.Errorf("negative count: %v; want ErrInvalidArgument", err)
+	}
+	bufs[0][0] = 42
+	for _, g := range groups {
+		g.Close()
+	}
+	if bufs[0][0] != 42 { // still mapped: a live buffer must not fault after Close
+		t.Errorf("after Close a live buffer reads %v, want 42", bufs[0][0])
+	}
+}
+
+// TestSharedBuffersAbort: a rank waiting in place for a peer that never comes ends with
+// that peer's abort, through shared memory.
+func TestSharedBuffersAbort(t *testing.T) {
+	groups := startGroupsNoCleanup(t, 2, &Config{Transport: TransportUnix, PollInterval: time.Minute})
+	buf := sharedBuf(t, groups[0], procgroup.Float32, make([]float64, 1<<18))
+	w := groups[0].AllReduce(ctx, buf, procgroup.Sum)
+	time.Sleep(20 * time.Millisecond)
+	groups[1].Abort(errors.New("operator pulled the plug"))
+	c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := w.Wait(c); !errors.Is(err, procgroup.ErrAborted) || !strings.Contains(err.Error(), "operator pulled the plug") {
+		t.Errorf("%v; want ErrAborted with rank 1's reason", err)
+	}
+	for _, g := range groups {
+		g.Abort(nil)
+	}
+}
+
+func uintptrOf[T any](p *T) uintptr { return uintptr(unsafe.Pointer(p)) }
