@@ -149,7 +149,11 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 		sizes = append(sizes, s)
 	}
 	sizes = append(sizes, top)
-	buf := make([]float32, sizes[len(sizes)-1]/4)
+	// Probed where the buckets live: the group's shared memory, if it offers it.
+	buf, shared := hostBuf[float32](r, procgroup.Float32, int(sizes[len(sizes)-1]/4))
+	if shared {
+		defer r.alloc.FreeBuffer(buf)
+	}
 	for _, s := range sizes {
 		b := buf[:s/4]
 		best := math.Inf(1)

@@ -98,12 +98,13 @@ func mib(mb float64) int64 {
 
 // slot is one bucket's driver state.
 type slot struct {
-	f32  []float32 // the flat buffer, one of the three
-	f64  []float64
-	dev  procgroup.DeviceBuffer // with Options.Device, on Options.Stream
-	view BucketView
-	work procgroup.Work // the bucket's in-flight reduction, nil when not launched
-	seen bool           // its completion was recorded in the stats
+	f32    []float32 // the flat buffer, one of the three
+	f64    []float64
+	shared bool                   // f32 or f64 came from the group's BufferAllocator
+	dev    procgroup.DeviceBuffer // with Options.Device, on Options.Stream
+	view   BucketView
+	work   procgroup.Work // the bucket's in-flight reduction, nil when not launched
+	seen   bool           // its completion was recorded in the stats
 }
 
 // Reducer averages gradients across the ranks of a ProcessGroup: the driver of a Machine.
@@ -121,7 +122,8 @@ type slot struct {
 // call returns the same error.
 type Reducer struct {
 	pg      procgroup.ProcessGroup
-	dev     procgroup.Device // with Options.Device
+	dev     procgroup.Device          // with Options.Device
+	alloc   procgroup.BufferAllocator // host buckets from the group, when it offers them
 	opts    Options
 	log     *zap.Logger
 	params  []Param
@@ -163,6 +165,8 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 			return nil, fmt.Errorf("%w: Options.Device needs a process group with device memory (procgroup.Device, for instance the nccl backend); %T has none", ErrInvalidArgument, pg)
 		}
 		r.dev = dev
+	} else if a, ok := procgroup.Find[procgroup.BufferAllocator](pg); ok {
+		r.alloc = a
 	}
 	r.bparams = make([]bucket.Param, len(params))
 	for i, p := range r.params {
@@ -251,10 +255,10 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 			s.dev = d
 			s.view.Buffer, s.view.Device, s.view.Stream = d, r.dev, r.opts.Stream
 		case bk.DType == bucket.Float32:
-			s.f32 = bucket.Alloc[float32](bk)
+			s.f32, s.shared = hostBuf[float32](r, procgroup.Float32, bk.Len)
 			s.view.Buffer = s.f32
 		default:
-			s.f64 = bucket.Alloc[float64](bk)
+			s.f64, s.shared = hostBuf[float64](r, procgroup.Float64, bk.Len)
 			s.view.Buffer = s.f64
 		}
 	}
@@ -278,8 +282,41 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 			}
 		}
 	}
+	r.freeShared() // no collective uses them now; their views expire with the generation
 	r.lay, r.slots = lay, slots
 	return nil
+}
+
+// hostBuf returns n elements for a host buffer that is all-reduced (a bucket): from the
+// group's allocator when it gives them (gloo: its shared arena, all-reduced in place; every
+// rank allocates the same buckets in the same order), an ordinary slice otherwise; shared
+// says which.
+func hostBuf[T float32 | float64](r *Reducer, dt procgroup.DType, n int) (buf []T, shared bool) {
+	if r.alloc != nil {
+		if b, err := r.alloc.AllocBuffer(dt, n); err == nil && b != nil {
+			if s, ok := b.([]T); ok {
+				return s, true
+			}
+			r.alloc.FreeBuffer(b)
+		}
+	}
+	return make([]T, n), false
+}
+
+// freeShared gives the current buckets' shared buffers back to the group.
+func (r *Reducer) freeShared() {
+	for b := range r.slots {
+		s := &r.slots[b]
+		if !s.shared {
+			continue
+		}
+		if s.f32 != nil {
+			r.alloc.FreeBuffer(s.f32)
+		} else {
+			r.alloc.FreeBuffer(s.f64)
+		}
+		s.shared = false
+	}
 }
 
 // devView is bucket.View for a device bucket.
@@ -808,7 +845,9 @@ func (r *Reducer) Stats() *IterStats {
 // Close releases the Reducer; later calls fail with ErrClosed. If a synced pass is in
 // progress, its collectives can no longer be matched by this rank, so Close aborts the
 // process group (its peers fail instead of hanging). It does not close the group, which
-// belongs to the caller. It is idempotent and returns nil.
+// belongs to the caller. Buckets the group handed out (procgroup.BufferAllocator) go back
+// to it: GradView slices of them read as zeros afterwards. It is idempotent and returns
+// nil.
 func (r *Reducer) Close() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -830,6 +869,14 @@ func (r *Reducer) Close() error {
 		}
 		_ = r.dev.SyncStream(r.opts.Stream)
 		r.freeDevice()
+	}
+	if r.alloc != nil {
+		for b := range r.slots {
+			if w := r.slots[b].work; w != nil {
+				<-w.Done() // bounded as above
+			}
+		}
+		r.freeShared()
 	}
 	return nil
 }

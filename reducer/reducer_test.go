@@ -11,6 +11,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"go.uber.org/goleak"
 
@@ -127,7 +128,7 @@ func runRanks(n int, f func(rank int) error) []error {
 // gradient one process computes over the whole batch (float64 reference; float32 results
 // within 1e-5·(1+|ref|)), for random bucket caps, random grad-ready orders (different on
 // every rank and every step), with and without GradientAsBucketView and a no-sync micro-step
-// first. Three steps each, so the steps after the rebuild are checked too. Every rank issues
+// first, and with and without buckets from the group's allocator (allocGroup). Three steps each, so the steps after the rebuild are checked too. Every rank issues
 // the same collectives in the same order.
 func TestEquivalence(t *testing.T) {
 	rng := rand.New(rand.NewPCG(2024, 3))
@@ -139,8 +140,9 @@ func TestEquivalence(t *testing.T) {
 				for trial := 0; trial < 12; trial++ {
 					configs++
 					seed := rng.Uint64()
-					name := fmt.Sprintf("n=%d/view=%v/nosync=%v/seed=%d", n, view, noSync, seed)
-					t.Run(name, func(t *testing.T) { checkEquivalence(t, n, view, noSync, false, seed, batch) })
+					alloc := trial%2 == 1
+					name := fmt.Sprintf("n=%d/view=%v/nosync=%v/alloc=%v/seed=%d", n, view, noSync, alloc, seed)
+					t.Run(name, func(t *testing.T) { checkEquivalence(t, n, view, noSync, false, alloc, seed, batch) })
 				}
 			}
 		}
@@ -148,8 +150,9 @@ func TestEquivalence(t *testing.T) {
 }
 
 // checkEquivalence is TestEquivalence's check of one configuration; with auto, the bucket
-// caps are AutoBucketCap and six steps run, so that three follow its three rebuilds.
-func checkEquivalence(t *testing.T, n int, view, noSync, auto bool, seed uint64, batch int) {
+// caps are AutoBucketCap and six steps run, so that three follow its three rebuilds; with
+// alloc, the group allocates the buckets (allocGroup), and every one must be given back.
+func checkEquivalence(t *testing.T, n int, view, noSync, auto, alloc bool, seed uint64, batch int) {
 	ctx := testCtx(t)
 	rng := rand.New(rand.NewPCG(seed, 1))
 	m := newModel(rng, 1+rng.IntN(12))
@@ -184,8 +187,14 @@ func checkEquivalence(t *testing.T, n int, view, noSync, auto bool, seed uint64,
 
 	c := pgtest.NewCluster(n)
 	defer c.Close()
+	allocs := make([]*allocGroup, n)
 	got := make([][][][]float32, n) // [rank][step][param]
 	errs := runRanks(n, func(rank int) error {
+		var pg procgroup.ProcessGroup = c.Group(rank)
+		if alloc {
+			allocs[rank] = &allocGroup{ProcessGroup: pg, live: map[*byte]int{}}
+			pg = allocs[rank]
+		}
 		params := make([]Param, len(m.lens))
 		for p := range params {
 			params[p] = Param{Name: fmt.Sprintf("w%d", p), Grad: make([]float32, m.lens[p])}
@@ -194,7 +203,7 @@ func checkEquivalence(t *testing.T, n int, view, noSync, auto bool, seed uint64,
 				params[p].DType, params[p].Len = procgroup.Float32, m.lens[p]
 			}
 		}
-		red, err := New(c.Group(rank), params, Options{
+		red, err := New(pg, params, Options{
 			BucketCapMB: capMB, FirstBucketCapMB: float64(firstBytes) / (1 << 20),
 			GradientAsBucketView: view,
 		})
@@ -247,6 +256,11 @@ func checkEquivalence(t *testing.T, n int, view, noSync, auto bool, seed uint64,
 	for r, err := range errs {
 		if err != nil {
 			t.Fatalf("rank %d: %v", r, err)
+		}
+	}
+	for r, a := range allocs {
+		if a != nil && (a.allocs == 0 || len(a.live) != 0) {
+			t.Fatalf("rank %d: %d buffers allocated from the group, %d not given back after Close", r, a.allocs, len(a.live))
 		}
 	}
 	for s := 0; s < steps; s++ {
@@ -841,4 +855,52 @@ func TestOptionsWithDefaults(t *testing.T) {
 	if _, ok := set.CommHook.(allReduceHook); ok {
 		t.Error("a set hook was replaced")
 	}
+}
+
+// allocGroup is a group with a procgroup.BufferAllocator: its buffers are ordinary slices,
+// counted, and poisoned with NaNs when given back, so a reducer that used a bucket after
+// freeing it would produce NaN gradients.
+type allocGroup struct {
+	procgroup.ProcessGroup
+	mu     sync.Mutex
+	live   map[*byte]int
+	allocs int
+}
+
+func (a *allocGroup) AllocBuffer(dt procgroup.DType, count int) (any, error) {
+	buf := procgroup.NewBuffer(dt, count)
+	if count == 0 {
+		return buf, nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.live[firstByte(buf)] = count
+	a.allocs++
+	return buf, nil
+}
+
+func (a *allocGroup) FreeBuffer(buf any) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	switch b := buf.(type) {
+	case []float32:
+		for i := range b {
+			b[i] = float32(math.NaN())
+		}
+	case []float64:
+		for i := range b {
+			b[i] = math.NaN()
+		}
+	}
+	delete(a.live, firstByte(buf))
+}
+
+func firstByte(buf any) *byte {
+	switch b := buf.(type) {
+	case []float32:
+		return (*byte)(unsafe.Pointer(&b[0]))
+	case []float64:
+		return (*byte)(unsafe.Pointer(&b[0]))
+	}
+	return nil
 }
