@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Side-by-side all-reduce benchmark: goddp's allreduce-perf against PyTorch's Gloo backend
 # (allreduce_bench.py in $TORCH_DIR), float32 sum, interleaved and repeated because
-# the machine is shared and noisy. Prints, per world size and size, the median busbw of each
-# system over the repeats and the ratio goddp/torch.
+# the machine is shared and noisy. goddp runs twice: on ordinary buffers, and (SHARED=1,
+# the default) on buffers from the group's shared arena (--shared, all-reduced in place, as
+# the reducer's buckets are), the latter with --ceiling. Prints, per world size and size,
+# the median busbw of each over the repeats, the ceiling and the ratios.
 #
 #   scripts/bench_allreduce.sh                         # world sizes 2 and 4, 3 repeats
-#   WORLD_SIZES=2 REPEATS=5 EXTRA="--transport tcp" scripts/bench_allreduce.sh
+#   WORLD_SIZES=2 REPEATS=5 EXTRA="--transport tcp" SHARED=0 scripts/bench_allreduce.sh
 #
 # Needs the PyTorch peer installed ($TORCH_DIR/setup.sh).
 set -euo pipefail
@@ -16,6 +18,7 @@ REPEATS=${REPEATS:-3}
 MIN=${MIN:-4096}
 MAX=${MAX:-268435456}
 EXTRA=${EXTRA:-}
+SHARED=${SHARED:-1}
 OUT=${OUT:-out/bench_allreduce_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT" bin
 go build -o bin/allreduce-perf ./cmd/allreduce-perf
@@ -30,40 +33,46 @@ for rep in $(seq 1 "$REPEATS"); do
     # shellcheck disable=SC2086
     ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json $EXTRA \
       > "$OUT/goddp_n${n}_r${rep}.jsonl"
+    if [ "$SHARED" = 1 ]; then
+      echo "# repeat $rep world_size $n: goddp --shared --ceiling $EXTRA" >&2
+      # shellcheck disable=SC2086
+      ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json --shared --ceiling $EXTRA \
+        > "$OUT/shared_n${n}_r${rep}.jsonl"
+    fi
   done
 done
 /usr/bin/python3 - "$OUT" <<'PY'
 import csv, glob, json, os, statistics, sys
 out = sys.argv[1]
-torch, goddp = {}, {}
+torch, goddp, shared = {}, {}, {}
 for f in glob.glob(os.path.join(out, "torch_*.csv")):
     for r in csv.DictReader(open(f)):
-        torch.setdefault((int(r["world_size"]), int(r["bytes"])), []).append(
-            (float(r["busbw_GBps"]), float(r["time_us_median"])))
-for f in glob.glob(os.path.join(out, "goddp_*.jsonl")):
-    n = int(os.path.basename(f).split("_")[1][1:])
-    for line in open(f):
-        if not line.startswith("{"):
-            continue
-        r = json.loads(line)
-        goddp.setdefault((n, int(r["size_bytes"])), []).append((r["busbw_gbs"], r["time_us"], r["ok"]))
+        torch.setdefault((int(r["world_size"]), int(r["bytes"])), []).append(float(r["busbw_GBps"]))
+for kind, into in (("goddp", goddp), ("shared", shared)):
+    for f in glob.glob(os.path.join(out, kind + "_*.jsonl")):
+        n = int(os.path.basename(f).split("_")[1][1:])
+        for line in open(f):
+            if line.startswith("{"):
+                r = json.loads(line)
+                into.setdefault((n, int(r["size_bytes"])), []).append(r)
 def fmt(b):
     for u, s in ((1 << 20, "MiB"), (1 << 10, "KiB")):
         if b >= u:
             return f"{b // u} {s}"
     return f"{b} B"
+def med(rows, key):
+    return statistics.median(r[key] for r in rows) if rows else float("nan")
 for n in sorted({k[0] for k in goddp}):
-    print(f"\nworld_size={n}  (median over repeats; busbw GB/s, time us)")
-    print(f"{'size':>9} | {'torch busbw':>11} {'torch us':>10} | {'goddp busbw':>11} {'goddp us':>10} {'ok':>3} | {'ratio':>6}")
+    print(f"\nworld_size={n}  (busbw GB/s, median over repeats; ceiling and algorithm from the --shared --ceiling runs)")
+    print("| size | torch | goddp | goddp --shared | algorithm | ceiling | % of ceiling | shared/goddp | goddp/torch | shared/torch | checked |")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
     for (m, b) in sorted(k for k in goddp if k[0] == n):
-        g = goddp[(m, b)]
-        gb = statistics.median(x[0] for x in g); gt = statistics.median(x[1] for x in g)
-        ok = all(x[2] is not False for x in g)
-        t = torch.get((m, b))
-        if t:
-            tb = statistics.median(x[0] for x in t); tt = statistics.median(x[1] for x in t)
-            print(f"{fmt(b):>9} | {tb:>11.3f} {tt:>10.1f} | {gb:>11.3f} {gt:>10.1f} {'yes' if ok else 'NO':>3} | {gb / tb if tb else float('nan'):>6.2f}")
-        else:
-            print(f"{fmt(b):>9} | {'-':>11} {'-':>10} | {gb:>11.3f} {gt:>10.1f} {'yes' if ok else 'NO':>3} |")
+        g, sh = goddp[(m, b)], shared.get((m, b), [])
+        t = statistics.median(torch[(m, b)]) if (m, b) in torch else float("nan")
+        gb, sb = med(g, "busbw_gbs"), med(sh, "busbw_gbs")
+        ceil = med([r for r in sh if r.get("ceiling_busbw_gbs")], "ceiling_busbw_gbs") if sh else float("nan")
+        algo = sh[0].get("algo", "-") if sh else "-"
+        ok = all(r["ok"] is not False for r in g + sh)
+        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {100 * sb / ceil:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {'yes' if ok else 'NO'} |")
 PY
 echo "raw results in $OUT" >&2
