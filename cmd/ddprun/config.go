@@ -56,6 +56,7 @@ type config struct {
 	stopTimeout  time.Duration
 	rdzvTimeout  time.Duration
 	traceMerge   string // Note [Trace merge]
+	gomaxprocs   string // keep, split or a number (setGoMaxProcs)
 
 	tlsFlags procgroup.TLSFiles // --tls_cert, --tls_key, --tls_ca, --tls_mtls
 	tls      jobTLS             // loaded by loadTLS (tls.go)
@@ -166,6 +167,7 @@ func newFlagSet(c *config) (fs *flag.FlagSet, aliases map[string]bool) {
 	fs.StringVar(&c.goBuildFlags, "go_build_flags", "", "extra flags for 'go build' when PROGRAM is a Go package (env GODDP_GO_TAGS adds -tags)")
 	fs.DurationVar(&c.stopTimeout, "stop_timeout", defaultStopTimeout, "grace period between SIGTERM and SIGKILL when stopping ranks")
 	fs.DurationVar(&c.rdzvTimeout, "rdzv_timeout", defaultRdzvTimeout, "how long a node other than node 0 waits for the store, and each rank's set-up bound (GODDP_CONNECT_TIMEOUT) unless the environment sets one")
+	fs.StringVar(&c.gomaxprocs, "gomaxprocs", "keep", "GOMAXPROCS of each rank unless the environment sets it: keep (Go's default, all cores), split (the cores divided among this node's ranks) or a number")
 	fs.StringVar(&c.traceMerge, "trace_merge", "", "have each rank trace its timeline (observe.OpenTrace) and merge this node's traces into this file at the end")
 	tlsFlags(fs, &c.tlsFlags) // tls.go
 	aliases = map[string]bool{}
@@ -272,6 +274,8 @@ func (c *config) validate() error {
 		return fmt.Errorf("--stop_timeout %v: want a positive duration", c.stopTimeout)
 	case c.rdzvTimeout <= 0:
 		return fmt.Errorf("--rdzv_timeout %v: want a positive duration", c.rdzvTimeout)
+	case !validGoMaxProcs(c.gomaxprocs):
+		return fmt.Errorf("--gomaxprocs %q: want keep, split or a positive number", c.gomaxprocs)
 	case c.teeSet && c.logDir == "":
 		return errors.New("--tee needs --log_dir (without it every stream goes to the console)")
 	case c.masterAddr == "":

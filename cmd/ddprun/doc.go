@@ -30,6 +30,8 @@
 // more than one rank per node, OMP_NUM_THREADS and OPENBLAS_NUM_THREADS default to 1.
 // OPENBLAS_CORETYPE defaults to the OpenBLAS kernels for the CPU (SkylakeX with AVX-512,
 // Haswell with AVX2 and FMA): an older OpenBLAS takes a CPU it does not know for a Prescott.
+// GOMAXPROCS is left as it is unless --gomaxprocs says split (the cores divided among the
+// node's ranks) or a number: dividing them measured slower (see setGoMaxProcs).
 //
 // # The store and the token
 //

@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -73,6 +75,12 @@ func TestCoreType(t *testing.T) {
 // contain about, and each rank's lines.
 func launchEnv(t *testing.T, unset, env []string, nproc int, about string) ([]string, map[int][]string) {
 	t.Helper()
+	return launchEnvFlags(t, nil, unset, env, nproc, about)
+}
+
+// launchEnvFlags is launchEnv with more ddprun flags.
+func launchEnvFlags(t *testing.T, flags, unset, env []string, nproc int, about string) ([]string, map[int][]string) {
+	t.Helper()
 	var base []string
 	for _, kv := range os.Environ() {
 		if !slices.ContainsFunc(unset, func(k string) bool { return strings.HasPrefix(kv, k+"=") }) {
@@ -80,7 +88,7 @@ func launchEnv(t *testing.T, unset, env []string, nproc int, about string) ([]st
 		}
 	}
 	base = append(append(base, roleEnv+"=rank"), env...)
-	res := launch(t, context.Background(), base, []string{"--nproc_per_node", strconv.Itoa(nproc), "--standalone"}, "env")
+	res := launch(t, context.Background(), base, append([]string{"--nproc_per_node", strconv.Itoa(nproc), "--standalone"}, flags...), "env")
 	if res.code != 0 {
 		t.Fatalf("env %v: exit %d\nstdout:\n%s\nstderr:\n%s", env, res.code, res.stdout, res.stderr)
 	}
@@ -91,4 +99,32 @@ func launchEnv(t *testing.T, unset, env []string, nproc int, about string) ([]st
 		}
 	}
 	return lines, rankLines(t, res.stdout)
+}
+
+// TestGoMaxProcs: ddprun leaves GOMAXPROCS alone by default; --gomaxprocs split divides the
+// cores among the node's ranks and a number is passed as it is, each said in one line; an
+// environment that sets GOMAXPROCS wins.
+func TestGoMaxProcs(t *testing.T) {
+	split := strconv.Itoa(max(1, runtime.NumCPU()/2))
+	for _, tc := range []struct {
+		flag []string
+		env  []string
+		want string
+		line string
+	}{
+		{nil, nil, "", ""},
+		{[]string{"--gomaxprocs", "split"}, nil, split, fmt.Sprintf("ddprun: setting GOMAXPROCS=%s for each rank (--gomaxprocs split: %d cores, 2 ranks on this node)", split, runtime.NumCPU())},
+		{[]string{"--gomaxprocs", "3"}, nil, "3", "ddprun: setting GOMAXPROCS=3 for each rank (--gomaxprocs)"},
+		{[]string{"--gomaxprocs", "split"}, []string{"GOMAXPROCS=5"}, "5", ""},
+	} {
+		lines, byRank := launchEnvFlags(t, tc.flag, []string{"GOMAXPROCS"}, tc.env, 2, "GOMAXPROCS")
+		if got := strings.Join(lines, "\n"); got != tc.line {
+			t.Errorf("%v env %v: stderr lines about GOMAXPROCS %q, want %q", tc.flag, tc.env, lines, tc.line)
+		}
+		for r := range 2 {
+			if got := envOf(byRank[r])["GOMAXPROCS"]; got != tc.want {
+				t.Errorf("%v env %v: rank %d has GOMAXPROCS=%q, want %q", tc.flag, tc.env, r, got, tc.want)
+			}
+		}
+	}
 }
