@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"time"
 
 	"github.com/goddp/goddp/internal/kernels"
@@ -236,18 +237,56 @@ func (g *group) ringSegment(n int) int {
 // the bytes arriving depend on the peers having read it, but the writer's goroutine may not
 // have returned from the write yet). Every collective ends with waitSends.
 
+// Note [Ring order]: the rings (reduce-scatter, all-gather, the pipelined broadcast, and
+// the shared-memory ring) visit the ranks host by host: hosts in the order of their lowest
+// rank, and each host's ranks in rank order (ringOrder). With ranks placed contiguously
+// (ddprun, torchrun) that is rank order. With ranks placed round-robin across the hosts it
+// still crosses between hosts once per host and direction, where rank order would cross at
+// every step. Positions replace ranks in the ring's arithmetic; chunk q of the ring is
+// chunk ring[q] of the buffer, so a reduce-scatter still leaves every rank its own chunk.
+
+// ringOrder returns the ranks grouped by host (hostIDs by rank): hosts ordered by their
+// lowest rank, ranks ascending within a host.
+func ringOrder(hostIDs []string) []int {
+	first := map[string]int{}
+	for r, h := range hostIDs {
+		if _, ok := first[h]; !ok {
+			first[h] = r
+		}
+	}
+	order := make([]int, len(hostIDs))
+	for r := range order {
+		order[r] = r
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return first[hostIDs[a]] - first[hostIDs[b]] })
+	return order
+}
+
+// ringPeer is the peer at ring position pos+d.
+func (g *group) ringPeer(d int) *peer {
+	n := g.size
+	return g.peers[g.ring[((g.pos+d)%n+n)%n]]
+}
+
+// ringChunk is the chunk of ring position q (any integer, taken modulo the size): the
+// chunk of the rank there.
+func (g *group) ringChunk(w []byte, q int) []byte {
+	n := g.size
+	return g.chunk(w, g.ring[(q%n+n)%n])
+}
+
 // ringReduceScatter runs the reduce-scatter half over w with chunk offsets g.offs. With
 // forward, each finished segment of the owned chunk is queued as step 0 of the all-gather.
 func (g *group) ringReduceScatter(o *op, seq uint32, w []byte, forward bool) error {
-	n, r := g.size, g.rank
-	next, prev := g.peers[(r+1)%n], g.peers[(r+n-1)%n]
+	n, r := g.size, g.pos
+	next, prev := g.ringPeer(1), g.ringPeer(-1)
 	g.marks[0] = next.issued
-	first := g.chunk(w, r-1)
+	first := g.ringChunk(w, r-1)
 	for a := 0; a < len(first); a += g.segLen(len(first), a) {
 		next.enqueue(seq, first[a:a+g.segLen(len(first), a)])
 	}
 	for s := 0; s < n-1; s++ {
-		c := g.chunk(w, r-2-s)
+		c := g.ringChunk(w, r-2-s)
 		last := s == n-2
 		if !last {
 			g.marks[s+1] = next.issued
@@ -311,16 +350,16 @@ func (g *group) pairAllReduce(o *op) error {
 // queued, the owned chunk's sends were already queued by ringReduceScatter, whose step
 // marks (g.marks) it uses.
 func (g *group) ringAllGather(seq uint32, w []byte, queued bool) error {
-	n, r := g.size, g.rank
-	next, prev := g.peers[(r+1)%n], g.peers[(r+n-1)%n]
+	n, r := g.size, g.pos
+	next, prev := g.ringPeer(1), g.ringPeer(-1)
 	if !queued {
-		own := g.chunk(w, r)
+		own := g.ringChunk(w, r)
 		for a := 0; a < len(own); a += g.segLen(len(own), a) {
 			next.enqueue(seq, own[a:a+g.segLen(len(own), a)])
 		}
 	}
 	for s := 0; s < n-1; s++ {
-		c := g.chunk(w, r-1-s)
+		c := g.ringChunk(w, r-1-s)
 		for a, j := 0, 0; a < len(c); j++ {
 			l := g.segLen(len(c), a)
 			seg := c[a : a+l]
@@ -489,10 +528,10 @@ func (g *group) broadcast(o *op) error {
 		}
 		return g.recvAll(g.peers[o.root], seq, o.buf)
 	}
-	v := (r - o.root + n) % n
+	v := (g.pos - slices.Index(g.ring, o.root) + n) % n // Note [Ring order]
 	var next *peer
 	if v < n-1 {
-		next = g.peers[(r+1)%n]
+		next = g.ringPeer(1)
 	}
 	if v == 0 {
 		for a := 0; a < len(o.buf); a += g.segLen(len(o.buf), a) {
@@ -500,7 +539,7 @@ func (g *group) broadcast(o *op) error {
 		}
 		return g.waitSends()
 	}
-	prev := g.peers[(r+n-1)%n]
+	prev := g.ringPeer(-1)
 	for a := 0; a < len(o.buf); {
 		l := g.segLen(len(o.buf), a)
 		seg := o.buf[a : a+l]

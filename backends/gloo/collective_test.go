@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/goddp/goddp/procgroup"
@@ -167,66 +169,124 @@ func TestCollectives(t *testing.T) {
 		for size := 1; size <= 5; size++ {
 			t.Run(fmt.Sprintf("%s/n%d", v.name, size), func(t *testing.T) {
 				groups := startGroups(t, size, v.cfg)
-				seed := uint64(0)
-				for _, dt := range procgroup.DTypes {
-					for _, op := range procgroup.ReduceOps {
-						for _, count := range counts {
-							seed++
-							x := inputs(seed, size, count, op)
-							want := reduceRef(x, op)
-							bufs := make([]any, size)
-							each(t, groups, func(r int, g procgroup.ProcessGroup) error {
-								bufs[r] = toBuf(dt, x[r])
-								return wait(g.AllReduce(ctx, bufs[r], op))
-							})
-							for r := range size {
-								checkClose(t, fmt.Sprintf("allreduce %v %v count %d rank %d", dt, op, count, r), dt, op, fromBuf(bufs[r]), want)
-							}
-						}
+				checkCollectives(t, groups, counts)
+			})
+		}
+	}
+}
+
+// checkCollectives runs every collective on groups (all ranks of one group) for every
+// element type, op and count, against a float64 reference, and ends with a barrier.
+func checkCollectives(t *testing.T, groups []procgroup.ProcessGroup, counts []int) {
+	size := len(groups)
+	seed := uint64(0)
+	for _, dt := range procgroup.DTypes {
+		for _, op := range procgroup.ReduceOps {
+			for _, count := range counts {
+				seed++
+				x := inputs(seed, size, count, op)
+				want := reduceRef(x, op)
+				bufs := make([]any, size)
+				each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+					bufs[r] = toBuf(dt, x[r])
+					return wait(g.AllReduce(ctx, bufs[r], op))
+				})
+				for r := range size {
+					checkClose(t, fmt.Sprintf("allreduce %v %v count %d rank %d", dt, op, count, r), dt, op, fromBuf(bufs[r]), want)
+				}
+			}
+		}
+		for _, count := range counts {
+			seed++
+			x := inputs(seed, size, count*size, procgroup.Sum)
+			// ReduceScatter with Sum and Max.
+			for _, op := range []procgroup.ReduceOp{procgroup.Sum, procgroup.Max, procgroup.Avg} {
+				want := reduceRef(x, op)
+				outs := make([]any, size)
+				each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+					outs[r] = toBuf(dt, make([]float64, count))
+					return wait(g.ReduceScatter(ctx, outs[r], toBuf(dt, x[r]), op))
+				})
+				for r := range size {
+					checkClose(t, fmt.Sprintf("reducescatter %v %v count %d rank %d", dt, op, count, r), dt, op, fromBuf(outs[r]), want[r*count:(r+1)*count])
+				}
+			}
+			// AllGather.
+			y := inputs(seed+1000, size, count, procgroup.Sum)
+			var wantAG []float64
+			for r := range size {
+				wantAG = append(wantAG, y[r]...)
+			}
+			outs := make([]any, size)
+			each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+				outs[r] = toBuf(dt, make([]float64, count*size))
+				return wait(g.AllGather(ctx, outs[r], toBuf(dt, y[r])))
+			})
+			for r := range size {
+				checkClose(t, fmt.Sprintf("allgather %v count %d rank %d", dt, count, r), dt, procgroup.Sum, fromBuf(outs[r]), wantAG)
+			}
+			// Broadcast from every root.
+			for root := range size {
+				bufs := make([]any, size)
+				each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+					bufs[r] = toBuf(dt, y[r])
+					return wait(g.Broadcast(ctx, bufs[r], root))
+				})
+				for r := range size {
+					checkClose(t, fmt.Sprintf("broadcast %v count %d root %d rank %d", dt, count, root, r), dt, procgroup.Sum, fromBuf(bufs[r]), y[root])
+				}
+			}
+		}
+	}
+	each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.Barrier(ctx)) })
+}
+
+// TestRingOrder: hosts in the order of their lowest rank, each host's ranks together and
+// ascending (Note [Ring order]).
+func TestRingOrder(t *testing.T) {
+	for _, tc := range []struct {
+		hosts []string
+		want  []int
+	}{
+		{[]string{"a", "a", "b", "b"}, []int{0, 1, 2, 3}},
+		{[]string{"a", "b", "a", "b"}, []int{0, 2, 1, 3}},
+		{[]string{"a", "b", "b", "a", "c"}, []int{0, 3, 1, 2, 4}},
+		{[]string{"x", "y", "z"}, []int{0, 1, 2}},
+		{[]string{"h"}, []int{0}},
+	} {
+		if got := ringOrder(tc.hosts); !slices.Equal(got, tc.want) {
+			t.Errorf("ringOrder(%v) = %v, want %v", tc.hosts, got, tc.want)
+		}
+	}
+}
+
+// TestHostPlacements: every collective is right however the ranks sit on (simulated)
+// hosts: contiguous with three ranks a host (whose middle rank has both ring neighbours on
+// its host while the others do not), round-robin, and mixed; with the rings pipelined in
+// tiny segments and with the defaults. The ring visits each host's ranks together, and the
+// group reports the transports the placement implies.
+func TestHostPlacements(t *testing.T) {
+	for _, hosts := range [][]string{
+		{"a", "a", "a", "b", "b", "b"},
+		{"a", "b", "a", "b"},
+		{"a", "b", "b", "a", "c"},
+	} {
+		for _, cfg := range []Config{{Algorithm: AlgoRing, SegmentSize: 64, ShmSlotSize: 64, ShmSlots: 2}, {}} {
+			t.Run(fmt.Sprintf("%v/%s", hosts, cfg.Algorithm), func(t *testing.T) {
+				groups := startGroupsHosts(t, hosts, cfg)
+				want := ringOrder(hosts)
+				for r, g := range groups {
+					if got := g.(*group).ring; !slices.Equal(got, want) {
+						t.Fatalf("rank %d: ring %v, want %v", r, got, want)
 					}
-					for _, count := range counts {
-						seed++
-						x := inputs(seed, size, count*size, procgroup.Sum)
-						// ReduceScatter with Sum and Max.
-						for _, op := range []procgroup.ReduceOp{procgroup.Sum, procgroup.Max, procgroup.Avg} {
-							want := reduceRef(x, op)
-							outs := make([]any, size)
-							each(t, groups, func(r int, g procgroup.ProcessGroup) error {
-								outs[r] = toBuf(dt, make([]float64, count))
-								return wait(g.ReduceScatter(ctx, outs[r], toBuf(dt, x[r]), op))
-							})
-							for r := range size {
-								checkClose(t, fmt.Sprintf("reducescatter %v %v count %d rank %d", dt, op, count, r), dt, op, fromBuf(outs[r]), want[r*count:(r+1)*count])
-							}
-						}
-						// AllGather.
-						y := inputs(seed+1000, size, count, procgroup.Sum)
-						var wantAG []float64
-						for r := range size {
-							wantAG = append(wantAG, y[r]...)
-						}
-						outs := make([]any, size)
-						each(t, groups, func(r int, g procgroup.ProcessGroup) error {
-							outs[r] = toBuf(dt, make([]float64, count*size))
-							return wait(g.AllGather(ctx, outs[r], toBuf(dt, y[r])))
-						})
-						for r := range size {
-							checkClose(t, fmt.Sprintf("allgather %v count %d rank %d", dt, count, r), dt, procgroup.Sum, fromBuf(outs[r]), wantAG)
-						}
-						// Broadcast from every root.
-						for root := range size {
-							bufs := make([]any, size)
-							each(t, groups, func(r int, g procgroup.ProcessGroup) error {
-								bufs[r] = toBuf(dt, y[r])
-								return wait(g.Broadcast(ctx, bufs[r], root))
-							})
-							for r := range size {
-								checkClose(t, fmt.Sprintf("broadcast %v count %d root %d rank %d", dt, count, root, r), dt, procgroup.Sum, fromBuf(bufs[r]), y[root])
-							}
+					for j, tr := range procgroup.Transports(g) {
+						same := hosts[j] == hosts[r]
+						if j != r && same == strings.HasPrefix(tr, "tcp") {
+							t.Errorf("rank %d reaches rank %d (host %s, its own %s) over %q", r, j, hosts[j], hosts[r], tr)
 						}
 					}
 				}
-				each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.Barrier(ctx)) })
+				checkCollectives(t, groups, []int{0, 1, 7, 101, 5000})
 			})
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -75,6 +76,8 @@ type group struct {
 	seg     int    // the current collective's segment size (≤ Config.SegmentSize)
 	acc     []byte // direct all-reduce accumulator / reduce-scatter work buffer
 	offs    []int  // chunk offsets in bytes, len size+1
+	ring    []int  // Note [Ring order]: the ranks in ring order, each host's together
+	pos     int    // this rank's index in ring
 	marks   []int  // ring: next.issued before each reduce-scatter step's sends
 	wideOp  op     // runWide's float32 twin of a 16-bit op
 	wideBuf []byte // runWide's float32 buffers
@@ -143,6 +146,8 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		g.shutdown()
 		return nil, fmt.Errorf("gloo: rank %d: setup: %w", g.rank, err)
 	}
+	g.ring = ringOrder(g.hostIDs)
+	g.pos = slices.Index(g.ring, g.rank)
 	if err := g.setupShm(ctx); err != nil {
 		g.shutdown()
 		g.releaseShm()

@@ -61,6 +61,29 @@ func startGroupsTimeout(t testing.TB, size int, cfg *Config, timeout time.Durati
 
 func startGroupsWith(t testing.TB, size int, cfg *Config, log *zap.Logger, timeout time.Duration) []procgroup.ProcessGroup {
 	t.Helper()
+	return startGroupsCfg(t, size, func(int) *Config { return cfg }, log, timeout)
+}
+
+// startGroupsHosts starts one group whose rank r claims to run on host hosts[r]
+// (Config.HostID): ranks of one host use Unix sockets and shared memory, the others TCP.
+func startGroupsHosts(t testing.TB, hosts []string, cfg Config) []procgroup.ProcessGroup {
+	t.Helper()
+	groups := startGroupsCfg(t, len(hosts), func(r int) *Config {
+		c := cfg
+		c.HostID = hosts[r]
+		return &c
+	}, nil, 0)
+	t.Cleanup(func() {
+		for _, g := range groups {
+			g.Close()
+		}
+	})
+	return groups
+}
+
+// startGroupsCfg starts size ranks of one group, rank r with a copy of cfgOf(r).
+func startGroupsCfg(t testing.TB, size int, cfgOf func(r int) *Config, log *zap.Logger, timeout time.Duration) []procgroup.ProcessGroup {
+	t.Helper()
 	store := procgroup.NewMemStore()
 	prefix := fmt.Sprintf("t%d", prefixN.Add(1))
 	groups := make([]procgroup.ProcessGroup, size)
@@ -73,7 +96,7 @@ func startGroupsWith(t testing.TB, size int, cfg *Config, log *zap.Logger, timeo
 		go func() {
 			defer wg.Done()
 			var c *Config
-			if cfg != nil {
+			if cfg := cfgOf(r); cfg != nil {
 				cc := *cfg
 				c = &cc
 			}

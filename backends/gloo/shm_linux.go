@@ -540,15 +540,13 @@ func (g *group) shmWait(v uint32) error {
 	return nil
 }
 
-// useShmRing reports whether the ring all-reduce runs over shared memory: both ring
-// neighbours share this rank's region.
+// useShmRing reports whether the ring all-reduce runs over shared memory.
 func (g *group) useShmRing() bool {
+	// Every rank must decide alike: a rank whose ring neighbours share its region while
+	// theirs do not would wait on slots that they fill over the sockets. So the ring runs
+	// over shared memory only when the whole group shares one region.
 	m := g.shm
-	if m == nil {
-		return false
-	}
-	n := g.size
-	return m.local[(g.rank+1)%n] >= 0 && m.local[(g.rank+n-1)%n] >= 0
+	return m != nil && m.members == g.size
 }
 
 // shmRingAllReduce is the ring of Note [Ring] over shared memory, run inline by the worker.
@@ -561,8 +559,8 @@ func (g *group) useShmRing() bool {
 // free, processes whatever has arrived, and sleeps on its bell when neither can move.
 func (g *group) shmRingAllReduce(o *op) error {
 	m := g.shm
-	n, r := g.size, g.rank
-	ni, pi := m.local[(r+1)%n], m.local[(r+n-1)%n]
+	n, r := g.size, g.pos // Note [Ring order]: positions, and chunks by ringChunk
+	ni, pi := m.local[g.ring[(r+1)%n]], m.local[g.ring[(r+n-1)%n]]
 	out, in := m.channel(m.me, ni), m.channel(pi, m.me)
 	outProd, outCons := m.u64(out+shmProd), m.u64(out+shmCons)
 	inProd, inCons := m.u64(in+shmProd), m.u64(in+shmCons)
@@ -575,7 +573,7 @@ func (g *group) shmRingAllReduce(o *op) error {
 	outT, outA, inT, inA := 0, 0, 0, 0
 	// skip moves a cursor past empty chunks (count < n); both sides skip the same ones.
 	skip := func(t, off int) int {
-		for t < T && len(g.chunk(o.buf, r-off-t)) == 0 {
+		for t < T && len(g.ringChunk(o.buf, r-off-t)) == 0 {
 			t++
 		}
 		return t
@@ -590,7 +588,7 @@ func (g *group) shmRingAllReduce(o *op) error {
 			if p-atomic.LoadUint64(outCons) >= K {
 				break
 			}
-			c := g.chunk(o.buf, r-1-outT)
+			c := g.ringChunk(o.buf, r-1-outT)
 			l := min(S, len(c)-outA)
 			i := int(p % K)
 			copy(m.slotData(out, i, l), c[outA:outA+l])
@@ -614,7 +612,7 @@ func (g *group) shmRingAllReduce(o *op) error {
 			if ag := inT - (n - 1); ag >= 0 && (outT < ag || (outT == ag && outA <= inA)) {
 				break // its bytes are not copied out yet
 			}
-			c := g.chunk(o.buf, r-2-inT)
+			c := g.ringChunk(o.buf, r-2-inT)
 			l := min(S, len(c)-inA)
 			i := int(cn % K)
 			h := m.slotHdr(in, i)
