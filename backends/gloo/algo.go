@@ -43,6 +43,9 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 		return "shm-inplace", ring
 	case g.useShmRing():
 		return "shm-ring", ring
+	case g.useHier():
+		L, H := float64(g.local.n), float64(g.cross.n)
+		return "hierarchical", (5*(L-1) + 5*(H-1)/H) / L
 	case g.size == 2:
 		return "pair", ring
 	}
@@ -73,6 +76,9 @@ func (g *group) run(o *op) error {
 		if g.useShmRing() {
 			return g.shmAllReduce(o)
 		}
+		if g.useHier() {
+			return g.hierAllReduce(o)
+		}
 		if n == 2 {
 			if g.inlinePair() {
 				return g.inlinePairAllReduce(o)
@@ -83,10 +89,10 @@ func (g *group) run(o *op) error {
 		g.setChunks(len(o.buf)/es, es)
 		g.seg = g.ringSegment(len(o.buf))
 		seq := uint32(o.seq)
-		if err := g.ringReduceScatter(o, seq, o.buf, true); err != nil {
+		if err := g.ringReduceScatter(o, seq, o.buf, true, &g.flat); err != nil {
 			return err
 		}
-		if err := g.ringAllGather(seq, o.buf, true); err != nil {
+		if err := g.ringAllGather(seq, o.buf, true, &g.flat); err != nil {
 			return err
 		}
 		return g.waitSends()
@@ -104,7 +110,7 @@ func (g *group) run(o *op) error {
 			return g.directAllGather(o)
 		}
 		g.setBlocks(len(o.in))
-		if err := g.ringAllGather(uint32(o.seq), o.buf, false); err != nil {
+		if err := g.ringAllGather(uint32(o.seq), o.buf, false, &g.flat); err != nil {
 			return err
 		}
 		return g.waitSends()
@@ -122,7 +128,7 @@ func (g *group) run(o *op) error {
 		w := g.scratch(len(o.in))
 		copy(w, o.in)
 		g.setBlocks(len(o.buf))
-		if err := g.ringReduceScatter(o, uint32(o.seq), w, false); err != nil {
+		if err := g.ringReduceScatter(o, uint32(o.seq), w, false, &g.flat); err != nil {
 			return err
 		}
 		if err := g.waitSends(); err != nil {
@@ -262,31 +268,134 @@ func ringOrder(hostIDs []string) []int {
 	return order
 }
 
-// ringPeer is the peer at ring position pos+d.
-func (g *group) ringPeer(d int) *peer {
-	n := g.size
-	return g.peers[g.ring[((g.pos+d)%n+n)%n]]
+// Note [Hierarchical]: when the group spans hosts that each run the same number L ≥ 2
+// of its ranks, an all-reduce above DirectMaxBytes (with GODDP_GLOO_ALGO auto or
+// hierarchical) runs in three rings: a reduce-scatter among the L ranks of each host,
+// leaving local rank l the host's sum of chunk l of L; an all-reduce of that chunk among
+// the H ranks with local index l, one per host, all L of them at once; and an all-gather
+// among each host's ranks. Between hosts each rank sends 2(H-1)/H of its 1/L chunk, so a
+// host's link carries 2(H-1)/H of the message each way, against 2(n-1)/n·(number of ring
+// crossings) for the flat ring: 1 against 1.5 messages at 2 hosts × 2 ranks. Avg reduces
+// as Sum and divides once, by n, after the middle ring. The flat ring remains for
+// GODDP_GLOO_ALGO=ring and for uneven placements.
+
+// setupHier prepares Note [Hierarchical]'s rings when the placement allows them.
+func (g *group) setupHier() {
+	var hosts [][]int // ranks by host, in ring order (g.ring keeps each host's together)
+	for i, r := range g.ring {
+		if i == 0 || g.hostIDs[r] != g.hostIDs[g.ring[i-1]] {
+			hosts = append(hosts, nil)
+		}
+		hosts[len(hosts)-1] = append(hosts[len(hosts)-1], r)
+	}
+	L, H := len(hosts[0]), len(hosts)
+	if H < 2 || L < 2 {
+		return
+	}
+	for _, h := range hosts {
+		if len(h) != L {
+			return
+		}
+	}
+	ids := func(k int) []int {
+		s := make([]int, k)
+		for i := range s {
+			s[i] = i
+		}
+		return s
+	}
+	myHost, myLocal := g.pos/L, g.pos%L
+	cross := make([]int, H)
+	for h := range hosts {
+		cross[h] = hosts[h][myLocal]
+	}
+	g.local = ringView{n: L, pos: myLocal, ranks: hosts[myHost], ids: ids(L), offs: make([]int, L+1)}
+	g.cross = ringView{n: H, pos: myHost, ranks: cross, ids: ids(H), offs: make([]int, H+1)}
+	g.hier = true
 }
 
-// ringChunk is the chunk of ring position q (any integer, taken modulo the size): the
-// chunk of the rank there.
-func (g *group) ringChunk(w []byte, q int) []byte {
-	n := g.size
-	return g.chunk(w, g.ring[(q%n+n)%n])
+// useHier reports whether an all-reduce that takes a ring takes Note [Hierarchical]'s.
+func (g *group) useHier() bool {
+	return g.hier && (g.cfg.Algorithm == AlgoAuto || g.cfg.Algorithm == AlgoHier)
 }
 
-// ringReduceScatter runs the reduce-scatter half over w with chunk offsets g.offs. With
-// forward, each finished segment of the owned chunk is queued as step 0 of the all-gather.
-func (g *group) ringReduceScatter(o *op, seq uint32, w []byte, forward bool) error {
-	n, r := g.size, g.pos
-	next, prev := g.ringPeer(1), g.ringPeer(-1)
+// hierAllReduce is the all-reduce of Note [Hierarchical].
+func (g *group) hierAllReduce(o *op) error {
+	es := o.dt.Size()
+	count := len(o.buf) / es
+	L, H := g.local.n, g.cross.n
+	for i := 0; i <= L; i++ {
+		g.local.offs[i] = i * count / L * es
+	}
+	seq := uint32(o.seq)
+	g.seg = g.ringSegment(len(o.buf))
+	sum := *o
+	if o.rop == procgroup.Avg {
+		sum.rop = procgroup.Sum
+	}
+	if err := g.ringReduceScatter(&sum, seq, o.buf, false, &g.local); err != nil {
+		return err
+	}
+	// The all-gather below overwrites the chunks the reduce-scatter sent.
+	if err := g.waitSends(); err != nil {
+		return err
+	}
+	mine := g.local.chunk(o.buf, g.local.pos)
+	mc := len(mine) / es
+	for i := 0; i <= H; i++ {
+		g.cross.offs[i] = i * mc / H * es
+	}
+	if err := g.ringReduceScatter(&sum, seq, mine, true, &g.cross); err != nil {
+		return err
+	}
+	if err := g.ringAllGather(seq, mine, true, &g.cross); err != nil {
+		return err
+	}
+	if err := g.waitSends(); err != nil {
+		return err
+	}
+	if o.rop == procgroup.Avg {
+		kernels.Divide(o.dt, mine, g.size)
+	}
+	if err := g.ringAllGather(seq, o.buf, false, &g.local); err != nil {
+		return err
+	}
+	return g.waitSends()
+}
+
+// ringView is one ring: the whole group in ring order (group.flat), or, for
+// hierAllReduce, the ranks of this host (group.local) or this rank's counterparts on the
+// other hosts (group.cross).
+type ringView struct {
+	n, pos int
+	ranks  []int // by position
+	ids    []int // by position: the index of that position's chunk in offs
+	offs   []int // chunk offsets in bytes
+}
+
+// peer is the peer at ring position pos+d.
+func (v *ringView) peer(g *group, d int) *peer {
+	return g.peers[v.ranks[((v.pos+d)%v.n+v.n)%v.n]]
+}
+
+// chunk is the chunk of ring position q (any integer, taken modulo n).
+func (v *ringView) chunk(w []byte, q int) []byte {
+	i := v.ids[(q%v.n+v.n)%v.n]
+	return w[v.offs[i]:v.offs[i+1]]
+}
+
+// ringReduceScatter runs the reduce-scatter half over w on ring v. With forward, each
+// finished segment of the owned chunk is queued as step 0 of the all-gather.
+func (g *group) ringReduceScatter(o *op, seq uint32, w []byte, forward bool, v *ringView) error {
+	n, r := v.n, v.pos
+	next, prev := v.peer(g, 1), v.peer(g, -1)
 	g.marks[0] = next.issued
-	first := g.ringChunk(w, r-1)
+	first := v.chunk(w, r-1)
 	for a := 0; a < len(first); a += g.segLen(len(first), a) {
 		next.enqueue(seq, first[a:a+g.segLen(len(first), a)])
 	}
 	for s := 0; s < n-1; s++ {
-		c := g.ringChunk(w, r-2-s)
+		c := v.chunk(w, r-2-s)
 		last := s == n-2
 		if !last {
 			g.marks[s+1] = next.issued
@@ -346,20 +455,20 @@ func (g *group) pairAllReduce(o *op) error {
 	return nil
 }
 
-// ringAllGather circulates chunks g.offs of w; rank r starts owning chunk r. With
-// queued, the owned chunk's sends were already queued by ringReduceScatter, whose step
-// marks (g.marks) it uses.
-func (g *group) ringAllGather(seq uint32, w []byte, queued bool) error {
-	n, r := g.size, g.pos
-	next, prev := g.ringPeer(1), g.ringPeer(-1)
+// ringAllGather circulates the chunks of w on ring v; each position starts owning its
+// chunk. With queued, the owned chunk's sends were already queued by ringReduceScatter,
+// whose step marks (g.marks) it uses.
+func (g *group) ringAllGather(seq uint32, w []byte, queued bool, v *ringView) error {
+	n, r := v.n, v.pos
+	next, prev := v.peer(g, 1), v.peer(g, -1)
 	if !queued {
-		own := g.ringChunk(w, r)
+		own := v.chunk(w, r)
 		for a := 0; a < len(own); a += g.segLen(len(own), a) {
 			next.enqueue(seq, own[a:a+g.segLen(len(own), a)])
 		}
 	}
 	for s := 0; s < n-1; s++ {
-		c := g.ringChunk(w, r-1-s)
+		c := v.chunk(w, r-1-s)
 		for a, j := 0, 0; a < len(c); j++ {
 			l := g.segLen(len(c), a)
 			seg := c[a : a+l]
@@ -531,7 +640,7 @@ func (g *group) broadcast(o *op) error {
 	v := (g.pos - slices.Index(g.ring, o.root) + n) % n // Note [Ring order]
 	var next *peer
 	if v < n-1 {
-		next = g.ringPeer(1)
+		next = g.flat.peer(g, 1)
 	}
 	if v == 0 {
 		for a := 0; a < len(o.buf); a += g.segLen(len(o.buf), a) {
@@ -539,7 +648,7 @@ func (g *group) broadcast(o *op) error {
 		}
 		return g.waitSends()
 	}
-	prev := g.ringPeer(-1)
+	prev := g.flat.peer(g, -1)
 	for a := 0; a < len(o.buf); {
 		l := g.segLen(len(o.buf), a)
 		seg := o.buf[a : a+l]

@@ -262,22 +262,35 @@ func TestRingOrder(t *testing.T) {
 
 // TestHostPlacements: every collective is right however the ranks sit on (simulated)
 // hosts: contiguous with three ranks a host (whose middle rank has both ring neighbours on
-// its host while the others do not), round-robin, and mixed; with the rings pipelined in
-// tiny segments and with the defaults. The ring visits each host's ranks together, and the
-// group reports the transports the placement implies.
+// its host while the others do not), round-robin, and mixed; with the flat ring, with Note
+// [Hierarchical]'s rings where the placement allows them (in tiny segments, and with the
+// defaults). The ring visits each host's ranks together, and the group reports the
+// transports and the algorithm the placement implies.
 func TestHostPlacements(t *testing.T) {
 	for _, hosts := range [][]string{
 		{"a", "a", "a", "b", "b", "b"},
 		{"a", "b", "a", "b"},
 		{"a", "b", "b", "a", "c"},
 	} {
-		for _, cfg := range []Config{{Algorithm: AlgoRing, SegmentSize: 64, ShmSlotSize: 64, ShmSlots: 2}, {}} {
-			t.Run(fmt.Sprintf("%v/%s", hosts, cfg.Algorithm), func(t *testing.T) {
+		uniform := len(hosts) != 5 // two hosts with the same number of ranks each
+		for _, cfg := range []Config{
+			{Algorithm: AlgoRing, SegmentSize: 64, ShmSlotSize: 64, ShmSlots: 2},
+			{DirectMaxBytes: 8, SegmentSize: 64}, // the rings for almost every count, in tiny segments
+			{},
+		} {
+			t.Run(fmt.Sprintf("%v/%s/direct%d", hosts, cfg.Algorithm, cfg.DirectMaxBytes), func(t *testing.T) {
 				groups := startGroupsHosts(t, hosts, cfg)
 				want := ringOrder(hosts)
+				wantAlgo := "ring"
+				if uniform && cfg.Algorithm != AlgoRing {
+					wantAlgo = "hierarchical"
+				}
 				for r, g := range groups {
 					if got := g.(*group).ring; !slices.Equal(got, want) {
 						t.Fatalf("rank %d: ring %v, want %v", r, got, want)
+					}
+					if name, _, _ := procgroup.AllReduceAlgorithm(g, make([]float32, 1<<18)); name != wantAlgo {
+						t.Errorf("rank %d: a 1 MiB all-reduce takes %q, want %q", r, name, wantAlgo)
 					}
 					for j, tr := range procgroup.Transports(g) {
 						same := hosts[j] == hosts[r]
@@ -286,7 +299,7 @@ func TestHostPlacements(t *testing.T) {
 						}
 					}
 				}
-				checkCollectives(t, groups, []int{0, 1, 7, 101, 5000})
+				checkCollectives(t, groups, []int{0, 1, 7, 101, 5000, 20000})
 			})
 		}
 	}

@@ -16,9 +16,10 @@ const (
 	TransportTCP  = "tcp"
 	TransportUnix = "unix" // every peer must be on this host
 
-	AlgoAuto   = "auto"   // direct below Config.DirectMaxBytes, ring above
-	AlgoRing   = "ring"   // pipelined ring: reduce-scatter then all-gather
-	AlgoDirect = "direct" // every rank exchanges its whole buffer with every other (latency-optimal)
+	AlgoAuto   = "auto"         // direct below Config.DirectMaxBytes, ring above (hierarchical across hosts when it applies)
+	AlgoRing   = "ring"         // pipelined ring: reduce-scatter then all-gather, over every rank
+	AlgoDirect = "direct"       // every rank exchanges its whole buffer with every other (latency-optimal)
+	AlgoHier   = "hierarchical" // Note [Hierarchical] where the placement allows it (as auto), the flat ring elsewhere
 
 	ShmAuto = "auto" // same-host ranks joined by Unix sockets move large data through shared memory
 	ShmOff  = "off"  // data always goes over the sockets
@@ -134,9 +135,9 @@ func (c *Config) validate() error {
 	switch c.Algorithm {
 	case "":
 		c.Algorithm = AlgoAuto
-	case AlgoAuto, AlgoRing, AlgoDirect:
+	case AlgoAuto, AlgoRing, AlgoDirect, AlgoHier:
 	default:
-		return fmt.Errorf("%w: gloo: unknown algorithm %q (want auto, ring or direct)", procgroup.ErrInvalidArgument, c.Algorithm)
+		return fmt.Errorf("%w: gloo: unknown algorithm %q (want auto, ring, direct or hierarchical)", procgroup.ErrInvalidArgument, c.Algorithm)
 	}
 	if c.SegmentSize == 0 {
 		c.SegmentSize = 1 << 20

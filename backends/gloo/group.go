@@ -78,9 +78,13 @@ type group struct {
 	offs    []int  // chunk offsets in bytes, len size+1
 	ring    []int  // Note [Ring order]: the ranks in ring order, each host's together
 	pos     int    // this rank's index in ring
-	marks   []int  // ring: next.issued before each reduce-scatter step's sends
-	wideOp  op     // runWide's float32 twin of a 16-bit op
-	wideBuf []byte // runWide's float32 buffers
+	flat    ringView
+	hier    bool     // Note [Hierarchical] applies: local and cross are set
+	local   ringView // this host's ranks
+	cross   ringView // the ranks with this rank's local index, one per host
+	marks   []int    // ring: next.issued before each reduce-scatter step's sends
+	wideOp  op       // runWide's float32 twin of a 16-bit op
+	wideBuf []byte   // runWide's float32 buffers
 	wideIn  []byte
 	sendBuf []byte // inline frame
 
@@ -148,6 +152,8 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 	}
 	g.ring = ringOrder(g.hostIDs)
 	g.pos = slices.Index(g.ring, g.rank)
+	g.flat = ringView{n: g.size, pos: g.pos, ranks: g.ring, ids: g.ring, offs: g.offs}
+	g.setupHier()
 	if err := g.setupShm(ctx); err != nil {
 		g.shutdown()
 		g.releaseShm()

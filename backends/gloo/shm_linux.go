@@ -559,7 +559,7 @@ func (g *group) useShmRing() bool {
 // free, processes whatever has arrived, and sleeps on its bell when neither can move.
 func (g *group) shmRingAllReduce(o *op) error {
 	m := g.shm
-	n, r := g.size, g.pos // Note [Ring order]: positions, and chunks by ringChunk
+	n, r := g.size, g.pos // Note [Ring order]: positions, and chunks by position
 	ni, pi := m.local[g.ring[(r+1)%n]], m.local[g.ring[(r+n-1)%n]]
 	out, in := m.channel(m.me, ni), m.channel(pi, m.me)
 	outProd, outCons := m.u64(out+shmProd), m.u64(out+shmCons)
@@ -573,7 +573,7 @@ func (g *group) shmRingAllReduce(o *op) error {
 	outT, outA, inT, inA := 0, 0, 0, 0
 	// skip moves a cursor past empty chunks (count < n); both sides skip the same ones.
 	skip := func(t, off int) int {
-		for t < T && len(g.ringChunk(o.buf, r-off-t)) == 0 {
+		for t < T && len(g.flat.chunk(o.buf, r-off-t)) == 0 {
 			t++
 		}
 		return t
@@ -588,7 +588,7 @@ func (g *group) shmRingAllReduce(o *op) error {
 			if p-atomic.LoadUint64(outCons) >= K {
 				break
 			}
-			c := g.ringChunk(o.buf, r-1-outT)
+			c := g.flat.chunk(o.buf, r-1-outT)
 			l := min(S, len(c)-outA)
 			i := int(p % K)
 			copy(m.slotData(out, i, l), c[outA:outA+l])
@@ -612,7 +612,7 @@ func (g *group) shmRingAllReduce(o *op) error {
 			if ag := inT - (n - 1); ag >= 0 && (outT < ag || (outT == ag && outA <= inA)) {
 				break // its bytes are not copied out yet
 			}
-			c := g.ringChunk(o.buf, r-2-inT)
+			c := g.flat.chunk(o.buf, r-2-inT)
 			l := min(S, len(c)-inA)
 			i := int(cn % K)
 			h := m.slotHdr(in, i)
