@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # All-reduce across two hosts of the testbed (cmd/testbed: network namespaces, each link
-# shaped to RATE), HOSTS×LOCAL ranks placed contiguously: goddp's allreduce-perf under ddprun
-# --nnodes with the flat ring (GODDP_GLOO_ALGO=ring) and with Note [Hierarchical]'s rings
-# (auto), and PyTorch's Gloo (allreduce_bench.py, env:// with GLOO_SOCKET_IFNAME=eth0) when
-# installed, interleaved, REPEATS times. Prints the median busbw per size. Root only.
+# shaped to RATE), 2×LOCAL ranks: goddp's allreduce-perf with the flat ring
+# (GODDP_GLOO_ALGO=ring) and with Note [Hierarchical]'s rings (auto), and PyTorch's Gloo
+# (allreduce_bench.py, env:// with GLOO_SOCKET_IFNAME=eth0) when installed, interleaved,
+# REPEATS times. Prints the median busbw per size. Root only.
+#
+# PLACEMENT=contiguous (the default) puts ranks 0..LOCAL-1 on host 0, as ddprun --nnodes does
+# (goddp runs under it); PLACEMENT=roundrobin puts rank r on host r mod 2, every rank started
+# by hand with torchrun's variables (goddp's rank 0 then hosts the store).
 #
 #   RATE=1gbit scripts/bench_testbed_allreduce.sh
-#   RATE=10gbit REPEATS=5 MIN=1048576 MAX=67108864 scripts/bench_testbed_allreduce.sh
+#   RATE=10gbit REPEATS=5 MIN=1048576 MAX=67108864 PLACEMENT=roundrobin scripts/bench_testbed_allreduce.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${RATE:-1gbit}
@@ -14,6 +18,7 @@ REPEATS=${REPEATS:-3}
 MIN=${MIN:-1048576}
 MAX=${MAX:-67108864}
 LOCAL=${LOCAL:-2}
+PLACEMENT=${PLACEMENT:-contiguous}
 TORCH_DIR=${TORCH_DIR:-../shared/bench/torch}
 OUT=${OUT:-out/testbed_allreduce_${RATE}_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT" bin
@@ -23,25 +28,38 @@ export GODDP_TOKEN
 TORCH=0
 if [ -f "$TORCH_DIR/allreduce_bench.py" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then TORCH=1; fi
 WORLD=$((2 * LOCAL))
+case "$PLACEMENT" in
+  contiguous) rankof="\$((\$TESTBED_HOST * $LOCAL + L))" ;;
+  roundrobin) rankof="\$((L * 2 + \$TESTBED_HOST))" ;;
+  *) echo "PLACEMENT=$PLACEMENT: want contiguous or roundrobin" >&2; exit 2 ;;
+esac
+# ranks CMD TAG: the shell text that starts this host's LOCAL ranks of CMD by hand (rank from
+# $rankof with L the local index), torchrun's variables set, and waits for them.
+ranks() {
+  local out="" l
+  for l in $(seq 0 $((LOCAL - 1))); do
+    out="$out (RANK=${rankof//L/$l} LOCAL_RANK=$l LOCAL_WORLD_SIZE=$LOCAL WORLD_SIZE=$WORLD MASTER_ADDR=\$TESTBED_MASTER ${1//@L@/$l}) &"
+  done
+  echo "$out wait"
+}
 for rep in $(seq 1 "$REPEATS"); do
   for algo in ring auto; do
-    echo "# repeat $rep: goddp $algo" >&2
-    bin/testbed --hosts 2 --rate "$RATE" -- \
-      "GODDP_GLOO_ALGO=$algo bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node $LOCAL --master_addr \$TESTBED_MASTER --master_port 29500 bin/allreduce-perf -b $MIN -e $MAX -f 4 -n 5 -w 2 --json" \
-      > "$OUT/goddp_${algo}_r${rep}.log" 2>&1
+    echo "# repeat $rep: goddp $algo ($PLACEMENT)" >&2
+    if [ "$PLACEMENT" = contiguous ]; then
+      cmd="bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node $LOCAL --master_addr \$TESTBED_MASTER --master_port 29500 bin/allreduce-perf -b $MIN -e $MAX -f 4 -n 5 -w 2 --json"
+    else
+      cmd="$(ranks "MASTER_PORT=29500 bin/allreduce-perf -b $MIN -e $MAX -f 4 -n 5 -w 2 --json")"
+    fi
+    bin/testbed --hosts 2 --rate "$RATE" -- "export GODDP_GLOO_ALGO=$algo; $cmd" > "$OUT/goddp_${algo}_r${rep}.log" 2>&1
   done
   if [ "$TORCH" = 1 ]; then
-    echo "# repeat $rep: torch" >&2
-    ranks=""
-    for l in $(seq 0 $((LOCAL - 1))); do
-      ranks="$ranks (RANK=\$((\$TESTBED_HOST * $LOCAL + $l)) LOCAL_RANK=$l /usr/bin/python3 $TORCH_DIR/allreduce_bench.py --min_bytes $MIN --max_bytes $MAX --factor 4 --trials 1 --min_time 0.3 --csv $PWD/$OUT/torch_r${rep}_\${TESTBED_HOST}_$l.csv) &"
-    done
+    echo "# repeat $rep: torch ($PLACEMENT)" >&2
+    torch_ranks="$(ranks "MASTER_PORT=29600 /usr/bin/python3 $TORCH_DIR/allreduce_bench.py --min_bytes $MIN --max_bytes $MAX --factor 4 --trials 1 --min_time 0.3 --csv $PWD/$OUT/torch_r${rep}_\${TESTBED_HOST}_@L@.csv")"
     bin/testbed --hosts 2 --rate "$RATE" -- \
-      "source $TORCH_DIR/env.sh; export GLOO_SOCKET_IFNAME=eth0 WORLD_SIZE=$WORLD MASTER_ADDR=\$TESTBED_MASTER MASTER_PORT=29600; $ranks wait" \
-      > "$OUT/torch_r${rep}.log" 2>&1
+      "source $TORCH_DIR/env.sh; export GLOO_SOCKET_IFNAME=eth0; $torch_ranks" > "$OUT/torch_r${rep}.log" 2>&1
   fi
 done
-/usr/bin/python3 - "$OUT" "$WORLD" <<'PY'
+/usr/bin/python3 - "$OUT" "$WORLD" "$PLACEMENT" <<'PY'
 import csv, glob, json, os, re, statistics, sys
 out, world = sys.argv[1], int(sys.argv[2])
 rows = {}
@@ -59,7 +77,7 @@ for f in glob.glob(os.path.join(out, "torch_r*_0_0.csv")):  # rank 0's
         if int(r["world_size"]) == world:
             rows.setdefault(("torch", int(r["bytes"])), []).append(float(r["busbw_GBps"]))
 sizes = sorted({k[1] for k in rows})
-print(f"busbw GB/s, {world} ranks on 2 hosts, median over repeats")
+print(f"busbw GB/s, {world} ranks on 2 hosts ({sys.argv[3]}), median over repeats")
 print("| size | torch | goddp ring | goddp hierarchical | hierarchical/ring | hierarchical/torch |")
 print("|---:|---:|---:|---:|---:|---:|")
 med = lambda k: statistics.median(rows[k]) if k in rows else float("nan")
