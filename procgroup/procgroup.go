@@ -368,8 +368,8 @@ func AllReduceAlgorithm(pg ProcessGroup, buf any) (name string, traffic float64,
 // slice: collectives take both). Call it on every rank in the same order with the same
 // sizes, as the buckets are: whether a buffer fits is decided on each rank alone, and an
 // all-reduce only runs in place when it does on all of them. FreeBuffer gives a buffer back
-// once no collective uses it; afterwards it reads as zeros. Buffers stay addressable after
-// the group is closed.
+// once no collective uses it; afterwards it reads as zeros. Once the group is closed its
+// buffers read as zeros too (they stay addressable: no fault).
 type BufferAllocator interface {
 	AllocBuffer(dt DType, count int) (any, error)
 	FreeBuffer(buf any)

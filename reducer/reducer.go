@@ -365,10 +365,13 @@ func (r *Reducer) Generation() int {
 // parameter's gradient itself (averaged after Finalize). It is a []float32 or []float64,
 // valid until the Generation changes (in the first synced Finalize, and with AutoBucketCap
 // in the second and third too); take it again after such a Finalize. The caller may read and write it between Finalize and the next
-// BeginBackward only.
+// BeginBackward only. After Close it fails with ErrClosed.
 func (r *Reducer) GradView(i int) (any, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if r.closed {
+		return nil, ErrClosed
+	}
 	if i < 0 || i >= len(r.params) {
 		return nil, fmt.Errorf("%w: GradView(%d): parameter index outside [0, %d)", ErrInvalidArgument, i, len(r.params))
 	}
@@ -716,6 +719,9 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 		r.mu.Unlock()
 		werr := s.work.Wait(ctx)
 		r.mu.Lock()
+		if r.closed { // Close ran meanwhile: the buckets may be gone
+			return ErrClosed
+		}
 		if werr != nil && ctx.Err() != nil && s.work.Err() == nil {
 			return r.failLocked(fmt.Errorf("reducer: backward %d: Finalize: waiting for bucket %d: %w", r.m.Iter(), b, werr))
 		}

@@ -30,26 +30,43 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 	}
 	n := float64(g.size)
 	ring := 5 * (n - 1) / n
-	switch {
-	case g.size == 1 || len(b) == 0:
-		return "none", 0
-	case dt == procgroup.BFloat16 || dt == procgroup.Float16:
-		return "widened", 0
-	case g.useDirect(len(b)) && g.useShmDirect(len(b)):
-		return "shm-direct", n + 1
-	case g.useDirect(len(b)):
-		return "direct", n + 1
-	case g.useShmRing() && g.inPlaceOK() && g.ownsShared(b):
-		return "shm-inplace", ring
-	case g.useShmRing():
-		return "shm-ring", ring
-	case g.useHier():
+	switch name = g.allReducePath(dt, len(b)); name {
+	case "none", "widened":
+		return name, 0
+	case "shm-direct", "direct":
+		return name, n + 1
+	case "shm-ring":
+		if g.inPlaceOK() && g.ownsShared(b) {
+			return "shm-inplace", ring
+		}
+	case "hierarchical":
 		L, H := float64(g.local.n), float64(g.cross.n)
-		return "hierarchical", (5*(L-1) + 5*(H-1)/H) / L
-	case g.size == 2:
-		return "pair", ring
+		return name, (5*(L-1) + 5*(H-1)/H) / L
 	}
-	return "ring", ring
+	return name, ring
+}
+
+// allReducePath names the path run takes for an all-reduce of n bytes of dt: the one
+// dispatch that run and AllReduceAlgorithm share. ("shm-ring" runs in place when every
+// rank's buffer is in its arena: Note [Shared buffers].)
+func (g *group) allReducePath(dt procgroup.DType, n int) string {
+	switch {
+	case g.size == 1 || n == 0:
+		return "none"
+	case dt == procgroup.BFloat16 || dt == procgroup.Float16:
+		return "widened"
+	case g.useDirect(n) && g.useShmDirect(n):
+		return "shm-direct"
+	case g.useDirect(n):
+		return "direct"
+	case g.useShmRing():
+		return "shm-ring"
+	case g.useHier():
+		return "hierarchical"
+	case g.size == 2:
+		return "pair"
+	}
+	return "ring"
 }
 
 // run executes one collective on the worker goroutine.
@@ -64,22 +81,20 @@ func (g *group) run(o *op) error {
 	}
 	switch o.kind {
 	case procgroup.OpAllReduce:
-		if n == 1 || len(o.buf) == 0 {
+		path := g.allReducePath(o.dt, len(o.buf))
+		g.lastPath = path
+		switch path {
+		case "none":
 			return nil
-		}
-		if g.useDirect(len(o.buf)) {
-			if g.useShmDirect(len(o.buf)) {
-				return g.shmDirectAllReduce(o)
-			}
+		case "shm-direct":
+			return g.shmDirectAllReduce(o)
+		case "direct":
 			return g.directAllReduce(o)
-		}
-		if g.useShmRing() {
+		case "shm-ring":
 			return g.shmAllReduce(o)
-		}
-		if g.useHier() {
+		case "hierarchical":
 			return g.hierAllReduce(o)
-		}
-		if n == 2 {
+		case "pair":
 			if g.inlinePair() {
 				return g.inlinePairAllReduce(o)
 			}

@@ -300,6 +300,15 @@ func TestHostPlacements(t *testing.T) {
 					}
 				}
 				checkCollectives(t, groups, []int{0, 1, 7, 101, 5000, 20000})
+				// The path the worker took, not only the one reported.
+				each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+					return wait(g.AllReduce(ctx, make([]float32, 1<<18), procgroup.Sum))
+				})
+				for r, g := range groups {
+					if p := g.(*group).lastPath; p != wantAlgo {
+						t.Errorf("rank %d: a 1 MiB all-reduce ran %q, want %q", r, p, wantAlgo)
+					}
+				}
 			})
 		}
 	}

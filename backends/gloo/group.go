@@ -72,21 +72,24 @@ type group struct {
 	meshCh chan struct{} // size 1: an accepted peer was registered
 
 	// worker-only state
-	tmp     []byte // one segment, 8-aligned
-	seg     int    // the current collective's segment size (≤ Config.SegmentSize)
-	acc     []byte // direct all-reduce accumulator / reduce-scatter work buffer
-	offs    []int  // chunk offsets in bytes, len size+1
-	ring    []int  // Note [Ring order]: the ranks in ring order, each host's together
-	pos     int    // this rank's index in ring
-	flat    ringView
-	hier    bool     // Note [Hierarchical] applies: local and cross are set
-	local   ringView // this host's ranks
-	cross   ringView // the ranks with this rank's local index, one per host
-	marks   []int    // ring: next.issued before each reduce-scatter step's sends
-	wideOp  op       // runWide's float32 twin of a 16-bit op
-	wideBuf []byte   // runWide's float32 buffers
-	wideIn  []byte
-	sendBuf []byte // inline frame
+	tmp  []byte // one segment, 8-aligned
+	seg  int    // the current collective's segment size (≤ Config.SegmentSize)
+	acc  []byte // direct all-reduce accumulator / reduce-scatter work buffer
+	offs []int  // chunk offsets in bytes, len size+1
+	ring []int  // Note [Ring order]: the ranks in ring order, each host's together
+	pos  int    // this rank's index in ring
+	flat ringView
+	hier bool // Note [Hierarchical] applies: local and cross are set
+	// lastPath is the path the worker's latest all-reduce took (allReducePath, or
+	// "shm-inplace"), for the tests.
+	lastPath string
+	local    ringView // this host's ranks
+	cross    ringView // the ranks with this rank's local index, one per host
+	marks    []int    // ring: next.issued before each reduce-scatter step's sends
+	wideOp   op       // runWide's float32 twin of a 16-bit op
+	wideBuf  []byte   // runWide's float32 buffers
+	wideIn   []byte
+	sendBuf  []byte // inline frame
 
 	shm   *shmRegion  // nil: no shared memory (Note [Shared memory])
 	inl   inlineState // Note [Inline exchange]

@@ -16,6 +16,8 @@ import (
 // Note [Shared buffers]: buffers from AllocBuffer (the reducer's buckets) live in an arena
 // that the ranks of a host share, so that an all-reduce among them reads the peers' buffers
 // in place rather than copying every chunk into a slot and out again (Note [Shared memory]).
+// Every peer's posted state must name this collective: a rank that issued something else
+// fails it, as the slot ring's headers do.
 //
 // The arena is a second memfd the host's leader creates with the region, one part per
 // member (Config.ShmArenaMiB), sent with it and mapped whole by every member. It is address
@@ -23,8 +25,8 @@ import (
 // (MADV_REMOVE), so a freed buffer reads as zeros. Each rank hands out its own part, first
 // fit, page by page. The reducer allocates its buckets in the same order and sizes on every
 // rank, so whether a bucket fits comes out the same everywhere; the all-reduce checks it
-// anyway, below. Buffers stay mapped after Close while any is still handed out (a view of
-// one must not turn into a fault).
+// anyway, below. At Close anonymous zero pages replace the arena (releaseArena): the
+// memory goes, and a view of a buffer that outlives the group reads zeros, never faults.
 //
 // An all-reduce of more than DirectMaxBytes, when every rank shares the region, first posts
 // in its line of the region: the offset and length of its buffer in its arena part and
@@ -120,6 +122,9 @@ func (g *group) AllocBuffer(dt procgroup.DType, count int) (any, error) {
 		return nil, nil
 	}
 	m := g.shm
+	if count > m.arenaLen/dt.Size() {
+		return nil, nil
+	}
 	m.heap.mu.Lock()
 	defer m.heap.mu.Unlock()
 	if m.heap.closed {
@@ -147,9 +152,30 @@ func (g *group) FreeBuffer(buf any) {
 	}
 	m.heap.mu.Lock()
 	defer m.heap.mu.Unlock()
+	if m.heap.closed {
+		return // the arena is zero pages now (releaseArena)
+	}
 	if n := m.heap.put(off); n > 0 {
 		base := m.me*m.arenaLen + off
 		unix.Madvise(m.arena[base:base+n], unix.MADV_REMOVE)
+	}
+}
+
+// releaseArena ends the arena at Close: anonymous zero pages replace it, so that the
+// memfd and its pages go, while slices of buffers still handed out (a bucket, a gradient
+// view) read zeros instead of faulting. The address space stays reserved until the
+// process exits.
+func (m *shmRegion) releaseArena() {
+	m.heap.mu.Lock()
+	defer m.heap.mu.Unlock()
+	if m.arena == nil || m.heap.closed {
+		return
+	}
+	m.heap.closed = true
+	if _, err := unix.MmapPtr(-1, 0, unsafe.Pointer(&m.arena[0]), uintptr(len(m.arena)),
+		unix.PROT_READ|unix.PROT_WRITE, unix.MAP_FIXED|unix.MAP_PRIVATE|unix.MAP_ANONYMOUS); err != nil {
+		// Keep the shared mapping rather than leave a hole that live slices would fault in.
+		return
 	}
 }
 
@@ -207,12 +233,18 @@ func (g *group) shmAllReduce(o *op) error {
 			continue
 		}
 		q := m.post(j)
+		// A peer that skipped this collective and posted a later one satisfies every
+		// phase wait; a correct peer cannot leave this one before this rank does.
+		if st := atomic.LoadUint64(m.u64(q)); st>>2 != o.seq {
+			return fmt.Errorf("%w: rank %d posted collective #%d in shared memory while this rank runs all-reduce #%d (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, j, st>>2, o.seq)
+		}
 		pOff, pLen := *m.u64(q + 8), *m.u64(q + 16)
 		if atomic.LoadUint32(m.u32(q+24)) == 0 {
 			inPlace = false
 			continue
 		}
-		if pLen != uint64(len(o.buf)) || pOff+pLen > uint64(m.arenaLen) {
+		if pLen != uint64(len(o.buf)) || pOff > uint64(m.arenaLen) || pLen > uint64(m.arenaLen)-pOff {
 			return fmt.Errorf("%w: rank %d posted a buffer of %d bytes at %d of its arena for collective #%d, this rank has %d bytes (ranks issued different collectives?)",
 				procgroup.ErrInvalidArgument, j, pLen, pOff, o.seq, len(o.buf))
 		}
@@ -222,6 +254,7 @@ func (g *group) shmAllReduce(o *op) error {
 	if !inPlace || !mine {
 		return g.shmRingAllReduce(o)
 	}
+	g.lastPath = "shm-inplace"
 	es := o.dt.Size()
 	g.setChunks(len(o.buf)/es, es)
 	own := g.chunk(o.buf, r)

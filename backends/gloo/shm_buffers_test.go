@@ -83,6 +83,11 @@ func TestSharedBuffersAllReduce(t *testing.T) {
 					if after := slotSegments(groups[0]); after != before {
 						t.Fatalf("%v %v: %d segments went through the slots; want none (in place)", dt, op, after-before)
 					}
+					for r, g := range groups {
+						if p := g.(*group).lastPath; p != "shm-inplace" {
+							t.Fatalf("%v %v: rank %d's last all-reduce took %q, want shm-inplace", dt, op, r, p)
+						}
+					}
 					each(t, groups, func(r int, g procgroup.ProcessGroup) error {
 						var works []procgroup.Work
 						for i := range counts { // shared and private alternate, all in flight
@@ -189,12 +194,44 @@ func TestArenaHeap(t *testing.T) {
 		t.Errorf("negative count: %v; want ErrInvalidArgument", err)
 	}
 	bufs[0][0] = 42
+	a.FreeBuffer(bufs[1])
 	for _, g := range groups {
 		g.Close()
 	}
-	if bufs[0][0] != 42 { // still mapped: a live buffer must not fault after Close
-		t.Errorf("after Close a live buffer reads %v, want 42", bufs[0][0])
+	// After Close the arena is zero pages: a live buffer and a freed one both read zeros
+	// (and writing does not fault), and nothing more is handed out.
+	if bufs[0][0] != 0 || bufs[1][0] != 0 {
+		t.Errorf("after Close a live buffer reads %v and a freed one %v, want zeros", bufs[0][0], bufs[1][0])
 	}
+	bufs[1][0] = 7
+	if b, err := a.AllocBuffer(procgroup.Float32, 10); b != nil || err != nil {
+		t.Errorf("AllocBuffer after Close: %v, %v; want nil, nil", b, err)
+	}
+	if b, err := a.AllocBuffer(procgroup.Float32, 1<<62+1); b != nil || err != nil {
+		t.Errorf("AllocBuffer of 2^62+1 elements: %v, %v; want nil, nil", b, err)
+	}
+}
+
+// TestSharedBuffersMismatch: a rank whose peer issued another collective before its
+// all-reduce fails with the mismatch, instead of taking the peer's later post for this
+// one (the peer then waits until its timeout, as with any mismatch).
+func TestSharedBuffersMismatch(t *testing.T) {
+	groups := startGroupsTimeout(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing}, 3*time.Second)
+	b0 := sharedBuf(t, groups[0], procgroup.Float32, make([]float64, 1<<16))
+	b1 := sharedBuf(t, groups[1], procgroup.Float32, make([]float64, 1<<16))
+	w0 := groups[0].AllReduce(ctx, b0, procgroup.Sum)
+	wb := groups[1].Broadcast(ctx, make([]float32, 4), 1) // rank 1's collective #1 differs
+	w1 := groups[1].AllReduce(ctx, b1, procgroup.Sum)
+	c, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := w0.Wait(c); !errors.Is(err, procgroup.ErrInvalidArgument) || !strings.Contains(err.Error(), "different collectives") {
+		t.Errorf("rank 0: %v; want ErrInvalidArgument naming different collectives", err)
+	}
+	for _, g := range groups {
+		g.Abort(nil)
+	}
+	wb.Wait(c)
+	w1.Wait(c)
 }
 
 // TestSharedBuffersAbort: a rank waiting in place for a peer that never comes ends with

@@ -442,13 +442,7 @@ func (g *group) releaseShm() {
 		syscall.Munmap(m.mem)
 		m.mem = nil
 	}
-	m.heap.mu.Lock()
-	defer m.heap.mu.Unlock()
-	if m.arena != nil && len(m.heap.live) == 0 {
-		syscall.Munmap(m.arena)
-		m.arena = nil
-		m.heap.closed = true
-	}
+	m.releaseArena()
 }
 
 // shmAbort tells peer (if it shares the region) that this rank aborts (Note [Shared
