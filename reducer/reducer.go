@@ -865,23 +865,21 @@ func (r *Reducer) Close() error {
 		r.aborted = true
 		r.pg.Abort(fmt.Errorf("reducer: closed during backward %d", r.m.Iter()))
 	}
-	if r.dev != nil {
-		// The device buckets may still be read or written by queued work: wait for the
-		// collectives on the host and for the compute stream, then free them.
+	if r.dev != nil || r.alloc != nil {
+		// Device buckets, and buckets the group handed out, may still be read or written by
+		// queued work: wait for the collectives on the host (and, on a device, for the
+		// compute stream), then free them.
 		for b := range r.slots {
 			if w := r.slots[b].work; w != nil {
 				<-w.Done() // bounded: the group's timeout, or the abort above
 			}
 		}
+	}
+	if r.dev != nil {
 		_ = r.dev.SyncStream(r.opts.Stream)
 		r.freeDevice()
 	}
 	if r.alloc != nil {
-		for b := range r.slots {
-			if w := r.slots[b].work; w != nil {
-				<-w.Done() // bounded as above
-			}
-		}
 		r.freeShared()
 	}
 	return nil

@@ -46,6 +46,9 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 	return name, ring
 }
 
+// widened reports whether dt is reduced through float32 (runWide): bfloat16 and float16.
+func widened(dt procgroup.DType) bool { return dt == procgroup.BFloat16 || dt == procgroup.Float16 }
+
 // allReducePath names the path run takes for an all-reduce of n bytes of dt: the one
 // dispatch that run and AllReduceAlgorithm share. ("shm-ring" runs in place when every
 // rank's buffer is in its arena: Note [Shared buffers].)
@@ -53,7 +56,7 @@ func (g *group) allReducePath(dt procgroup.DType, n int) string {
 	switch {
 	case g.size == 1 || n == 0:
 		return "none"
-	case dt == procgroup.BFloat16 || dt == procgroup.Float16:
+	case widened(dt):
 		return "widened"
 	case g.useDirect(n) && g.useShmDirect(n):
 		return "shm-direct"
@@ -76,7 +79,7 @@ func (g *group) run(o *op) error {
 	}
 	n := g.size
 	g.seg = g.cfg.SegmentSize
-	if (o.kind == procgroup.OpAllReduce || o.kind == procgroup.OpReduceScatter) && n > 1 && (o.dt == procgroup.BFloat16 || o.dt == procgroup.Float16) {
+	if (o.kind == procgroup.OpAllReduce || o.kind == procgroup.OpReduceScatter) && n > 1 && widened(o.dt) {
 		return g.runWide(o)
 	}
 	switch o.kind {
@@ -209,9 +212,14 @@ func (g *group) useDirect(bytes int) bool {
 }
 
 // setChunks splits count elements of es bytes into size balanced chunks (byte offsets).
-func (g *group) setChunks(count, es int) {
-	for i := 0; i <= g.size; i++ {
-		g.offs[i] = i * count / g.size * es
+func (g *group) setChunks(count, es int) { splitChunks(g.offs, count, es) }
+
+// splitChunks fills offs (len parts+1) with the byte offsets of count elements of es bytes
+// split into parts balanced chunks.
+func splitChunks(offs []int, count, es int) {
+	parts := len(offs) - 1
+	for i := range offs {
+		offs[i] = i * count / parts * es
 	}
 }
 
@@ -337,11 +345,7 @@ func (g *group) useHier() bool {
 // hierAllReduce is the all-reduce of Note [Hierarchical].
 func (g *group) hierAllReduce(o *op) error {
 	es := o.dt.Size()
-	count := len(o.buf) / es
-	L, H := g.local.n, g.cross.n
-	for i := 0; i <= L; i++ {
-		g.local.offs[i] = i * count / L * es
-	}
+	splitChunks(g.local.offs, len(o.buf)/es, es)
 	seq := uint32(o.seq)
 	g.seg = g.ringSegment(len(o.buf))
 	sum := *o
@@ -356,10 +360,7 @@ func (g *group) hierAllReduce(o *op) error {
 		return err
 	}
 	mine := g.local.chunk(o.buf, g.local.pos)
-	mc := len(mine) / es
-	for i := 0; i <= H; i++ {
-		g.cross.offs[i] = i * mc / H * es
-	}
+	splitChunks(g.cross.offs, len(mine)/es, es)
 	if err := g.ringReduceScatter(&sum, seq, mine, true, &g.cross); err != nil {
 		return err
 	}

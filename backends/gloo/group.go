@@ -451,6 +451,20 @@ func randomBytes(n int) []byte {
 	return b
 }
 
+// AllocBuffer hands out count elements of dt that every rank of this host can read
+// (procgroup.BufferAllocator, Note [Shared buffers]); nil when the group has no such memory
+// (no arena, ranks on several hosts, not Linux), when dt is widened for reductions
+// (bfloat16, float16), or when the arena is full.
+func (g *group) AllocBuffer(dt procgroup.DType, count int) (any, error) {
+	if dt.Size() == 0 || count < 0 {
+		return nil, fmt.Errorf("%w: gloo: AllocBuffer of %d elements of %v", procgroup.ErrInvalidArgument, count, dt)
+	}
+	if count == 0 || widened(dt) {
+		return nil, nil
+	}
+	return g.arenaAlloc(dt, count), nil
+}
+
 // Transports reports, for each rank, how this rank exchanges data with it: "self", "shm"
 // (shared memory, a Unix socket for control), "unix", or "tcp HOST:PORT" with the peer's
 // address (procgroup.TransportReporter).

@@ -47,7 +47,7 @@ type arenaHeap struct {
 	mu     sync.Mutex
 	free   []span      // sorted by offset, coalesced
 	live   map[int]int // offset → length of the buffers handed out
-	closed bool        // the arena is unmapped
+	closed bool        // the group is closed: zero pages replaced the arena
 }
 
 type span struct{ off, n int }
@@ -110,32 +110,28 @@ func (g *group) inPlaceOK() bool {
 	return m != nil && m.arena != nil && m.members == g.size
 }
 
-// AllocBuffer hands out count elements of dt from this rank's arena part
-// (procgroup.BufferAllocator, Note [Shared buffers]); nil when the group has no arena, the
-// ranks do not all share it, dt is widened for reductions (bfloat16, float16), or the part
-// is full.
-func (g *group) AllocBuffer(dt procgroup.DType, count int) (any, error) {
-	if dt.Size() == 0 || count < 0 {
-		return nil, fmt.Errorf("%w: gloo: AllocBuffer of %d elements of %v", procgroup.ErrInvalidArgument, count, dt)
-	}
-	if !g.inPlaceOK() || count == 0 || dt == procgroup.BFloat16 || dt == procgroup.Float16 {
-		return nil, nil
+// arenaAlloc is AllocBuffer's work (Note [Shared buffers]): count (> 0) elements of dt
+// from this rank's arena part; nil when the group has no arena, the ranks do not all share
+// it, or the part is full.
+func (g *group) arenaAlloc(dt procgroup.DType, count int) any {
+	if !g.inPlaceOK() {
+		return nil
 	}
 	m := g.shm
 	if count > m.arenaLen/dt.Size() {
-		return nil, nil
+		return nil
 	}
 	m.heap.mu.Lock()
 	defer m.heap.mu.Unlock()
 	if m.heap.closed {
-		return nil, nil
+		return nil
 	}
 	off, ok := m.heap.get(count * dt.Size())
 	if !ok {
-		return nil, nil
+		return nil
 	}
 	base := m.me*m.arenaLen + off
-	return kernels.Typed(dt, m.arena[base:base+count*dt.Size():base+count*dt.Size()]), nil
+	return kernels.Typed(dt, m.arena[base:base+count*dt.Size():base+count*dt.Size()])
 }
 
 // FreeBuffer gives back a buffer from AllocBuffer; its pages read as zeros afterwards.

@@ -4,7 +4,6 @@ package gloo
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/goddp/goddp/procgroup"
 )
@@ -31,13 +30,8 @@ func (g *group) shmAllReduce(o *op) error               { panic("gloo: no shared
 func (g *group) inPlaceOK() bool                        { return false }
 func (g *group) ownsShared([]byte) bool                 { return false }
 
-// AllocBuffer has no shared memory to hand out here (procgroup.BufferAllocator).
-func (g *group) AllocBuffer(dt procgroup.DType, count int) (any, error) {
-	if dt.Size() == 0 || count < 0 {
-		return nil, fmt.Errorf("%w: gloo: AllocBuffer of %d elements of %v", procgroup.ErrInvalidArgument, count, dt)
-	}
-	return nil, nil
-}
+// arenaAlloc has no shared memory to hand out here.
+func (g *group) arenaAlloc(procgroup.DType, int) any { return nil }
 
 // FreeBuffer has nothing to give back here.
 func (g *group) FreeBuffer(any) {}

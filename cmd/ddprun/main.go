@@ -340,6 +340,12 @@ func (j *job) reportFailure(p *rankProc, attempt int) {
 	j.con.msg(msg)
 }
 
+// addEnv adds KEY=VALUE to the ranks' environment, without writing into an array that the
+// caller's environment slice may share.
+func (j *job) addEnv(kv string) {
+	j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)], kv)
+}
+
 // setDefaultThreads sets OMP_NUM_THREADS and OPENBLAS_NUM_THREADS to 1 for the ranks unless
 // the environment sets them, as torchrun does for OMP_NUM_THREADS: several ranks on one
 // node, each with a thread per core, oversubscribe the CPUs. It says so in one line.
@@ -347,7 +353,7 @@ func setDefaultThreads(j *job, con *console) {
 	var set []string
 	for _, k := range []string{"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} {
 		if !hasEnv(j.baseEnv, k) {
-			j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)], k+"=1")
+			j.addEnv(k + "=1")
 			set = append(set, k+"=1")
 		}
 	}
@@ -381,7 +387,7 @@ func setGoMaxProcs(j *job, con *console, cpus int) {
 		v = strconv.Itoa(max(1, cpus/j.cfg.nproc))
 		why = fmt.Sprintf("--gomaxprocs split: %d cores, %d ranks on this node", cpus, j.cfg.nproc)
 	}
-	j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)], "GOMAXPROCS="+v)
+	j.addEnv("GOMAXPROCS=" + v)
 	con.msg(fmt.Sprintf("ddprun: setting GOMAXPROCS=%s for each rank (%s)\n", v, why))
 }
 
@@ -393,7 +399,7 @@ func setCoreType(j *job, con *console, f openblascore.Features) {
 	if ct == "" || hasEnv(j.baseEnv, "OPENBLAS_CORETYPE") {
 		return
 	}
-	j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)], "OPENBLAS_CORETYPE="+ct)
+	j.addEnv("OPENBLAS_CORETYPE=" + ct)
 	con.msg(fmt.Sprintf("ddprun: setting OPENBLAS_CORETYPE=%s for each rank, the OpenBLAS kernels for this CPU (set it yourself to change this)\n", ct))
 }
 

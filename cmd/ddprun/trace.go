@@ -34,8 +34,7 @@ func (j *job) setupTraceMerge(workDir string) (merge func(), err error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("--trace_merge: %w", err)
 	}
-	j.baseEnv = append(j.baseEnv[:len(j.baseEnv):len(j.baseEnv)],
-		tracefile.EnvVar+"="+filepath.Join(dir, "trace.rank{rank}.a{attempt}.json"))
+	j.addEnv(tracefile.EnvVar + "=" + filepath.Join(dir, "trace.rank{rank}.a{attempt}.json"))
 	return func() {
 		local, err := lastAttemptTraces(dir)
 		if err != nil {
