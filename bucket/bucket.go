@@ -145,9 +145,6 @@ func AssignOrdered(params []Param, order []int, firstCapBytes, capBytes int64) (
 			o = &open{cap: firstCapBytes}
 			current[p.DType] = o
 		}
-		if o.b != nil && o.bytes+p.Bytes() > o.cap {
-			o.b, o.bytes, o.cap = nil, 0, capBytes // close it; later buckets get the full cap
-		}
 		if o.b == nil {
 			o.b = &Bucket{DType: p.DType}
 			all = append(all, o.b)
@@ -156,6 +153,9 @@ func AssignOrdered(params []Param, order []int, firstCapBytes, capBytes int64) (
 		o.b.Offsets = append(o.b.Offsets, o.b.Len)
 		o.b.Len += p.Len
 		o.bytes += p.Bytes()
+		if o.bytes >= o.cap {
+			o.b, o.bytes, o.cap = nil, 0, capBytes // close it; later buckets get the full cap
+		}
 	}
 	out := make([]Bucket, len(all))
 	for j, b := range all {

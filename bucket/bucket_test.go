@@ -39,10 +39,16 @@ func TestAssignTable(t *testing.T) {
 			want: want{params: [][]int{{1, 0}}, lens: []int{4}},
 		},
 		{
-			name:   "oversized parameter gets its own bucket",
+			name:   "the parameter that crosses the cap closes the bucket (PyTorch's rule)",
 			params: []Param{f32("a", 1), f32("big", 100), f32("c", 1)},
 			first:  8, cap: 8,
-			want: want{params: [][]int{{2}, {1}, {0}}, lens: []int{1, 100, 1}},
+			want: want{params: [][]int{{2, 1}, {0}}, lens: []int{101, 1}},
+		},
+		{
+			name:   "small parameters join the large one after them",
+			params: []Param{f32("w1", 100), f32("b1", 1), f32("w2", 100), f32("b2", 1), f32("n", 1)},
+			first:  16, cap: 8,
+			want: want{params: [][]int{{4, 3, 2}, {1, 0}}, lens: []int{102, 101}},
 		},
 		{
 			name: "dtypes never mix; buckets ordered by first parameter",
@@ -179,17 +185,29 @@ func checkAssignment(t *testing.T, params []Param, order []int, first, capb int6
 	for k, i := range order {
 		pos[i] = k
 	}
-	firstOfKey := map[DType]bool{}
+	// PyTorch's rule: a bucket is closed by the parameter that takes it to its cap or
+	// beyond, so without its last parameter every bucket is below its cap, and every bucket
+	// but the last of its element type reached it.
+	count := map[DType]int{}
+	for bi := range bs {
+		count[bs[bi].DType]++
+	}
+	seen := map[DType]int{}
 	lastFirst := -1
 	for bi := range bs {
 		b := &bs[bi]
 		k := b.DType
 		limit := capb
-		if !firstOfKey[k] {
-			limit, firstOfKey[k] = first, true
+		if seen[k] == 0 {
+			limit = first
 		}
-		if len(b.Params) > 1 && b.Bytes() > limit {
-			t.Fatalf("bucket %d: %d bytes over cap %d with %d params", bi, b.Bytes(), limit, len(b.Params))
+		seen[k]++
+		last := params[b.Params[len(b.Params)-1]].Bytes()
+		if b.Bytes()-last >= limit {
+			t.Fatalf("bucket %d: %d bytes before its last parameter, at or over cap %d", bi, b.Bytes()-last, limit)
+		}
+		if seen[k] < count[k] && b.Bytes() < limit {
+			t.Fatalf("bucket %d: closed at %d bytes, under cap %d, with more %v parameters to come", bi, b.Bytes(), limit, k)
 		}
 		if pos[b.Params[0]] <= lastFirst {
 			t.Fatalf("bucket %d out of order", bi)
@@ -200,25 +218,6 @@ func checkAssignment(t *testing.T, params []Param, order []int, first, capb int6
 				t.Fatalf("bucket %d: order not kept", bi)
 			}
 		}
-	}
-	// Maximality: the first parameter of each bucket did not fit in the previous bucket of
-	// its kind.
-	prev := map[DType]*Bucket{}
-	seenKey := map[DType]int{}
-	for bi := range bs {
-		b := &bs[bi]
-		k := b.DType
-		if p := prev[k]; p != nil {
-			limit := capb
-			if seenKey[k] == 1 {
-				limit = first
-			}
-			if p.Bytes()+params[b.Params[0]].Bytes() <= limit {
-				t.Fatalf("bucket %d: parameter %d would have fit in bucket %d", bi, b.Params[0], p.Index)
-			}
-		}
-		prev[k] = b
-		seenKey[k]++
 	}
 }
 

@@ -16,9 +16,12 @@
 // which backward usually produces their gradients), or in an observed order given to
 // AssignOrdered. Each element type fills its own current bucket; the first bucket of each
 // type is capped at firstCapBytes (small, so that the first all-reduce starts early) and the
-// others at capBytes. A parameter is never split: when it does not fit in the
-// current bucket, that bucket is closed and a new one started; a parameter larger than the
-// cap gets a bucket of its own. Buckets are numbered by the position, in the order, of their
+// others at capBytes. A parameter is never split: it joins the current bucket, and the one
+// that takes the bucket to its cap or past it closes it, as PyTorch's
+// compute_bucket_assignment_by_size does. So the biases and norms that come before a large
+// weight travel with it: closing the bucket before the weight instead gave a 1 MiB cap on
+// the L=4 h=512 transformer 36 buckets a pass, 19 of them under 10 KB, each a collective
+// that costs 0.6–1.8 ms over a 1 Gbit/s link (latency, not bytes). Buckets are numbered by the position, in the order, of their
 // first parameter, so bucket 0 is the one whose gradients are expected first. Inside a bucket
 // parameters keep the order, and their offsets are contiguous from 0.
 package bucket

@@ -297,8 +297,8 @@ func TestAveragedGradients(t *testing.T) {
 				if !view {
 					ps[0].Grad, ps[1].Grad, ps[2].Grad = make([]float32, din*dout), make([]float32, dout), make([]float64, dout)
 				}
-				// Caps of ~40 bytes: one bucket per parameter.
-				d, err := New(context.Background(), pg, ps, Options{BucketCapMB: 40.0 / (1 << 20), FirstBucketCapMB: 40.0 / (1 << 20), GradientAsBucketView: view})
+				// Caps of one byte: every parameter closes its own bucket.
+				d, err := New(context.Background(), pg, ps, Options{BucketCapMB: 1.0 / (1 << 20), FirstBucketCapMB: 1.0 / (1 << 20), GradientAsBucketView: view})
 				if err != nil {
 					return err
 				}
