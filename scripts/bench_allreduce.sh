@@ -4,7 +4,9 @@
 # the machine is shared and noisy. goddp runs twice: on ordinary buffers, and (SHARED=1,
 # the default) on buffers from the group's shared arena (--shared, all-reduced in place, as
 # the reducer's buckets are), the latter with --ceiling. Prints, per world size and size,
-# the median busbw of each over the repeats, the ceiling and the ratios.
+# the median busbw of each over the repeats, the ceiling and the ratios. VMREADV=1 adds a
+# third goddp run on ordinary buffers with GODDP_GLOO_VMREADV=1 (the peers' buffers read
+# with process_vm_readv, Note [Shared buffers]); TORCH=0 leaves PyTorch out.
 #
 #   scripts/bench_allreduce.sh                         # world sizes 2 and 4, 3 repeats
 #   WORLD_SIZES=2 REPEATS=5 EXTRA="--transport tcp" SHARED=0 scripts/bench_allreduce.sh
@@ -19,20 +21,32 @@ MIN=${MIN:-4096}
 MAX=${MAX:-268435456}
 EXTRA=${EXTRA:-}
 SHARED=${SHARED:-1}
+VMREADV=${VMREADV:-0}
+TORCH=${TORCH:-1}
 OUT=${OUT:-out/bench_allreduce_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT" bin
 go build -o bin/allreduce-perf ./cmd/allreduce-perf
-# shellcheck disable=SC1091
-source "$TORCH_DIR/env.sh"
+if [ "$TORCH" = 1 ]; then
+  # shellcheck disable=SC1091
+  source "$TORCH_DIR/env.sh"
+fi
 for rep in $(seq 1 "$REPEATS"); do
   for n in $WORLD_SIZES; do
-    echo "# repeat $rep world_size $n: torch" >&2
-    /usr/bin/python3 "$TORCH_DIR/allreduce_bench.py" --world_sizes "$n" --min_bytes "$MIN" \
-      --max_bytes "$MAX" --factor 4 --trials 1 --min_time 0.3 --csv "$OUT/torch_n${n}_r${rep}.csv" >&2
+    if [ "$TORCH" = 1 ]; then
+      echo "# repeat $rep world_size $n: torch" >&2
+      /usr/bin/python3 "$TORCH_DIR/allreduce_bench.py" --world_sizes "$n" --min_bytes "$MIN" \
+        --max_bytes "$MAX" --factor 4 --trials 1 --min_time 0.3 --csv "$OUT/torch_n${n}_r${rep}.csv" >&2
+    fi
     echo "# repeat $rep world_size $n: goddp $EXTRA" >&2
     # shellcheck disable=SC2086
     ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json $EXTRA \
       > "$OUT/goddp_n${n}_r${rep}.jsonl"
+    if [ "$VMREADV" = 1 ]; then
+      echo "# repeat $rep world_size $n: goddp with GODDP_GLOO_VMREADV=1 $EXTRA" >&2
+      # shellcheck disable=SC2086
+      GODDP_GLOO_VMREADV=1 ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json $EXTRA \
+        > "$OUT/vm_n${n}_r${rep}.jsonl"
+    fi
     if [ "$SHARED" = 1 ]; then
       echo "# repeat $rep world_size $n: goddp --shared --ceiling $EXTRA" >&2
       # shellcheck disable=SC2086
@@ -44,11 +58,11 @@ done
 /usr/bin/python3 - "$OUT" <<'PY'
 import csv, glob, json, os, statistics, sys
 out = sys.argv[1]
-torch, goddp, shared = {}, {}, {}
+torch, goddp, shared, vm = {}, {}, {}, {}
 for f in glob.glob(os.path.join(out, "torch_*.csv")):
     for r in csv.DictReader(open(f)):
         torch.setdefault((int(r["world_size"]), int(r["bytes"])), []).append(float(r["busbw_GBps"]))
-for kind, into in (("goddp", goddp), ("shared", shared)):
+for kind, into in (("goddp", goddp), ("shared", shared), ("vm", vm)):
     for f in glob.glob(os.path.join(out, kind + "_*.jsonl")):
         n = int(os.path.basename(f).split("_")[1][1:])
         for line in open(f):
@@ -64,15 +78,17 @@ def med(rows, key):
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 for n in sorted({k[0] for k in goddp}):
     print(f"\nworld_size={n}  (busbw GB/s, median over repeats; ceiling and algorithm from the --shared --ceiling runs)")
-    print("| size | torch | goddp | goddp --shared | algorithm | ceiling | % of ceiling | shared/goddp | goddp/torch | shared/torch | checked |")
-    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|")
+    print("| size | torch | goddp | goddp --shared | algorithm | ceiling | % of ceiling | shared/goddp | goddp/torch | shared/torch | goddp vm_readv | vm/goddp | checked |")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for (m, b) in sorted(k for k in goddp if k[0] == n):
         g, sh = goddp[(m, b)], shared.get((m, b), [])
         t = statistics.median(torch[(m, b)]) if (m, b) in torch else float("nan")
         gb, sb = med(g, "busbw_gbs"), med(sh, "busbw_gbs")
         ceil = med([r for r in sh if r.get("ceiling_busbw_gbs")], "ceiling_busbw_gbs") if sh else float("nan")
         algo = sh[0].get("algo", "-") if sh else "-"
-        ok = all(r["ok"] is not False for r in g + sh)
-        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {100 * sb / ceil:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {'yes' if ok else 'NO'} |")
+        v = vm.get((m, b), [])
+        vb = med(v, "busbw_gbs")
+        ok = all(r["ok"] is not False for r in g + sh + v)
+        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {100 * sb / ceil:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {vb:.3f} | {vb / gb:.2f} | {'yes' if ok else 'NO'} |")
 PY
 echo "raw results in $OUT" >&2

@@ -3,6 +3,7 @@ package gloo
 import (
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"slices"
 	"time"
@@ -35,9 +36,14 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 		return name, 0
 	case "shm-direct", "direct":
 		return name, n + 1
+	case "rd":
+		return name, 5 * math.Ceil(math.Log2(n)) // per round: send, receive, combine
 	case "shm-ring":
 		if g.inPlaceOK() && g.ownsShared(b) {
 			return "shm-inplace", ring
+		}
+		if g.inPlaceOK() && g.cfg.VMReadv { // when every peer sets it too
+			return "shm-vm", ring
 		}
 	case "hierarchical":
 		L, H := float64(g.local.n), float64(g.cross.n)
@@ -58,18 +64,16 @@ func (g *group) allReducePath(dt procgroup.DType, n int) string {
 		return "none"
 	case widened(dt):
 		return "widened"
+	case g.cfg.Algorithm == AlgoRD:
+		return "rd"
+	case g.model != nil && g.cfg.Algorithm == AlgoAuto:
+		return g.model.choose(n) // Note [Algorithm choice]
 	case g.useDirect(n) && g.useShmDirect(n):
 		return "shm-direct"
 	case g.useDirect(n):
 		return "direct"
-	case g.useShmRing():
-		return "shm-ring"
-	case g.useHier():
-		return "hierarchical"
-	case g.size == 2:
-		return "pair"
 	}
-	return "ring"
+	return g.ringPath()
 }
 
 // run executes one collective on the worker goroutine.
@@ -84,7 +88,10 @@ func (g *group) run(o *op) error {
 	}
 	switch o.kind {
 	case procgroup.OpAllReduce:
-		path := g.allReducePath(o.dt, len(o.buf))
+		path := o.force
+		if path == "" {
+			path = g.allReducePath(o.dt, len(o.buf))
+		}
 		g.lastPath = path
 		switch path {
 		case "none":
@@ -97,6 +104,8 @@ func (g *group) run(o *op) error {
 			return g.shmAllReduce(o)
 		case "hierarchical":
 			return g.hierAllReduce(o)
+		case "rd":
+			return g.rdAllReduce(o)
 		case "pair":
 			if g.inlinePair() {
 				return g.inlinePairAllReduce(o)
@@ -531,8 +540,8 @@ func (g *group) recvAll(p *peer, seq uint32, dst []byte) error {
 	return nil
 }
 
-// directAllReduce: every rank sends its buffer to every other and reduces all n buffers in
-// rank order (so every rank computes the same bits).
+// directAllReduce: every rank sends its buffer to every other and combines all n buffers
+// in Note [One association] (so every rank computes the same bits).
 func (g *group) directAllReduce(o *op) error {
 	n, r, seq := g.size, g.rank, uint32(o.seq)
 	for j := 1; j < n; j++ {
@@ -540,36 +549,21 @@ func (g *group) directAllReduce(o *op) error {
 			return err
 		}
 	}
-	acc := g.scratch(len(o.buf))
-	for j := 0; j < n; j++ {
+	t := &g.tree // Note [One association]: the ranks' buffers in ring order
+	t.reset(o.dt, o.rop, n, len(o.buf))
+	for _, j := range g.ring {
+		b := t.slot()
 		if j == r {
-			if j == 0 {
-				copy(acc, o.buf)
-			} else {
-				kernels.Reduce(o.dt, o.rop, acc, o.buf)
-			}
-			continue
+			copy(b, o.buf)
+		} else if err := g.recvAll(g.peers[j], seq, b); err != nil {
+			return err
 		}
-		if j == 0 {
-			if err := g.recvAll(g.peers[j], seq, acc); err != nil {
-				return err
-			}
-			continue
-		}
-		for a := 0; a < len(acc); {
-			l := g.segLen(len(acc), a) // as sendAll splits (InlineMaxBytes ≤ SegmentSize)
-			tmp := g.tmp[:l]
-			if err := g.recv(g.peers[j], seq, tmp); err != nil {
-				return err
-			}
-			kernels.Reduce(o.dt, o.rop, acc[a:a+l], tmp)
-			a += l
-		}
+		t.push(b)
 	}
 	if err := g.waitSends(); err != nil {
 		return err
 	}
-	copy(o.buf, acc)
+	copy(o.buf, t.result())
 	if o.rop == procgroup.Avg {
 		kernels.Divide(o.dt, o.buf, n)
 	}

@@ -275,8 +275,10 @@ func TestHostPlacements(t *testing.T) {
 		uniform := len(hosts) != 5 // two hosts with the same number of ranks each
 		for _, cfg := range []Config{
 			{Algorithm: AlgoRing, SegmentSize: 64, ShmSlotSize: 64, ShmSlots: 2},
-			{DirectMaxBytes: 8, SegmentSize: 64}, // the rings for almost every count, in tiny segments
-			{},
+			// The fixed rules (TestCalibratedChoice covers the calibrated model): the rings
+			// for almost every count, in tiny segments; and the rules' defaults.
+			{DirectMaxBytes: 8, SegmentSize: 64, Tune: TuneOff},
+			{Tune: TuneOff},
 		} {
 			t.Run(fmt.Sprintf("%v/%s/direct%d", hosts, cfg.Algorithm, cfg.DirectMaxBytes), func(t *testing.T) {
 				groups := startGroupsHosts(t, hosts, cfg)

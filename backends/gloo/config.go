@@ -20,6 +20,10 @@ const (
 	AlgoRing   = "ring"         // pipelined ring: reduce-scatter then all-gather, over every rank
 	AlgoDirect = "direct"       // every rank exchanges its whole buffer with every other (latency-optimal)
 	AlgoHier   = "hierarchical" // Note [Hierarchical] where the placement allows it (as auto), the flat ring elsewhere
+	AlgoRD     = "rd"           // recursive doubling (Note [Recursive doubling]) for every size
+
+	TuneAuto = "auto" // across hosts, auto's choice comes from a calibrated cost model (Note [Algorithm choice])
+	TuneOff  = "off"  // the fixed rules everywhere
 
 	ShmAuto = "auto" // same-host ranks joined by Unix sockets move large data through shared memory
 	ShmOff  = "off"  // data always goes over the sockets
@@ -31,7 +35,7 @@ const (
 type Config struct {
 	// Transport is "auto" (default), "tcp" or "unix".
 	Transport string
-	// Algorithm is "auto" (default), "ring" or "direct".
+	// Algorithm is "auto" (default), "ring", "direct", "hierarchical" or "rd".
 	Algorithm string
 	// ListenAddr is the host (or host:port) of the TCP listener, which is also the address
 	// published to the peers. Empty (the default) picks it with procgroup.ChooseListenAddr:
@@ -70,6 +74,14 @@ type Config struct {
 	// take memory only once written. Only the lowest rank of a host's value counts.
 	// GODDP_GLOO_SHM_ARENA_MIB overrides it.
 	ShmArenaMiB int
+	// Tune is "auto" (default) or "off": whether a group that spans hosts calibrates the
+	// cost model that picks the all-reduce's algorithm (Note [Algorithm choice]).
+	// GODDP_GLOO_TUNE overrides it.
+	Tune string
+	// VMReadv lets an all-reduce on shared memory whose buffers are not all in the arena
+	// read the peers' buffers with process_vm_readv (Note [Shared buffers]); every rank of
+	// the host must set it for it to apply. GODDP_GLOO_VMREADV=1 sets it.
+	VMReadv bool
 	// HostID identifies this host to the other ranks (default procgroup.HostIdentity: the
 	// boot id and the network namespace, never the hostname alone); ranks with the same
 	// HostID use Unix sockets and shared memory. Tests set it to simulate hosts.
@@ -109,6 +121,19 @@ func (c *Config) validate() error {
 	if c.ShmSlots == 0 {
 		c.ShmSlots = 8
 	}
+	if v := os.Getenv("GODDP_GLOO_TUNE"); v != "" {
+		c.Tune = v
+	}
+	switch c.Tune {
+	case "":
+		c.Tune = TuneAuto
+	case TuneAuto, TuneOff:
+	default:
+		return fmt.Errorf("%w: gloo: unknown tuning mode %q (want auto or off)", procgroup.ErrInvalidArgument, c.Tune)
+	}
+	if v := os.Getenv("GODDP_GLOO_VMREADV"); v != "" {
+		c.VMReadv = v == "1"
+	}
 	if v := os.Getenv("GODDP_GLOO_SHM_ARENA_MIB"); v != "" {
 		n, err := strconv.Atoi(v)
 		if err != nil || n < -1 {
@@ -135,9 +160,9 @@ func (c *Config) validate() error {
 	switch c.Algorithm {
 	case "":
 		c.Algorithm = AlgoAuto
-	case AlgoAuto, AlgoRing, AlgoDirect, AlgoHier:
+	case AlgoAuto, AlgoRing, AlgoDirect, AlgoHier, AlgoRD:
 	default:
-		return fmt.Errorf("%w: gloo: unknown algorithm %q (want auto, ring, direct or hierarchical)", procgroup.ErrInvalidArgument, c.Algorithm)
+		return fmt.Errorf("%w: gloo: unknown algorithm %q (want auto, ring, direct, hierarchical or rd)", procgroup.ErrInvalidArgument, c.Algorithm)
 	}
 	if c.SegmentSize == 0 {
 		c.SegmentSize = 1 << 20

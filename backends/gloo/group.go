@@ -30,6 +30,7 @@ type op struct {
 	ctx      context.Context
 	deadline time.Time
 	fut      *procgroup.Future
+	force    string // an all-reduce's path, set by the calibration (submitPath)
 }
 
 // group is the gloo ProcessGroup. Note [Threads]: one worker goroutine runs the works in
@@ -91,8 +92,10 @@ type group struct {
 	wideIn   []byte
 	sendBuf  []byte // inline frame
 
+	model *costModel  // Note [Algorithm choice]; nil: the fixed rules
 	shm   *shmRegion  // nil: no shared memory (Note [Shared memory])
 	inl   inlineState // Note [Inline exchange]
+	tree  treeAcc     // Note [One association]
 	timer *time.Timer
 	cur   *op
 }
@@ -170,6 +173,10 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 	}
 	g.wg.Add(1)
 	go g.worker()
+	if err := g.calibrate(ctx); err != nil {
+		g.Close()
+		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)
+	}
 	return g, nil
 }
 
@@ -185,6 +192,16 @@ func (g *group) AllReduce(ctx context.Context, buf any, rop procgroup.ReduceOp) 
 		return g.invalid(procgroup.OpAllReduce, err)
 	}
 	return g.submit(ctx, procgroup.OpAllReduce, dt, rop, b, nil, 0)
+}
+
+// submitPath queues an all-reduce that takes path (allReducePath's names) whatever the
+// rules say: Note [Algorithm choice]'s calibration.
+func (g *group) submitPath(ctx context.Context, buf any, rop procgroup.ReduceOp, path string) procgroup.Work {
+	b, dt, _, err := kernels.Bytes(buf)
+	if err != nil {
+		return g.invalid(procgroup.OpAllReduce, err)
+	}
+	return g.submitForce(ctx, procgroup.OpAllReduce, dt, rop, b, nil, 0, path)
 }
 
 func (g *group) Broadcast(ctx context.Context, buf any, root int) procgroup.Work {
@@ -250,6 +267,10 @@ func (g *group) invalid(k procgroup.CollectiveOp, err error) procgroup.Work {
 }
 
 func (g *group) submit(ctx context.Context, k procgroup.CollectiveOp, dt procgroup.DType, rop procgroup.ReduceOp, buf, in []byte, root int) procgroup.Work {
+	return g.submitForce(ctx, k, dt, rop, buf, in, root, "")
+}
+
+func (g *group) submitForce(ctx context.Context, k procgroup.CollectiveOp, dt procgroup.DType, rop procgroup.ReduceOp, buf, in []byte, root int, force string) procgroup.Work {
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -274,7 +295,7 @@ func (g *group) submit(ctx context.Context, k procgroup.CollectiveOp, dt procgro
 		o = new(op)
 	}
 	g.seq++
-	*o = op{kind: k, dt: dt, rop: rop, buf: buf, in: in, root: root, seq: g.seq, ctx: ctx, fut: fut}
+	*o = op{kind: k, dt: dt, rop: rop, buf: buf, in: in, root: root, seq: g.seq, ctx: ctx, fut: fut, force: force}
 	if g.qhead > 0 && g.qhead == len(g.queue) {
 		clear(g.queue)
 		g.queue, g.qhead = g.queue[:0], 0

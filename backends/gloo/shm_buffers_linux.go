@@ -2,6 +2,7 @@ package gloo
 
 import (
 	"fmt"
+	"os"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -212,7 +213,12 @@ func (g *group) shmAllReduce(o *op) error {
 	*m.u64(p + 16) = uint64(len(o.buf))
 	flag := uint32(0)
 	if mine {
-		flag = 1
+		flag = postArena
+	}
+	if g.cfg.VMReadv && len(o.buf) > 0 {
+		flag |= postVM
+		*m.u64(p + 32) = uint64(os.Getpid())
+		*m.u64(p + 40) = uint64(uintptr(unsafe.Pointer(&o.buf[0])))
 	}
 	atomic.StoreUint32(m.u32(p+24), flag)
 	base := o.seq << 2
@@ -221,9 +227,10 @@ func (g *group) shmAllReduce(o *op) error {
 	}
 	if len(m.peerBufs) != n {
 		m.peerBufs = make([][]byte, n) // once: all-reduces allocate nothing
+		m.peerPID, m.peerAddr = make([]int, n), make([]uintptr, n)
 	}
 	peers := m.peerBufs
-	inPlace := true
+	inPlace, vm := mine, flag&postVM != 0
 	for j := range n {
 		if j == r {
 			continue
@@ -236,7 +243,13 @@ func (g *group) shmAllReduce(o *op) error {
 				procgroup.ErrInvalidArgument, j, st>>2, o.seq)
 		}
 		pOff, pLen := *m.u64(q + 8), *m.u64(q + 16)
-		if atomic.LoadUint32(m.u32(q+24)) == 0 {
+		f := atomic.LoadUint32(m.u32(q + 24))
+		if f&postVM == 0 {
+			vm = false
+		} else {
+			m.peerPID[j], m.peerAddr[j] = int(*m.u64(q + 32)), uintptr(*m.u64(q + 40))
+		}
+		if f&postArena == 0 {
 			inPlace = false
 			continue
 		}
@@ -247,7 +260,10 @@ func (g *group) shmAllReduce(o *op) error {
 		at := j*m.arenaLen + int(pOff)
 		peers[j] = m.arena[at : at+len(o.buf) : at+len(o.buf)]
 	}
-	if !inPlace || !mine {
+	if !inPlace && vm {
+		return g.vmAllReduce(o, base)
+	}
+	if !inPlace {
 		return g.shmRingAllReduce(o)
 	}
 	g.lastPath = "shm-inplace"
@@ -300,4 +316,70 @@ func (g *group) shmPhase(state uint64) error {
 			return err
 		}
 	}
+}
+
+// The flags of a post (Note [Shared buffers]): the buffer is in the poster's arena; the
+// buffer may be read with process_vm_readv at the posted pid and address (Config.VMReadv).
+const (
+	postArena = 1
+	postVM    = 2
+)
+
+// vmAllReduce is the in-place all-reduce of Note [Shared buffers] for buffers that are not
+// all in the arena, every rank having set Config.VMReadv: a peer's chunk is read with
+// process_vm_readv (one copy, by the kernel) into a segment of g.tmp and reduced from
+// there; the other chunks are read straight into the buffer. The reductions run in the
+// order of the arena's in-place path, so both give the same bits.
+func (g *group) vmAllReduce(o *op, base uint64) error {
+	n, r := g.size, g.rank
+	g.lastPath = "shm-vm"
+	es := o.dt.Size()
+	g.setChunks(len(o.buf)/es, es)
+	own := g.chunk(o.buf, r)
+	seg := len(g.tmp) &^ 7
+	for j := range n {
+		if j == r {
+			continue
+		}
+		for a := 0; a < len(own); a += seg {
+			l := min(seg, len(own)-a)
+			if err := g.vmRead(j, g.tmp[:l], g.offs[r]+a); err != nil {
+				return err
+			}
+			kernels.Reduce(o.dt, o.rop, own[a:a+l], g.tmp[:l])
+		}
+	}
+	if o.rop == procgroup.Avg {
+		kernels.Divide(o.dt, own, n)
+	}
+	if err := g.shmPhase(base | 2); err != nil {
+		return err
+	}
+	for j := range n {
+		if j != r {
+			if err := g.vmRead(j, g.chunk(o.buf, j), g.offs[j]); err != nil {
+				return err
+			}
+		}
+	}
+	return g.shmPhase(base | 3)
+}
+
+// vmRead reads len(dst) bytes at offset off of peer j's posted buffer into dst.
+func (g *group) vmRead(j int, dst []byte, off int) error {
+	m := g.shm
+	for len(dst) > 0 {
+		local := []unix.Iovec{{Base: &dst[0]}}
+		local[0].SetLen(len(dst))
+		remote := []unix.RemoteIovec{{Base: m.peerAddr[j] + uintptr(off), Len: len(dst)}}
+		k, err := unix.ProcessVMReadv(m.peerPID[j], local, remote, 0)
+		if err != nil {
+			return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d): %w", g.rank, j, m.peerPID[j], err)
+		}
+		if k <= 0 {
+			return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d) read nothing", g.rank, j, m.peerPID[j])
+		}
+		dst, off = dst[k:], off+k
+	}
+	return nil
 }

@@ -253,3 +253,82 @@ func TestSharedBuffersAbort(t *testing.T) {
 }
 
 func uintptrOf[T any](p *T) uintptr { return uintptr(unsafe.Pointer(p)) }
+
+// TestVMReadvAllReduce: with Config.VMReadv on every rank, all-reduces of private buffers
+// read the peers' buffers with process_vm_readv (path shm-vm, no segment through the
+// slots), match a float64 reference, leave every rank with the same bits, and give the
+// bits of the arena's in-place path; a rank without VMReadv sends every rank to the ring.
+func TestVMReadvAllReduce(t *testing.T) {
+	counts := []int{1, 3, 100, 4099, 70000}
+	for size := 2; size <= 4; size++ {
+		t.Run(fmt.Sprintf("n%d", size), func(t *testing.T) {
+			cfg := Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, VMReadv: true}
+			groups := startGroups(t, size, &cfg)
+			seed := uint64(900)
+			for _, dt := range []procgroup.DType{procgroup.Float32, procgroup.Int64} {
+				for _, op := range procgroup.ReduceOps {
+					for _, count := range counts {
+						seed++
+						xs := inputs(seed, size, count, op)
+						private, shared := make([]any, size), make([]any, size)
+						for r, g := range groups {
+							private[r], shared[r] = toBuf(dt, xs[r]), sharedBuf(t, g, dt, xs[r])
+						}
+						before := slotSegments(groups[0])
+						each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+							return wait(g.AllReduce(ctx, private[r], op))
+						})
+						what := fmt.Sprintf("%v %v count %d", dt, op, count)
+						if after := slotSegments(groups[0]); after != before {
+							t.Fatalf("%s: %d segments went through the slots", what, after-before)
+						}
+						for r, g := range groups {
+							if p := g.(*group).lastPath; p != "shm-vm" && count*dt.Size() > g.(*group).cfg.DirectMaxBytes {
+								t.Fatalf("%s: rank %d took %q, want shm-vm", what, r, p)
+							}
+						}
+						each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+							return wait(g.AllReduce(ctx, shared[r], op))
+						})
+						want := reduceRef(xs, op)
+						ref := fromBuf(shared[0])
+						for r := range size {
+							got := fromBuf(private[r])
+							checkClose(t, fmt.Sprintf("%s rank %d", what, r), dt, op, got, want)
+							for k := range got {
+								if math.Float64bits(got[k]) != math.Float64bits(ref[k]) {
+									t.Fatalf("%s rank %d: element %d is %v, the in-place path gives %v", what, r, k, got[k], ref[k])
+								}
+							}
+						}
+						for r, g := range groups {
+							g.(procgroup.BufferAllocator).FreeBuffer(shared[r])
+						}
+					}
+				}
+			}
+		})
+	}
+	t.Run("one rank without", func(t *testing.T) {
+		groups := startGroupsCfg(t, 3, func(r int) *Config {
+			return &Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, VMReadv: r != 1}
+		}, nil, time.Minute)
+		t.Cleanup(func() {
+			for _, g := range groups {
+				g.Close()
+			}
+		})
+		xs := inputs(77, 3, 5000, procgroup.Sum)
+		bufs := make([]any, 3)
+		each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+			bufs[r] = toBuf(procgroup.Float64, xs[r])
+			return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum))
+		})
+		for r, g := range groups {
+			if p := g.(*group).lastPath; p != "shm-ring" {
+				t.Errorf("rank %d took %q, want shm-ring", r, p)
+			}
+			checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float64, procgroup.Sum, fromBuf(bufs[r]), reduceRef(xs, procgroup.Sum))
+		}
+	})
+}

@@ -114,6 +114,8 @@ type shmRegion struct {
 	arenaLen int
 	heap     arenaHeap
 	peerBufs [][]byte // worker-only: the peers' buffers of an in-place all-reduce
+	peerPID  []int    // worker-only: the peers' pids and buffer addresses (Config.VMReadv)
+	peerAddr []uintptr
 }
 
 func shmLayout(members, slot, slots int) (chanLen, total int) {
@@ -648,9 +650,9 @@ func (g *group) useShmDirect(bytes int) bool {
 }
 
 // shmDirectAllReduce is directAllReduce over shared memory, for small messages: this rank
-// copies its buffer into a slot to every peer, then reduces the n buffers in rank order
-// straight from the slots (so every rank computes the same bits). All ranks are members,
-// so local index = rank.
+// copies its buffer into a slot to every peer, then combines the n buffers, copied from
+// the slots, in Note [One association] (so every rank computes the same bits). All ranks
+// are members, so local index = rank.
 func (g *group) shmDirectAllReduce(o *op) error {
 	m := g.shm
 	n, r, seq := g.size, g.rank, uint32(o.seq)
@@ -678,14 +680,13 @@ func (g *group) shmDirectAllReduce(o *op) error {
 			}
 		}
 	}
-	acc := g.scratch(l)
-	for j := range n {
+	t := &g.tree // Note [One association]
+	t.reset(o.dt, o.rop, n, l)
+	for _, j := range g.ring {
+		b := t.slot()
 		if j == r {
-			if j == 0 {
-				copy(acc, o.buf)
-			} else {
-				kernels.Reduce(o.dt, o.rop, acc, o.buf)
-			}
+			copy(b, o.buf)
+			t.push(b)
 			continue
 		}
 		ch := m.channel(j, r)
@@ -699,11 +700,8 @@ func (g *group) shmDirectAllReduce(o *op) error {
 					return fmt.Errorf("%w: rank %d sent %d bytes for collective #%d through shared memory, this rank expects %d bytes for #%d (ranks issued different collectives?)",
 						procgroup.ErrInvalidArgument, j, hl, hs, l, seq)
 				}
-				if j == 0 {
-					copy(acc, m.slotData(ch, i, l))
-				} else {
-					kernels.Reduce(o.dt, o.rop, acc, m.slotData(ch, i, l))
-				}
+				copy(b, m.slotData(ch, i, l))
+				t.push(b)
 				m.cons[j] = c + 1
 				atomic.StoreUint64(m.u64(ch+shmCons), c+1)
 				m.ring(j)
@@ -714,7 +712,7 @@ func (g *group) shmDirectAllReduce(o *op) error {
 			}
 		}
 	}
-	copy(o.buf, acc)
+	copy(o.buf, t.result())
 	if o.rop == procgroup.Avg {
 		kernels.Divide(o.dt, o.buf, n)
 	}

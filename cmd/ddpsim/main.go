@@ -87,7 +87,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&c.compute, "compute_ms", "", "rescale the profile's compute so that a step without communication takes this many ms; "+
 		"sweep: the compute-only ms/step of -measured (two --no_ddp processes, steady state, where the profile's first steps may be slower)")
 	fs.StringVar(&c.perf, "allreduce", "", "replace the profile's all-reduce curve with allreduce-perf --json output (one JSON object per size)")
-	fs.StringVar(&c.trace, "trace", "", "take the grad-ready times from this goddp trace (--trace) instead: the median over its passes; trace a run with one bucket (--bucket_cap_mb above the model's size), so that no collective runs during backward")
+	fs.StringVar(&c.trace, "trace", "", "take the grad-ready times, backward compute and the rest of the step from this goddp trace (--trace) instead: the medians over its passes; trace a run with one bucket (--bucket_cap_mb above the model's size), so that no collective runs during backward")
 	fs.IntVar(&c.rank, "trace_rank", 0, "with -trace: the rank whose passes to read")
 	fs.IntVar(&c.from, "trace_from", 3, "with -trace: the first backward pass (counted from 1) to read; the first ones warm up")
 	fs.BoolVar(&c.seed, "seed", false, "print the extrapolation to the seed article's 8-GPU experiment and the multi-node what-if")
@@ -311,7 +311,9 @@ func loadProfiles(paths []string) (*sim.Profile, error) {
 // readyFromTrace replaces p's ready times and backward compute with the medians, over rank's
 // passes from iteration from on, of each gradient's ready time ("grad" instants) and the
 // backward pass's length ("backward" spans) in a goddp trace, less the reducer's copies
-// before each (p.CopyPerByte).
+// before each (p.CopyPerByte). Where the trainer traced its steps ("step" spans), the rest
+// of the step (p.Other) is replaced too: the median of each step's length less its pass,
+// from the pass's start to the end of its Finalize wait.
 func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 	tf, err := tracefile.ReadFile(path)
 	if err != nil {
@@ -319,9 +321,21 @@ func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 	}
 	start := map[int64]float64{} // iteration → the backward pass's start, µs
 	length := map[int64]float64{}
+	end := map[int64]float64{} // iteration → the end of its Finalize wait, µs
+	var steps [][2]float64    // rank's step spans, µs
 	for _, e := range tf.TraceEvents {
-		if iter, ok := e.Arg("iter"); ok && e.PID == rank && e.Cat == observe.CatBackward && e.Ph == "X" && iter >= int64(from) {
+		if e.PID != rank || e.Ph != "X" {
+			continue
+		}
+		iter, ok := e.Arg("iter")
+		switch {
+		case e.Cat == observe.CatStep:
+			steps = append(steps, [2]float64{e.TS, e.End()})
+		case ok && e.Cat == observe.CatBackward && iter >= int64(from):
 			start[iter], length[iter] = e.TS, e.Dur
+			end[iter] = max(end[iter], e.End())
+		case ok && e.Cat == observe.CatWait && iter >= int64(from):
+			end[iter] = max(end[iter], e.End())
 		}
 	}
 	if len(start) == 0 {
@@ -359,6 +373,18 @@ func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 		lens = append(lens, l/1e6)
 	}
 	p.Backward = math.Max(median(lens)-copies, 0)
+	var rest []float64
+	for iter, s := range start {
+		for _, st := range steps {
+			if st[0] <= s && end[iter] <= st[1] {
+				rest = append(rest, (st[1]-st[0]-(end[iter]-s))/1e6)
+				break
+			}
+		}
+	}
+	if len(rest) > 0 {
+		p.Other = math.Max(median(rest), 0)
+	}
 	return p.Check()
 }
 

@@ -203,6 +203,12 @@ func TestReadyFromTrace(t *testing.T) {
 			}
 			args := map[string]any{"iter": float64(iter)}
 			tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "backward pass", Cat: "backward", Ph: "X", TS: base, Dur: 50e3 + extra, PID: rank, Args: args})
+			// The Finalize wait ends 4 ms after backward; the step starts 20 ms before the
+			// pass and ends 10+iter ms after the wait: the rest is 32, 33, 34 ms from pass 2.
+			wait := base + 50e3 + extra
+			tf.TraceEvents = append(tf.TraceEvents,
+				tracefile.Event{Name: "finalize wait", Cat: "wait", Ph: "X", TS: wait, Dur: 4e3, PID: rank, Args: args},
+				tracefile.Event{Name: "step", Cat: "step", Ph: "X", TS: base - 20e3, Dur: 20e3 + 50e3 + extra + 4e3 + (10+float64(iter))*1e3, PID: rank})
 			for i := range 8 {
 				tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "w", Cat: "grad", Ph: "i", TS: base + float64(8-i)*5e3 + extra, PID: rank,
 					Args: map[string]any{"iter": float64(iter), "param": float64(i)}})
@@ -232,11 +238,14 @@ func TestReadyFromTrace(t *testing.T) {
 	if math.Abs(p.Backward-0.051) > 1e-12 {
 		t.Errorf("Backward = %v, want 0.051", p.Backward)
 	}
+	if math.Abs(p.Other-0.033) > 1e-9 {
+		t.Errorf("Other = %v, want 0.033 (the median rest of the steps from pass 2)", p.Other)
+	}
 	if err := readyFromTrace(p, trace, 5, 2); err == nil {
 		t.Error("a rank with no passes: no error")
 	}
 	var out strings.Builder
-	if err := run([]string{"-profile", prof, "-trace", trace, "-trace_from", "2"}, &out, io.Discard); err != nil || !strings.Contains(out.String(), "backward compute 51.00 ms") {
+	if err := run([]string{"-profile", prof, "-trace", trace, "-trace_from", "2"}, &out, io.Discard); err != nil || !strings.Contains(out.String(), "backward compute 51.00 ms, rest of the step 33.00 ms") {
 		t.Errorf("ddpsim -trace: %v\n%s", err, out.String())
 	}
 }

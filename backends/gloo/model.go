@@ -1,0 +1,181 @@
+package gloo
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+// Note [Algorithm choice]: on one host the all-reduce's algorithm follows fixed rules
+// measured on shared memory (direct up to DirectMaxBytes, the ring above). A group that
+// spans hosts has a link whose speed nobody knows in advance (1 Gbit/s or 400), so there,
+// with Algorithm auto, New calibrates a cost model as NCCL's tuning tables do, but
+// measured: every rank times all-reduces of a few sizes (calibSizes) with each candidate
+// (direct; recursive doubling from 3 ranks on; and the ring the placement allows: the
+// hierarchical rings, the two-rank exchange or the flat ring), the ranks take the slowest
+// rank's time of each (an all-reduce with Max), and each candidate's time is fitted as
+// α + β·bytes. Every rank then holds the same table and makes the same choice for every
+// size: the candidate with the least predicted time. Direct and recursive doubling give
+// the same bits (Note [One association]), so the choice between them changes no result.
+// GODDP_GLOO_ALGO (Config.Algorithm) overrides the model, and GODDP_GLOO_TUNE=off
+// (Config.Tune) keeps the fixed rules across hosts too.
+
+// calibSizes are the message sizes the calibration times (bytes of float32).
+var calibSizes = []int{8 << 10, 64 << 10, 512 << 10}
+
+// calibReps is how many times each (candidate, size) is timed after one warm-up; the
+// fastest counts.
+const calibReps = 3
+
+// algoCost is one candidate's fitted cost.
+type algoCost struct {
+	path        string  // allReducePath's name
+	alpha, beta float64 // seconds, seconds per byte
+}
+
+// costModel is Note [Algorithm choice]'s table; nil where the fixed rules apply.
+type costModel struct {
+	algos []algoCost
+	took  time.Duration // the calibration's length
+}
+
+// choose is the path with the least predicted time for n bytes (the first on a tie).
+func (m *costModel) choose(n int) string {
+	best, bt := "", math.Inf(1)
+	for _, a := range m.algos {
+		if t := a.alpha + a.beta*float64(n); t < bt {
+			best, bt = a.path, t
+		}
+	}
+	return best
+}
+
+func (m *costModel) String() string {
+	var b strings.Builder
+	for i, a := range m.algos {
+		if i > 0 {
+			b.WriteString("; ")
+		}
+		fmt.Fprintf(&b, "%s %.1fµs + %.3fns/B", a.path, a.alpha*1e6, a.beta*1e9)
+	}
+	// Where the choice changes, scanning sizes by powers of two from 1 KiB to 1 GiB.
+	prev := ""
+	for s := 1 << 10; s <= 1<<30; s <<= 1 {
+		if c := m.choose(s); c != prev {
+			fmt.Fprintf(&b, "; from %s: %s", sizeName(s), c)
+			prev = c
+		}
+	}
+	return b.String()
+}
+
+func sizeName(n int) string {
+	switch {
+	case n >= 1<<30 && n%(1<<30) == 0:
+		return fmt.Sprintf("%d GiB", n>>30)
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%d MiB", n>>20)
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return fmt.Sprintf("%d KiB", n>>10)
+	}
+	return fmt.Sprintf("%d B", n)
+}
+
+// spansHosts reports whether the group's ranks are on more than one host.
+func (g *group) spansHosts() bool {
+	for _, h := range g.hostIDs {
+		if h != g.hostIDs[0] {
+			return true
+		}
+	}
+	return false
+}
+
+// ringPath is the path the fixed rules give a message too large for direct.
+func (g *group) ringPath() string {
+	switch {
+	case g.useShmRing():
+		return "shm-ring"
+	case g.useHier():
+		return "hierarchical"
+	case g.size == 2:
+		return "pair"
+	}
+	return "ring"
+}
+
+// calibrate builds Note [Algorithm choice]'s model when it applies; every rank runs it at
+// the same point of New, before any collective of the user's.
+func (g *group) calibrate(ctx context.Context) error {
+	if g.cfg.Algorithm != AlgoAuto || g.cfg.Tune == TuneOff || g.size < 2 || !g.spansHosts() {
+		return nil
+	}
+	start := time.Now()
+	paths := []string{"direct"}
+	if g.size >= 3 {
+		paths = append(paths, "rd")
+	}
+	paths = append(paths, g.ringPath())
+	buf := make([]float32, calibSizes[len(calibSizes)-1]/4)
+	times := make([]float64, len(paths)*len(calibSizes))
+	for i, path := range paths {
+		for k, size := range calibSizes {
+			b := buf[:size/4]
+			best := math.Inf(1)
+			for rep := 0; rep <= calibReps; rep++ {
+				t0 := time.Now()
+				if err := g.submitForced(ctx, b, path).Wait(ctx); err != nil {
+					return fmt.Errorf("calibrating the all-reduce (%s, %s): %w", path, sizeName(size), err)
+				}
+				if rep > 0 { // the first one absorbs the ranks' skew
+					best = min(best, time.Since(t0).Seconds())
+				}
+			}
+			times[i*len(calibSizes)+k] = best
+		}
+	}
+	w := g.submitForced(ctx, times, "direct")
+	if err := w.Wait(ctx); err != nil {
+		return fmt.Errorf("calibrating the all-reduce (exchanging the times): %w", err)
+	}
+	m := &costModel{}
+	for i, path := range paths {
+		alpha, beta := fitLine(calibSizes, times[i*len(calibSizes):(i+1)*len(calibSizes)])
+		m.algos = append(m.algos, algoCost{path: path, alpha: alpha, beta: beta})
+	}
+	m.took = time.Since(start)
+	g.model = m
+	if g.rank == 0 {
+		g.log.Info("gloo: all-reduce algorithms calibrated across hosts (GODDP_GLOO_ALGO overrides, GODDP_GLOO_TUNE=off keeps fixed rules)",
+			zap.Duration("took", m.took), zap.String("model", m.String()))
+	}
+	return nil
+}
+
+// fitLine fits t = α + β·x by least squares, with α and β at least 0.
+func fitLine(xs []int, ts []float64) (alpha, beta float64) {
+	var sx, st, sxx, sxt float64
+	n := float64(len(xs))
+	for i, x := range xs {
+		fx := float64(x)
+		sx, st, sxx, sxt = sx+fx, st+ts[i], sxx+fx*fx, sxt+fx*ts[i]
+	}
+	if d := n*sxx - sx*sx; d > 0 {
+		beta = (n*sxt - sx*st) / d
+	}
+	beta = max(beta, 0)
+	alpha = max((st-beta*sx)/n, 0)
+	return alpha, beta
+}
+
+// submitForced queues an all-reduce (Max) of buf that takes the given path whatever the
+// rules say (the calibration's own).
+func (g *group) submitForced(ctx context.Context, buf any, path string) procgroup.Work {
+	return g.submitPath(ctx, buf, procgroup.Max, path)
+}
