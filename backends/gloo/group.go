@@ -160,6 +160,7 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 	g.pos = slices.Index(g.ring, g.rank)
 	g.flat = ringView{n: g.size, pos: g.pos, ranks: g.ring, ids: g.ring, offs: g.offs}
 	g.setupHier()
+	g.setSpins()
 	if err := g.setupShm(ctx); err != nil {
 		g.shutdown()
 		g.releaseShm()

@@ -50,8 +50,12 @@ const (
 	inlineGrain   = 128 << 10 // combine at least this many bytes at a time (or the rest)
 	inlineSendMax = 1 << 20   // the most payload bytes one sendmsg offers
 	// inlineSpins is how many passes without progress (each ending in sched_yield) the
-	// exchange makes before it sleeps in poll: 1 MiB over TCP, medians of 8 interleaved
-	// runs, 1.49 ms without, 1.30 ms with (4 MiB unchanged).
+	// exchange makes before it sleeps in poll, with a peer on this host: 1 MiB over TCP on
+	// loopback, medians of 8 interleaved runs, 1.49 ms without, 1.30 ms with (4 MiB
+	// unchanged). With a peer on another host it polls at once (peer.spins): there the
+	// bytes trickle in at the link's rate, so the yields never ran out and the worker kept
+	// a core busy for the whole collective, taken from backward's compute on the same cores
+	// (the transformer at 1 Gbit/s on the testbed: see the commit that made it so).
 	inlineSpins = 200
 )
 
@@ -74,6 +78,16 @@ type inlineState struct {
 
 // errAbortFrame: the peer sent an abort frame; its header is in inlineState.abortH.
 var errAbortFrame = errors.New("gloo: abort frame")
+
+// setSpins gives each peer its yields before poll (Note [Inline exchange]): inlineSpins
+// for a peer on this host, none across hosts.
+func (g *group) setSpins() {
+	for _, p := range g.peers {
+		if p != nil && g.hostIDs[p.rank] == g.hostIDs[g.rank] {
+			p.spins = inlineSpins
+		}
+	}
+}
 
 // inlinePair reports whether the two-rank all-reduce can run inline on the peer's socket.
 func (g *group) inlinePair() bool {
@@ -161,7 +175,7 @@ func (g *group) pairExchange(fd int) error {
 			idle = 0
 			continue
 		}
-		if idle < inlineSpins { // poll's sleep and wake-up cost more than a few yields
+		if idle < r.p.spins { // poll's sleep and wake-up cost more than a few yields
 			idle++
 			unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 			continue

@@ -53,6 +53,7 @@ type peer struct {
 	bufs net.Buffers          // a field, so that WriteTo's receiver does not escape
 
 	// worker-only
+	spins    int // Note [Inline exchange]'s yields before poll: inlineSpins on this host, else 0
 	deadline time.Time
 	hdr      [frameHeaderLen]byte
 	abortBuf [maxAbortLen]byte
