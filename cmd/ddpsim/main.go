@@ -87,7 +87,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&c.compute, "compute_ms", "", "rescale the profile's compute so that a step without communication takes this many ms; "+
 		"sweep: the compute-only ms/step of -measured (two --no_ddp processes, steady state, where the profile's first steps may be slower)")
 	fs.StringVar(&c.perf, "allreduce", "", "replace the profile's all-reduce curve with allreduce-perf --json output (one JSON object per size)")
-	fs.StringVar(&c.trace, "trace", "", "take the grad-ready times, backward compute and the rest of the step from this goddp trace (--trace) instead: the medians over its passes; trace a run with one bucket (--bucket_cap_mb above the model's size), so that no collective runs during backward")
+	fs.StringVar(&c.trace, "trace", "", "take the grad-ready times, backward compute, the rest of the step and the skew from this goddp trace (--trace) instead: the medians over its passes; trace a run with one bucket (--bucket_cap_mb and --first_bucket_cap_mb above the model's size), so that no collective runs during backward")
 	fs.IntVar(&c.rank, "trace_rank", 0, "with -trace: the rank whose passes to read")
 	fs.IntVar(&c.from, "trace_from", 3, "with -trace: the first backward pass (counted from 1) to read; the first ones warm up")
 	fs.BoolVar(&c.seed, "seed", false, "print the extrapolation to the seed article's 8-GPU experiment and the multi-node what-if")
@@ -313,7 +313,9 @@ func loadProfiles(paths []string) (*sim.Profile, error) {
 // backward pass's length ("backward" spans) in a goddp trace, less the reducer's copies
 // before each (p.CopyPerByte). Where the trainer traced its steps ("step" spans), the rest
 // of the step (p.Other) is replaced too: the median of each step's length less its pass,
-// from the pass's start to the end of its Finalize wait.
+// from the pass's start to the end of its Finalize wait. Where every pass ran one bucket,
+// so did the skew (p.Skew): the median of how much longer its collective took than the
+// all-reduce curve (p.Comm) gives for its bytes.
 func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 	tf, err := tracefile.ReadFile(path)
 	if err != nil {
@@ -323,6 +325,7 @@ func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 	length := map[int64]float64{}
 	end := map[int64]float64{} // iteration → the end of its Finalize wait, µs
 	var steps [][2]float64    // rank's step spans, µs
+	comms := map[int64][]tracefile.Event{}
 	for _, e := range tf.TraceEvents {
 		if e.PID != rank || e.Ph != "X" {
 			continue
@@ -336,6 +339,8 @@ func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 			end[iter] = max(end[iter], e.End())
 		case ok && e.Cat == observe.CatWait && iter >= int64(from):
 			end[iter] = max(end[iter], e.End())
+		case ok && e.Cat == observe.CatComm && iter >= int64(from):
+			comms[iter] = append(comms[iter], e)
 		}
 	}
 	if len(start) == 0 {
@@ -384,6 +389,19 @@ func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 	}
 	if len(rest) > 0 {
 		p.Other = math.Max(median(rest), 0)
+	}
+	// With one bucket a pass, its collective ran alone after backward: how much longer it
+	// took than the all-reduce curve says is the wait for the later rank, the skew.
+	var skews []float64
+	for iter := range start {
+		if c := comms[iter]; len(c) == 1 {
+			if b, ok := c[0].Arg("bytes"); ok && b > 0 {
+				skews = append(skews, c[0].Dur/1e6-p.Comm.Seconds(b))
+			}
+		}
+	}
+	if len(skews) > 0 && len(skews) == len(start) {
+		p.Skew = math.Max(median(skews), 0)
 	}
 	return p.Check()
 }

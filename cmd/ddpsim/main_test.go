@@ -194,6 +194,7 @@ func TestReadyFromTrace(t *testing.T) {
 	prof := profileFile(t, dir, "p.json", 0.090)
 	var tf tracefile.File
 	jitter := []float64{0, 1e3, 10e3} // µs: passes 2, 3, 4; the median is +1 ms
+	curve := sim.Comm{Alpha: 1e-4, Beta: 0.01 / (1 << 20)} // profileFile's
 	for rank := range 2 {
 		for iter := 1; iter <= 4; iter++ {
 			base := float64(iter) * 1e6
@@ -208,7 +209,11 @@ func TestReadyFromTrace(t *testing.T) {
 			wait := base + 50e3 + extra
 			tf.TraceEvents = append(tf.TraceEvents,
 				tracefile.Event{Name: "finalize wait", Cat: "wait", Ph: "X", TS: wait, Dur: 4e3, PID: rank, Args: args},
-				tracefile.Event{Name: "step", Cat: "step", Ph: "X", TS: base - 20e3, Dur: 20e3 + 50e3 + extra + 4e3 + (10+float64(iter))*1e3, PID: rank})
+				tracefile.Event{Name: "step", Cat: "step", Ph: "X", TS: base - 20e3, Dur: 20e3 + 50e3 + extra + 4e3 + (10+float64(iter))*1e3, PID: rank},
+				// One bucket of 1 MB a pass; its collective takes the curve's time plus
+				// 2, 3, 4 ms of skew from pass 2.
+				tracefile.Event{Name: "all-reduce 0", Cat: "comm", Ph: "X", TS: wait, Dur: 1e6*curve.Seconds(1e6) + (float64(iter))*1e3, PID: rank,
+					Args: map[string]any{"iter": float64(iter), "bucket": 0.0, "bytes": 1e6}})
 			for i := range 8 {
 				tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "w", Cat: "grad", Ph: "i", TS: base + float64(8-i)*5e3 + extra, PID: rank,
 					Args: map[string]any{"iter": float64(iter), "param": float64(i)}})
@@ -237,6 +242,9 @@ func TestReadyFromTrace(t *testing.T) {
 	}
 	if math.Abs(p.Backward-0.051) > 1e-12 {
 		t.Errorf("Backward = %v, want 0.051", p.Backward)
+	}
+	if math.Abs(p.Skew-0.003) > 1e-9 {
+		t.Errorf("Skew = %v, want 0.003 (the median wait beyond the curve from pass 2)", p.Skew)
 	}
 	if math.Abs(p.Other-0.033) > 1e-9 {
 		t.Errorf("Other = %v, want 0.033 (the median rest of the steps from pass 2)", p.Other)
