@@ -324,7 +324,7 @@ func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 	start := map[int64]float64{} // iteration → the backward pass's start, µs
 	length := map[int64]float64{}
 	end := map[int64]float64{} // iteration → the end of its Finalize wait, µs
-	var steps [][2]float64    // rank's step spans, µs
+	var steps [][2]float64     // rank's step spans, µs
 	comms := map[int64][]tracefile.Event{}
 	for _, e := range tf.TraceEvents {
 		if e.PID != rank || e.Ph != "X" {

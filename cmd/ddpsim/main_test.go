@@ -193,7 +193,7 @@ func TestReadyFromTrace(t *testing.T) {
 	dir := t.TempDir()
 	prof := profileFile(t, dir, "p.json", 0.090)
 	var tf tracefile.File
-	jitter := []float64{0, 1e3, 10e3} // µs: passes 2, 3, 4; the median is +1 ms
+	jitter := []float64{0, 1e3, 10e3}                      // µs: passes 2, 3, 4; the median is +1 ms
 	curve := sim.Comm{Alpha: 1e-4, Beta: 0.01 / (1 << 20)} // profileFile's
 	for rank := range 2 {
 		for iter := 1; iter <= 4; iter++ {
