@@ -20,14 +20,14 @@ import (
 // (direct; recursive doubling from 3 ranks on; and the ring the placement allows: the
 // hierarchical rings, the two-rank exchange or the flat ring), the ranks take the slowest
 // rank's time of each (an all-reduce with Max), and each candidate's time is fitted as
-// α + β·bytes. Every rank then holds the same table and makes the same choice for every
+// α + β·bytes (least squares on relative errors: fitLine). Every rank then holds the same table and makes the same choice for every
 // size: the candidate with the least predicted time. Direct and recursive doubling give
 // the same bits (Note [One association]), so the choice between them changes no result.
 // GODDP_GLOO_ALGO (Config.Algorithm) overrides the model, and GODDP_GLOO_TUNE=off
 // (Config.Tune) keeps the fixed rules across hosts too.
 
 // calibSizes are the message sizes the calibration times (bytes of float32).
-var calibSizes = []int{8 << 10, 64 << 10, 512 << 10}
+var calibSizes = []int{4 << 10, 16 << 10, 64 << 10, 256 << 10}
 
 // calibReps is how many times each (candidate, size) is timed after one warm-up; the
 // fastest counts.
@@ -158,19 +158,26 @@ func (g *group) calibrate(ctx context.Context) error {
 	return nil
 }
 
-// fitLine fits t = α + β·x by least squares, with α and β at least 0.
+// fitLine fits t = α + β·x by least squares on the relative errors (each point weighted
+// by 1/t², so that the small sizes, where α shows, count as much as the large ones, where
+// β does), with α and β at least 0.
 func fitLine(xs []int, ts []float64) (alpha, beta float64) {
-	var sx, st, sxx, sxt float64
-	n := float64(len(xs))
+	var sw, sx, st, sxx, sxt float64
 	for i, x := range xs {
-		fx := float64(x)
-		sx, st, sxx, sxt = sx+fx, st+ts[i], sxx+fx*fx, sxt+fx*ts[i]
+		if !(ts[i] > 0) {
+			continue
+		}
+		w, fx := 1/(ts[i]*ts[i]), float64(x)
+		sw, sx, st, sxx, sxt = sw+w, sx+w*fx, st+w*ts[i], sxx+w*fx*fx, sxt+w*fx*ts[i]
 	}
-	if d := n*sxx - sx*sx; d > 0 {
-		beta = (n*sxt - sx*st) / d
+	if sw == 0 {
+		return 0, 0
+	}
+	if d := sw*sxx - sx*sx; d > 0 {
+		beta = (sw*sxt - sx*st) / d
 	}
 	beta = max(beta, 0)
-	alpha = max((st-beta*sx)/n, 0)
+	alpha = max((st-beta*sx)/sw, 0)
 	return alpha, beta
 }
 

@@ -157,7 +157,7 @@ func TestOneAssociation(t *testing.T) {
 // TestFitLine: the calibration's least squares recover a line, and a falling one is
 // clamped to a constant.
 func TestFitLine(t *testing.T) {
-	xs := []int{8 << 10, 64 << 10, 512 << 10}
+	xs := []int{4 << 10, 16 << 10, 64 << 10, 256 << 10}
 	ts := make([]float64, len(xs))
 	for i, x := range xs {
 		ts[i] = 30e-6 + 2e-9*float64(x)
@@ -165,8 +165,14 @@ func TestFitLine(t *testing.T) {
 	if a, b := fitLine(xs, ts); math.Abs(a-30e-6) > 1e-12 || math.Abs(b-2e-9) > 1e-15 {
 		t.Errorf("fitLine = %g, %g; want 3e-05, 2e-09", a, b)
 	}
-	if a, b := fitLine(xs, []float64{3e-3, 2e-3, 1e-3}); b != 0 || math.Abs(a-2e-3) > 1e-12 {
-		t.Errorf("falling times: fitLine = %g, %g; want 0.002, 0", a, b)
+	if a, b := fitLine(xs, []float64{4e-3, 3e-3, 2e-3, 1e-3}); b != 0 || a <= 1e-3 || a >= 4e-3 {
+		t.Errorf("falling times: fitLine = %g, %g; want a constant between them, 0", a, b)
+	}
+	// One slow outlier at the smallest size moves α, not β much; relative weighting keeps
+	// the small sizes from being swamped by the large ones.
+	ts[0] *= 1.5
+	if a, b := fitLine(xs, ts); a <= 30e-6 || math.Abs(b-2e-9) > 0.2e-9 {
+		t.Errorf("with an outlier: fitLine = %g, %g; want α above 3e-05, β near 2e-09", a, b)
 	}
 	m := &costModel{algos: []algoCost{{"direct", 10e-6, 4e-9}, {"rd", 30e-6, 2e-9}, {"ring", 200e-6, 0.5e-9}}}
 	for _, c := range []struct {

@@ -84,6 +84,9 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			ok := wrong == 0
 			r.OK = &ok
 		}
+		if name, _, ok := procgroup.AllReduceAlgorithm(pg, buf); ok {
+			r.Algo = name // the group's choice for this size (gloo: Note [Algorithm choice])
+		}
 		if cfg.ceiling {
 			if err := addCeiling(ctx, pg, buf, &r); err != nil {
 				return err

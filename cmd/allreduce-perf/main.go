@@ -84,7 +84,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.nproc, "nproc", 0, "spawn this many local ranks on 127.0.0.1 (0: this process is one rank, from the environment)")
 	fs.BoolVar(&c.json, "json", false, "print one JSON object per size instead of the table")
 	fs.StringVar(&transport, "transport", "", "gloo transport: auto, tcp or unix (sets GODDP_GLOO_TRANSPORT)")
-	fs.StringVar(&algo, "algo", "", "gloo algorithm: auto, ring, direct or hierarchical (sets GODDP_GLOO_ALGO)")
+	fs.StringVar(&algo, "algo", "", "gloo algorithm: auto, ring, direct, hierarchical or rd (sets GODDP_GLOO_ALGO)")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "collective and rendezvous timeout")
 	fs.BoolVar(&c.shared, "shared", false, "all-reduce buffers from the group's allocator (gloo: its shared arena, all-reduced in place) where it has one")
 	fs.BoolVar(&c.ceiling, "ceiling", false, "also measure the memory bandwidth (every rank at once) and print each busbw as a percentage of the ceiling the algorithm's memory traffic implies")
@@ -137,8 +137,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	if transport != "" && transport != "auto" && transport != "tcp" && transport != "unix" {
 		return c, usagef("--transport %q: want auto, tcp or unix", transport)
 	}
-	if algo != "" && algo != "auto" && algo != "ring" && algo != "direct" && algo != "hierarchical" {
-		return c, usagef("--algo %q: want auto, ring, direct or hierarchical", algo)
+	if algo != "" && algo != "auto" && algo != "ring" && algo != "direct" && algo != "hierarchical" && algo != "rd" {
+		return c, usagef("--algo %q: want auto, ring, direct, hierarchical or rd", algo)
 	}
 	c.factor, c.check, c.backend, c.transport, c.algo = int64(factor), check == 1, bname, transport, algo
 	return c, nil
@@ -343,6 +343,8 @@ func (t *tableReporter) header() {
 	fmt.Fprintf(t.w, "#\n# %12s %12s %9s %6s %12s %10s %10s %8s", "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong")
 	if t.cfg.ceiling {
 		fmt.Fprintf(t.w, " %10s %7s %9s %9s %9s %9s", "algo", "traffic", "memory", "ceiling", "%ceiling", "1-copy")
+	} else {
+		fmt.Fprintf(t.w, " %12s", "algo")
 	}
 	fmt.Fprintf(t.w, "\n# %12s %12s %9s %6s %12s %10s %10s %8s", "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "")
 	if t.cfg.ceiling {
@@ -375,6 +377,8 @@ func (t *tableReporter) row(r row) {
 			one = fmt.Sprintf("%.3f", r.SingleCopyBusBW)
 		}
 		fmt.Fprintf(t.w, " %10s %7s %9.2f %9s %9s %9s", r.Algo, traffic, r.MemGBs, ceil, pct, one)
+	} else if r.Algo != "" {
+		fmt.Fprintf(t.w, " %12s", r.Algo)
 	}
 	fmt.Fprintln(t.w)
 }
