@@ -93,8 +93,14 @@ func TestTapHooksAndGradients(t *testing.T) {
 		grad  []float64
 	}
 	var events []event
+	seen := map[int]*tensor.Dense{} // Note [Tap outputs]: one gradient tensor per op, reused
+	reused := true
 	hook := func(i int, g *tensor.Dense) {
 		events = append(events, event{i, append([]float64(nil), g.Data().([]float64)...)})
+		if first, ok := seen[i]; ok && first != g {
+			reused = false
+		}
+		seen[i] = g
 	}
 	plain := newTapNet(t, vals, x, target, nil)
 	tapped := newTapNet(t, vals, x, target, hook)
@@ -135,6 +141,9 @@ func TestTapHooksAndGradients(t *testing.T) {
 		// finite differences to be sure the hook did not see a partial sum.
 		if step == 0 {
 			checkFD(t, vals, x, target, want[0])
+		}
+		if !reused {
+			t.Fatalf("step %d: a grad-ready op handed the hook a new tensor (want its output of step 0 reused)", step)
 		}
 		// Change the parameters between steps, as an optimizer would.
 		for i, p := range append(plain.params, tapped.params...) {
