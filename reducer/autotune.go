@@ -250,8 +250,29 @@ func (a *autoTuner) profile(r *Reducer) (*sim.Profile, error) {
 	p.Comm = comm
 	// The skew: pass 2's last bucket took longer than alone by the time this rank waited for
 	// the last one to launch it (zero when this rank was the last): one sample of the wait.
-	if b := len(s2.BucketBytes) - 1; b >= 0 && s2.BucketLaunched[b] >= 0 && s2.BucketFinished[b] >= 0 {
-		p.Skew = math.Max((s2.BucketFinished[b]-s2.BucketLaunched[b]).Seconds()-comm.Seconds(s2.BucketBytes[b]), 0)
+	// Where pass 3's last bucket also ran alone, after backward and after the bucket before
+	// it, its time beyond the curve is a second sample, and the smaller counts: a sample is
+	// only ever inflated, by whatever else held a rank back in its pass (on one host with
+	// two ranks on two cores, pass 2 measured 17–172 ms where the steps later ran in step).
+	p.Skew = math.Inf(1)
+	for k, st := range []*IterStats{s2, s3} {
+		b := len(st.BucketBytes) - 1
+		if b < 0 || st.BucketLaunched[b] < 0 || st.BucketFinished[b] < 0 {
+			continue
+		}
+		from := st.BucketLaunched[b]
+		if k == 1 {
+			if b > 0 && st.BucketFinished[b-1] > from {
+				from = st.BucketFinished[b-1]
+			}
+			if from < st.BackwardEnd {
+				continue // it ran under backward's compute: slowed, not only kept waiting
+			}
+		}
+		p.Skew = min(p.Skew, math.Max((st.BucketFinished[b]-from).Seconds()-comm.Seconds(st.BucketBytes[b]), 0))
+	}
+	if math.IsInf(p.Skew, 1) {
+		p.Skew = 0
 	}
 	skew := time.Duration(p.Skew * float64(time.Second))
 

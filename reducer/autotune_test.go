@@ -236,6 +236,29 @@ func TestAutoProfile(t *testing.T) {
 	near("CommSlowdown with skew", p.CommSlowdown, 19.0/15.0-1)
 	near("Slowdown with skew", p.Slowdown, 0.25/0.75)
 
+	// Pass 2's wait inflated to 20 ms, while pass 3's last bucket ran alone after backward
+	// (48.5 ms, the bucket before it done at 27) for 6 ms, 1 ms beyond the curve's 5: the
+	// smaller sample, 1 ms, is the skew. Under backward, pass 3's bucket is no sample.
+	s2.BucketFinished[0] = ms(63)
+	s3.BucketLaunched[2], s3.BucketFinished[2] = ms(48.5), ms(54.5)
+	if p, err = a.profile(r); err != nil {
+		t.Fatal(err)
+	}
+	near("Skew from pass 3", p.Skew, 1e-3)
+	s2.BucketFinished[0] = ms(45) // 2 ms, now below pass 3's
+	s3.BucketFinished[2] = ms(57.5)
+	if p, err = a.profile(r); err != nil {
+		t.Fatal(err)
+	}
+	near("Skew from pass 2, the smaller", p.Skew, 2e-3)
+	s2.BucketFinished[0] = ms(63)
+	s3.BucketLaunched[2], s3.BucketFinished[2] = ms(36.5), ms(46.5)
+	if p, err = a.profile(r); err != nil {
+		t.Fatal(err)
+	}
+	near("Skew with pass 3's bucket under backward", p.Skew, 20e-3)
+	s2.BucketFinished[0] = ms(45)
+
 	// A gradient pass 2 never got: no model.
 	s2.GradReady[1] = -1
 	if _, err := a.profile(r); err == nil {
