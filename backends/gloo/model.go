@@ -20,8 +20,11 @@ import (
 // (direct; recursive doubling from 3 ranks on; and the ring the placement allows: the
 // hierarchical rings, the two-rank exchange or the flat ring), the ranks take the slowest
 // rank's time of each (an all-reduce with Max), and each candidate's time is fitted as
-// α + β·bytes (least squares on relative errors: fitLine). Every rank then holds the same table and makes the same choice for every
-// size: the candidate with the least predicted time. Direct and recursive doubling give
+// α + β·bytes (least squares on relative errors: fitLine) by rank 0, which broadcasts the
+// fits. Above calibLimit times the largest size measured the ring is taken. Every rank then holds the same table and makes the same choice for every
+// size: the candidate with the least predicted time. (The ranks first agree, with an
+// all-reduce Min, whether to calibrate at all, since each reads its own environment.)
+// Direct and recursive doubling give
 // the same bits (Note [One association]), so the choice between them changes no result.
 // GODDP_GLOO_ALGO (Config.Algorithm) overrides the model, and GODDP_GLOO_TUNE=off
 // (Config.Tune) keeps the fixed rules across hosts too.
@@ -42,11 +45,20 @@ type algoCost struct {
 // costModel is Note [Algorithm choice]'s table; nil where the fixed rules apply.
 type costModel struct {
 	algos []algoCost
+	ring  string        // the ring path, for sizes past limit
+	limit int           // the largest size the fits are trusted for
 	took  time.Duration // the calibration's length
 }
 
+// calibLimit is how far past the largest calibrated size the fits are used; larger
+// messages take the ring, whose cost is all bandwidth.
+const calibLimit = 4
+
 // choose is the path with the least predicted time for n bytes (the first on a tie).
 func (m *costModel) choose(n int) string {
+	if n > m.limit {
+		return m.ring
+	}
 	best, bt := "", math.Inf(1)
 	for _, a := range m.algos {
 		if t := a.alpha + a.beta*float64(n); t < bt {
@@ -64,9 +76,9 @@ func (m *costModel) String() string {
 		}
 		fmt.Fprintf(&b, "%s %.1fµs + %.3fns/B", a.path, a.alpha*1e6, a.beta*1e9)
 	}
-	// Where the choice changes, scanning sizes by powers of two from 1 KiB to 1 GiB.
+	// Where the choice changes, scanning sizes by powers of two from 1 KiB to 16 MiB.
 	prev := ""
-	for s := 1 << 10; s <= 1<<30; s <<= 1 {
+	for s := 1 << 10; s <= 16<<20; s <<= 1 {
 		if c := m.choose(s); c != prev {
 			fmt.Fprintf(&b, "; from %s: %s", sizeName(s), c)
 			prev = c
@@ -113,10 +125,22 @@ func (g *group) ringPath() string {
 // calibrate builds Note [Algorithm choice]'s model when it applies; every rank runs it at
 // the same point of New, before any collective of the user's.
 func (g *group) calibrate(ctx context.Context) error {
-	if g.cfg.Algorithm != AlgoAuto || g.cfg.Tune == TuneOff || g.size < 2 || !g.spansHosts() {
+	if g.size < 2 || !g.spansHosts() {
 		return nil
 	}
 	start := time.Now()
+	// Every rank calibrates or none does: the settings come from each rank's environment,
+	// so the ranks agree first (the least of their wishes).
+	want := []float64{0}
+	if g.cfg.Algorithm == AlgoAuto && g.cfg.Tune != TuneOff {
+		want[0] = 1
+	}
+	if err := g.submitPath(ctx, want, procgroup.Min, "direct").Wait(ctx); err != nil {
+		return fmt.Errorf("agreeing on the all-reduce calibration: %w", err)
+	}
+	if want[0] == 0 {
+		return nil
+	}
 	paths := []string{"direct"}
 	if g.size >= 3 {
 		paths = append(paths, "rd")
@@ -130,7 +154,7 @@ func (g *group) calibrate(ctx context.Context) error {
 			best := math.Inf(1)
 			for rep := 0; rep <= calibReps; rep++ {
 				t0 := time.Now()
-				if err := g.submitForced(ctx, b, path).Wait(ctx); err != nil {
+				if err := g.submitPath(ctx, b, procgroup.Max, path).Wait(ctx); err != nil {
 					return fmt.Errorf("calibrating the all-reduce (%s, %s): %w", path, sizeName(size), err)
 				}
 				if rep > 0 { // the first one absorbs the ranks' skew
@@ -140,14 +164,21 @@ func (g *group) calibrate(ctx context.Context) error {
 			times[i*len(calibSizes)+k] = best
 		}
 	}
-	w := g.submitForced(ctx, times, "direct")
-	if err := w.Wait(ctx); err != nil {
+	if err := g.submitPath(ctx, times, procgroup.Max, "direct").Wait(ctx); err != nil {
 		return fmt.Errorf("calibrating the all-reduce (exchanging the times): %w", err)
 	}
-	m := &costModel{}
+	// Rank 0 fits and every rank takes its numbers, so that no difference in floating
+	// point between the ranks' machines can make them choose differently.
+	fit := make([]float64, 2*len(paths))
+	for i := range paths {
+		fit[2*i], fit[2*i+1] = fitLine(calibSizes, times[i*len(calibSizes):(i+1)*len(calibSizes)])
+	}
+	if err := g.Broadcast(ctx, fit, 0).Wait(ctx); err != nil {
+		return fmt.Errorf("calibrating the all-reduce (rank 0's fit): %w", err)
+	}
+	m := &costModel{ring: paths[len(paths)-1], limit: calibLimit * calibSizes[len(calibSizes)-1]}
 	for i, path := range paths {
-		alpha, beta := fitLine(calibSizes, times[i*len(calibSizes):(i+1)*len(calibSizes)])
-		m.algos = append(m.algos, algoCost{path: path, alpha: alpha, beta: beta})
+		m.algos = append(m.algos, algoCost{path: path, alpha: fit[2*i], beta: fit[2*i+1]})
 	}
 	m.took = time.Since(start)
 	g.model = m
@@ -179,10 +210,4 @@ func fitLine(xs []int, ts []float64) (alpha, beta float64) {
 	beta = max(beta, 0)
 	alpha = max((st-beta*sx)/sw, 0)
 	return alpha, beta
-}
-
-// submitForced queues an all-reduce (Max) of buf that takes the given path whatever the
-// rules say (the calibration's own).
-func (g *group) submitForced(ctx context.Context, buf any, path string) procgroup.Work {
-	return g.submitPath(ctx, buf, procgroup.Max, path)
 }

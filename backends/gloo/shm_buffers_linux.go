@@ -2,6 +2,7 @@ package gloo
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"sort"
 	"sync"
@@ -216,10 +217,16 @@ func (g *group) shmAllReduce(o *op) error {
 		flag = postArena
 	}
 	if g.cfg.VMReadv && len(o.buf) > 0 {
+		if m.vmCookie == 0 {
+			m.vmCookie = rand.Uint64() | 1
+		}
 		flag |= postVM
 		*m.u64(p + 32) = uint64(os.Getpid())
 		*m.u64(p + 40) = uint64(uintptr(unsafe.Pointer(&o.buf[0])))
+		*m.u64(p + 48) = m.vmCookie
+		*m.u64(p + 56) = uint64(uintptr(unsafe.Pointer(&m.vmCookie)))
 	}
+	*m.u32(p + 28) = uint32(o.dt)
 	atomic.StoreUint32(m.u32(p+24), flag)
 	base := o.seq << 2
 	if err := g.shmPhase(base | 1); err != nil {
@@ -227,7 +234,7 @@ func (g *group) shmAllReduce(o *op) error {
 	}
 	if len(m.peerBufs) != n {
 		m.peerBufs = make([][]byte, n) // once: all-reduces allocate nothing
-		m.peerPID, m.peerAddr = make([]int, n), make([]uintptr, n)
+		m.peerPID, m.peerAddr, m.vmChecked = make([]int, n), make([]uintptr, n), make([]uint64, n)
 	}
 	peers := m.peerBufs
 	inPlace, vm := mine, flag&postVM != 0
@@ -244,16 +251,23 @@ func (g *group) shmAllReduce(o *op) error {
 		}
 		pOff, pLen := *m.u64(q + 8), *m.u64(q + 16)
 		f := atomic.LoadUint32(m.u32(q + 24))
+		if pLen != uint64(len(o.buf)) || procgroup.DType(*m.u32(q + 28)) != o.dt {
+			return fmt.Errorf("%w: rank %d posted %d bytes of %v for all-reduce #%d in shared memory, this rank has %d bytes of %v (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, j, pLen, procgroup.DType(*m.u32(q + 28)), o.seq, len(o.buf), o.dt)
+		}
 		if f&postVM == 0 {
 			vm = false
 		} else {
 			m.peerPID[j], m.peerAddr[j] = int(*m.u64(q + 32)), uintptr(*m.u64(q + 40))
+			if err := g.vmCheck(j, *m.u64(q + 48), uintptr(*m.u64(q + 56))); err != nil {
+				return err
+			}
 		}
 		if f&postArena == 0 {
 			inPlace = false
 			continue
 		}
-		if pLen != uint64(len(o.buf)) || pOff > uint64(m.arenaLen) || pLen > uint64(m.arenaLen)-pOff {
+		if pOff > uint64(m.arenaLen) || pLen > uint64(m.arenaLen)-pOff {
 			return fmt.Errorf("%w: rank %d posted a buffer of %d bytes at %d of its arena for collective #%d, this rank has %d bytes (ranks issued different collectives?)",
 				procgroup.ErrInvalidArgument, j, pLen, pOff, o.seq, len(o.buf))
 		}
@@ -363,6 +377,27 @@ func (g *group) vmAllReduce(o *op, base uint64) error {
 		}
 	}
 	return g.shmPhase(base | 3)
+}
+
+// vmCheck makes sure, once per peer, that process_vm_readv at the peer's posted pid reads
+// the peer: it reads the word at the posted address and compares it with the cookie the
+// peer posted in shared memory. Ranks that share a network namespace but not a pid
+// namespace would otherwise read another process, or fail only later.
+func (g *group) vmCheck(j int, cookie uint64, at uintptr) error {
+	m := g.shm
+	if m.vmChecked[j] == cookie {
+		return nil
+	}
+	var got uint64
+	local := []unix.Iovec{{Base: (*byte)(unsafe.Pointer(&got))}}
+	local[0].SetLen(8)
+	remote := []unix.RemoteIovec{{Base: at, Len: 8}}
+	if k, err := unix.ProcessVMReadv(m.peerPID[j], local, remote, 0); err != nil || k != 8 || got != cookie {
+		return fmt.Errorf("gloo: rank %d: GODDP_GLOO_VMREADV: process_vm_readv cannot read rank %d at pid %d (read %d bytes, %v; cookie %#x, want %#x): it needs the same pid namespace and ptrace permission (Yama ptrace_scope 0); unset GODDP_GLOO_VMREADV",
+			g.rank, j, m.peerPID[j], k, err, got, cookie)
+	}
+	m.vmChecked[j] = cookie
+	return nil
 }
 
 // vmRead reads len(dst) bytes at offset off of peer j's posted buffer into dst.

@@ -309,6 +309,24 @@ func TestVMReadvAllReduce(t *testing.T) {
 			}
 		})
 	}
+	t.Run("different lengths", func(t *testing.T) {
+		groups := startGroups(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, VMReadv: true})
+		errs := make([]error, 2)
+		done := make(chan int, 2)
+		for r, g := range groups {
+			go func() {
+				errs[r] = wait(g.AllReduce(ctx, make([]float32, 20000+r), procgroup.Sum))
+				done <- r
+			}()
+		}
+		<-done
+		<-done
+		for r, err := range errs {
+			if err == nil || !strings.Contains(err.Error(), "ranks issued different collectives?") {
+				t.Errorf("rank %d: %v; want the mismatch named", r, err)
+			}
+		}
+	})
 	t.Run("one rank without", func(t *testing.T) {
 		groups := startGroupsCfg(t, 3, func(r int) *Config {
 			return &Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, VMReadv: r != 1}

@@ -110,12 +110,14 @@ type shmRegion struct {
 
 	// Note [Shared buffers]: every member's arena, arenaLen bytes each, back to back; nil
 	// when the host has none. heap hands out this rank's.
-	arena    []byte
-	arenaLen int
-	heap     arenaHeap
-	peerBufs [][]byte // worker-only: the peers' buffers of an in-place all-reduce
-	peerPID  []int    // worker-only: the peers' pids and buffer addresses (Config.VMReadv)
-	peerAddr []uintptr
+	arena     []byte
+	arenaLen  int
+	heap      arenaHeap
+	peerBufs  [][]byte // worker-only: the peers' buffers of an in-place all-reduce
+	peerPID   []int    // worker-only: the peers' pids and buffer addresses (Config.VMReadv)
+	peerAddr  []uintptr
+	vmChecked []uint64 // worker-only: by local index, the cookie vmCheck verified
+	vmCookie  uint64   // this rank's word for the peers' vmCheck (Config.VMReadv)
 }
 
 func shmLayout(members, slot, slots int) (chanLen, total int) {
@@ -126,7 +128,8 @@ func shmLayout(members, slot, slots int) (chanLen, total int) {
 }
 
 // post is member i's line of Note [Shared buffers]: its state, then the offset and length
-// of its buffer in its arena and whether the buffer is there at all.
+// of its buffer in its arena, the flags (postArena, postVM) and the element type, and with
+// postVM its pid, the buffer's address and vmCheck's cookie and its address.
 func (m *shmRegion) post(i int) int {
 	return shmHeaderLen + m.members*shmRankLen + m.members*m.members*m.chanLen + i*shmLine
 }

@@ -41,8 +41,11 @@ func (t *treeAcc) reset(dt procgroup.DType, op procgroup.ReduceOp, n, l int) {
 	}
 	t.dt, t.op, t.n, t.e, t.next = dt, op, n, n-p, 0
 	t.stack, t.free, t.l = t.stack[:0], t.free[:0], l
-	if len(t.all) > 0 && cap(t.all[0]) < l {
-		t.all = t.all[:0] // a larger message: new buffers from here on
+	for _, b := range t.all {
+		if cap(b) < l {
+			t.all = t.all[:0] // a larger message: new buffers from here on
+			break
+		}
 	}
 	for _, b := range t.all {
 		t.free = append(t.free, b[:l])

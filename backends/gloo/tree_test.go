@@ -174,11 +174,11 @@ func TestFitLine(t *testing.T) {
 	if a, b := fitLine(xs, ts); a <= 30e-6 || math.Abs(b-2e-9) > 0.2e-9 {
 		t.Errorf("with an outlier: fitLine = %g, %g; want α above 3e-05, β near 2e-09", a, b)
 	}
-	m := &costModel{algos: []algoCost{{"direct", 10e-6, 4e-9}, {"rd", 30e-6, 2e-9}, {"ring", 200e-6, 0.5e-9}}}
+	m := &costModel{algos: []algoCost{{"direct", 10e-6, 4e-9}, {"rd", 30e-6, 2e-9}, {"ring", 200e-6, 0.5e-9}}, ring: "hier", limit: 4 << 20}
 	for _, c := range []struct {
 		n    int
 		want string
-	}{{1 << 10, "direct"}, {20 << 10, "rd"}, {1 << 20, "ring"}} {
+	}{{1 << 10, "direct"}, {20 << 10, "rd"}, {1 << 20, "ring"}, {8 << 20, "hier"}} {
 		if got := m.choose(c.n); got != c.want {
 			t.Errorf("choose(%d) = %q, want %q (%s)", c.n, got, c.want, m)
 		}
@@ -233,6 +233,32 @@ func TestCalibratedChoice(t *testing.T) {
 				t.Errorf("%+v: rank %d calibrated %v", cfg, r, m)
 			}
 		}
+	}
+	// One rank with Tune off: the ranks agree, and none calibrates (a rank that skipped the
+	// calibration's collectives would match them against its first ones of the user's).
+	mixed := startGroupsCfg(t, len(hosts), func(r int) *Config {
+		c := &Config{HostID: hosts[r]}
+		if r == 3 {
+			c.Tune = TuneOff
+		}
+		return c
+	}, nil, 0)
+	t.Cleanup(func() {
+		for _, g := range mixed {
+			g.Close()
+		}
+	})
+	xs := inputs(5, len(hosts), 3000, procgroup.Sum)
+	bufs := make([]any, len(hosts))
+	each(t, mixed, func(r int, g procgroup.ProcessGroup) error {
+		if m := g.(*group).model; m != nil {
+			return fmt.Errorf("calibrated %v though rank 3 has Tune off", m)
+		}
+		bufs[r] = toBuf(procgroup.Float32, xs[r])
+		return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum))
+	})
+	for r := range mixed {
+		checkClose(t, fmt.Sprintf("mixed Tune rank %d", r), procgroup.Float32, procgroup.Sum, fromBuf(bufs[r]), reduceRef(xs, procgroup.Sum))
 	}
 	one := startGroupsHosts(t, []string{"a", "a", "a"}, Config{})
 	if m := one[0].(*group).model; m != nil {

@@ -94,7 +94,8 @@ func (identity) OverwritesInput() int { return -1 }
 // twice as slow. The op now reuses its own output: the step that produced it is over when
 // the op runs again (the hook must not keep the gradient past its step, and neither may
 // anything else, as with every value the tape machine reuses). A later op may have
-// reshaped it in place, so its shape is restored.
+// reshaped it in place, so its shape is restored. The op now holds state: one graph's
+// taps must not run in two machines at once.
 func copyInto(prealloc gorgonia.Value, own **tensor.Dense, in []gorgonia.Value) (*tensor.Dense, error) {
 	if len(in) != 1 {
 		return nil, fmt.Errorf("want 1 input, got %d", len(in))
@@ -103,17 +104,20 @@ func copyInto(prealloc gorgonia.Value, own **tensor.Dense, in []gorgonia.Value) 
 	if !ok {
 		return nil, fmt.Errorf("input is %T, want *tensor.Dense", in[0])
 	}
-	dst, ok := prealloc.(*tensor.Dense)
-	if !ok || dst == nil {
-		dst = *own
+	pre, _ := prealloc.(*tensor.Dense)
+	var dst *tensor.Dense
+	for _, c := range []*tensor.Dense{pre, *own} {
+		if fits(c, src) {
+			dst = c
+			break
+		}
 	}
-	if !fits(dst, src) {
+	if dst != nil && !dst.Shape().Eq(src.Shape()) && dst.Reshape(src.Shape().Clone()...) != nil {
+		dst = nil
+	}
+	if dst == nil {
 		dst = tensor.New(tensor.Of(src.Dtype()), tensor.WithShape(src.Shape().Clone()...))
 		*own = dst
-	} else if !dst.Shape().Eq(src.Shape()) {
-		if err := dst.Reshape(src.Shape().Clone()...); err != nil {
-			return nil, err
-		}
 	}
 	if err := tensor.Copy(dst, src); err != nil {
 		return nil, err
@@ -121,11 +125,16 @@ func copyInto(prealloc gorgonia.Value, own **tensor.Dense, in []gorgonia.Value) 
 	return dst, nil
 }
 
-// fits reports whether dst can take src's values: a distinct dense tensor of src's type
-// and element count, laid out plainly.
+// fits reports whether dst can take src's values: a dense tensor of src's type and element
+// count, laid out plainly, whose memory does not overlap src's (a reshape's shallow clone
+// shares its input's).
 func fits(dst, src *tensor.Dense) bool {
-	return dst != nil && dst != src && dst.Dtype() == src.Dtype() && dst.Shape().TotalSize() == src.Shape().TotalSize() &&
-		!dst.IsMaterializable() && dst.DataOrder().IsRowMajor()
+	if dst == nil || dst.Dtype() != src.Dtype() || dst.Shape().TotalSize() != src.Shape().TotalSize() ||
+		dst.IsMaterializable() || !dst.DataOrder().IsRowMajor() {
+		return false
+	}
+	a, b := dst.Uintptr(), src.Uintptr()
+	return a+dst.MemSize() <= b || b+src.MemSize() <= a
 }
 
 // tapOp is the forward tap: a copy of the parameter.
