@@ -18,15 +18,16 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
-// TestObservability: two ranks with every observability flag on. Rank 1 sleeps 20 ms per
-// step (--straggle_ms): the straggler report (from the ranks' exchanged arrivals) and the
-// merged trace (from the launch events) both name it. The overlap report comes every
+// TestObservability: two ranks with every observability flag on. Rank 1 sleeps 150 ms per
+// step (--straggle_ms; far above the steps' own noise under -race on 2 cores, where 20 ms
+// once let rank 0 arrive last in 2 of 8 steps): the straggler report (from the ranks'
+// exchanged arrivals) and the merged trace (from the launch events) both name it. The overlap report comes every
 // --report_every steps, the trace holds each step's spans and collectives, and the metrics
 // endpoint, scraped mid-run, counts the steps and bytes reduced so far.
 func TestObservability(t *testing.T) {
 	dir := t.TempDir()
 	const steps = 8
-	args := fmt.Sprintf("%s --batch_size 2 --warmup_steps 1 --bench_steps %d --report_every 4 --straggle_ms 1:20 --trace %s --metrics_addr 127.0.0.1:0",
+	args := fmt.Sprintf("%s --batch_size 2 --warmup_steps 1 --bench_steps %d --report_every 4 --straggle_ms 1:150 --trace %s --metrics_addr 127.0.0.1:0",
 		tinyDDPFlags, steps-1, filepath.Join(dir, "tr.{rank}.json"))
 	f, err := parseFlags(strings.Fields(args), io.Discard)
 	if err != nil {
