@@ -4,7 +4,9 @@ import (
 	"crypto/tls"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/goddp/goddp/procgroup"
@@ -91,6 +93,21 @@ type Config struct {
 	TLS *tls.Config
 }
 
+// enumSetting takes *v from the environment variable env when set, the default (the first
+// of allowed) when empty, and fails unless it is one of allowed.
+func enumSetting(v *string, env, what string, allowed ...string) error {
+	if e := os.Getenv(env); e != "" {
+		*v = e
+	}
+	if *v == "" {
+		*v = allowed[0]
+	}
+	if !slices.Contains(allowed, *v) {
+		return fmt.Errorf("%w: gloo: unknown %s %q (want %s)", procgroup.ErrInvalidArgument, what, *v, strings.Join(allowed, " or "))
+	}
+	return nil
+}
+
 // maxShmArenaMiB bounds Config.ShmArenaMiB (1 TiB per rank).
 const maxShmArenaMiB = 1 << 20
 
@@ -101,15 +118,8 @@ func (c *Config) validate() error {
 	if v := os.Getenv("GODDP_GLOO_ALGO"); v != "" {
 		c.Algorithm = v
 	}
-	if v := os.Getenv("GODDP_GLOO_SHM"); v != "" {
-		c.SharedMemory = v
-	}
-	switch c.SharedMemory {
-	case "":
-		c.SharedMemory = ShmAuto
-	case ShmAuto, ShmOff:
-	default:
-		return fmt.Errorf("%w: gloo: unknown shared-memory mode %q (want auto or off)", procgroup.ErrInvalidArgument, c.SharedMemory)
+	if err := enumSetting(&c.SharedMemory, "GODDP_GLOO_SHM", "shared-memory mode", ShmAuto, ShmOff); err != nil {
+		return err
 	}
 	if c.ShmSlotSize == 0 {
 		c.ShmSlotSize = 256 << 10
@@ -121,15 +131,8 @@ func (c *Config) validate() error {
 	if c.ShmSlots == 0 {
 		c.ShmSlots = 8
 	}
-	if v := os.Getenv("GODDP_GLOO_TUNE"); v != "" {
-		c.Tune = v
-	}
-	switch c.Tune {
-	case "":
-		c.Tune = TuneAuto
-	case TuneAuto, TuneOff:
-	default:
-		return fmt.Errorf("%w: gloo: unknown tuning mode %q (want auto or off)", procgroup.ErrInvalidArgument, c.Tune)
+	if err := enumSetting(&c.Tune, "GODDP_GLOO_TUNE", "tuning mode", TuneAuto, TuneOff); err != nil {
+		return err
 	}
 	if v := os.Getenv("GODDP_GLOO_VMREADV"); v != "" {
 		c.VMReadv = v == "1"

@@ -275,18 +275,47 @@ func (g *group) shmAllReduce(o *op) error {
 		peers[j] = m.arena[at : at+len(o.buf) : at+len(o.buf)]
 	}
 	if !inPlace && vm {
-		return g.vmAllReduce(o, base)
+		return g.inPlaceAllReduce(o, base, true)
 	}
 	if !inPlace {
 		return g.shmRingAllReduce(o)
 	}
+	return g.inPlaceAllReduce(o, base, false)
+}
+
+// inPlaceAllReduce is Note [Shared buffers]'s in-place all-reduce, once every rank has
+// posted its buffer: each rank reduces its own chunk from the peers' buffers, then, past
+// the next phase, copies the other chunks from their owners. The peers' buffers are the
+// arena's views (m.peerBufs), or with vm they are read with process_vm_readv (one copy,
+// by the kernel: a segment at a time into g.tmp for the reduction, straight into the
+// buffer for the copies). Both reduce in one order, so they give the same bits.
+func (g *group) inPlaceAllReduce(o *op, base uint64, vm bool) error {
+	m := g.shm
+	n, r := g.size, g.rank
 	g.lastPath = "shm-inplace"
 	es := o.dt.Size()
 	g.setChunks(len(o.buf)/es, es)
 	own := g.chunk(o.buf, r)
+	seg := len(own)
+	if vm {
+		g.lastPath, seg = "shm-vm", len(g.tmp)&^7
+	}
 	for j := range n {
-		if j != r {
-			kernels.Reduce(o.dt, o.rop, own, g.chunk(peers[j], r))
+		if j == r {
+			continue
+		}
+		for a := 0; a < len(own); a += seg {
+			l := min(seg, len(own)-a)
+			var src []byte
+			if vm {
+				src = g.tmp[:l]
+				if err := g.vmRead(j, src, g.offs[r]+a); err != nil {
+					return err
+				}
+			} else {
+				src = m.peerBufs[j][g.offs[r]+a : g.offs[r]+a+l]
+			}
+			kernels.Reduce(o.dt, o.rop, own[a:a+l], src)
 		}
 	}
 	if o.rop == procgroup.Avg {
@@ -296,8 +325,13 @@ func (g *group) shmAllReduce(o *op) error {
 		return err
 	}
 	for j := range n {
-		if j != r {
-			copy(g.chunk(o.buf, j), g.chunk(peers[j], j))
+		if j == r {
+			continue
+		}
+		if !vm {
+			copy(g.chunk(o.buf, j), g.chunk(m.peerBufs[j], j))
+		} else if err := g.vmRead(j, g.chunk(o.buf, j), g.offs[j]); err != nil {
+			return err
 		}
 	}
 	return g.shmPhase(base | 3)
@@ -338,46 +372,6 @@ const (
 	postArena = 1
 	postVM    = 2
 )
-
-// vmAllReduce is the in-place all-reduce of Note [Shared buffers] for buffers that are not
-// all in the arena, every rank having set Config.VMReadv: a peer's chunk is read with
-// process_vm_readv (one copy, by the kernel) into a segment of g.tmp and reduced from
-// there; the other chunks are read straight into the buffer. The reductions run in the
-// order of the arena's in-place path, so both give the same bits.
-func (g *group) vmAllReduce(o *op, base uint64) error {
-	n, r := g.size, g.rank
-	g.lastPath = "shm-vm"
-	es := o.dt.Size()
-	g.setChunks(len(o.buf)/es, es)
-	own := g.chunk(o.buf, r)
-	seg := len(g.tmp) &^ 7
-	for j := range n {
-		if j == r {
-			continue
-		}
-		for a := 0; a < len(own); a += seg {
-			l := min(seg, len(own)-a)
-			if err := g.vmRead(j, g.tmp[:l], g.offs[r]+a); err != nil {
-				return err
-			}
-			kernels.Reduce(o.dt, o.rop, own[a:a+l], g.tmp[:l])
-		}
-	}
-	if o.rop == procgroup.Avg {
-		kernels.Divide(o.dt, own, n)
-	}
-	if err := g.shmPhase(base | 2); err != nil {
-		return err
-	}
-	for j := range n {
-		if j != r {
-			if err := g.vmRead(j, g.chunk(o.buf, j), g.offs[j]); err != nil {
-				return err
-			}
-		}
-	}
-	return g.shmPhase(base | 3)
-}
 
 // vmCheck makes sure, once per peer, that process_vm_readv at the peer's posted pid reads
 // the peer: it reads the word at the posted address and compares it with the cookie the
