@@ -63,6 +63,15 @@ func (p *rankProc) failed() bool {
 	return p.waitErr != nil || p.state == nil || !p.state.Success()
 }
 
+// killedBy reports whether the rank was killed by sig.
+func (p *rankProc) killedBy(sig syscall.Signal) bool {
+	if p.state == nil {
+		return false
+	}
+	ws, ok := p.state.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == sig
+}
+
 // exitCode is the code ddprun exits with when this rank's failure ends the job: the rank's
 // exit code, or 128+N for a rank killed by signal N (as a shell reports it).
 func (p *rankProc) exitCode() int {
@@ -207,6 +216,13 @@ func (j *job) runAttempt(ctx context.Context, attempt int, remote <-chan string)
 			if p.failed() && !stopping {
 				res.first = p
 				beginStop()
+			} else if p.failed() && res.remote != "" && res.first == nil && killC != nil && p.killedBy(syscall.SIGKILL) {
+				// Stopping for another node's failure, this node only sent SIGTERM, yet
+				// the rank died of SIGKILL: it was killed before, and that death is
+				// likely what the other node saw (its peer lost). Report it as this
+				// node's own failure: a rank's output is drained before it is
+				// reported, so the other node's verdict can arrive first.
+				res.first, res.remote = p, ""
 			}
 		case v := <-remote:
 			remote = nil
