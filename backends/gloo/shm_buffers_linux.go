@@ -383,12 +383,10 @@ func (g *group) vmCheck(j int, cookie uint64, at uintptr) error {
 		return nil
 	}
 	var got uint64
-	local := []unix.Iovec{{Base: (*byte)(unsafe.Pointer(&got))}}
-	local[0].SetLen(8)
-	remote := []unix.RemoteIovec{{Base: at, Len: 8}}
-	if k, err := unix.ProcessVMReadv(m.peerPID[j], local, remote, 0); err != nil || k != 8 || got != cookie {
-		return fmt.Errorf("gloo: rank %d: GODDP_GLOO_VMREADV: process_vm_readv cannot read rank %d at pid %d (read %d bytes, %v; cookie %#x, want %#x): it needs the same pid namespace and ptrace permission (Yama ptrace_scope 0); unset GODDP_GLOO_VMREADV",
-			g.rank, j, m.peerPID[j], k, err, got, cookie)
+	err := g.vmReadAt(j, unsafe.Slice((*byte)(unsafe.Pointer(&got)), 8), at)
+	if err != nil || got != cookie {
+		return fmt.Errorf("gloo: rank %d: GODDP_GLOO_VMREADV: process_vm_readv cannot read rank %d at pid %d (%v; cookie %#x, want %#x): it needs the same pid namespace and ptrace permission (Yama ptrace_scope 0); unset GODDP_GLOO_VMREADV",
+			g.rank, j, m.peerPID[j], err, got, cookie)
 	}
 	m.vmChecked[j] = cookie
 	return nil
@@ -396,19 +394,24 @@ func (g *group) vmCheck(j int, cookie uint64, at uintptr) error {
 
 // vmRead reads len(dst) bytes at offset off of peer j's posted buffer into dst.
 func (g *group) vmRead(j int, dst []byte, off int) error {
-	m := g.shm
+	return g.vmReadAt(j, dst, g.shm.peerAddr[j]+uintptr(off))
+}
+
+// vmReadAt reads len(dst) bytes at address at of peer j's process into dst.
+func (g *group) vmReadAt(j int, dst []byte, at uintptr) error {
+	pid := g.shm.peerPID[j]
 	for len(dst) > 0 {
 		local := []unix.Iovec{{Base: &dst[0]}}
 		local[0].SetLen(len(dst))
-		remote := []unix.RemoteIovec{{Base: m.peerAddr[j] + uintptr(off), Len: len(dst)}}
-		k, err := unix.ProcessVMReadv(m.peerPID[j], local, remote, 0)
+		remote := []unix.RemoteIovec{{Base: at, Len: len(dst)}}
+		k, err := unix.ProcessVMReadv(pid, local, remote, 0)
 		if err != nil {
-			return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d): %w", g.rank, j, m.peerPID[j], err)
+			return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d): %w", g.rank, j, pid, err)
 		}
 		if k <= 0 {
-			return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d) read nothing", g.rank, j, m.peerPID[j])
+			return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d) read nothing", g.rank, j, pid)
 		}
-		dst, off = dst[k:], off+k
+		dst, at = dst[k:], at+uintptr(k)
 	}
 	return nil
 }

@@ -33,13 +33,20 @@ type treeNode struct {
 	level int // -1: the first of a folded pair, waiting for the second
 }
 
-// reset starts a combination of n buffers of l bytes.
-func (t *treeAcc) reset(dt procgroup.DType, op procgroup.ReduceOp, n, l int) {
-	p := 1
+// foldSplit is Note [One association]'s shape for n operands: p, the largest power of two
+// ≤ n, and e = n-p, the pairs folded first. treeAcc and rdAllReduce must agree on it.
+func foldSplit(n int) (p, e int) {
+	p = 1
 	for p*2 <= n {
 		p *= 2
 	}
-	t.dt, t.op, t.n, t.e, t.next = dt, op, n, n-p, 0
+	return p, n - p
+}
+
+// reset starts a combination of n buffers of l bytes.
+func (t *treeAcc) reset(dt procgroup.DType, op procgroup.ReduceOp, n, l int) {
+	_, e := foldSplit(n)
+	t.dt, t.op, t.n, t.e, t.next = dt, op, n, e, 0
 	t.stack, t.free, t.l = t.stack[:0], t.free[:0], l
 	for _, b := range t.all {
 		if cap(b) < l {
@@ -108,11 +115,7 @@ func (t *treeAcc) result() []byte {
 // rdAllReduce is the all-reduce of Note [Recursive doubling].
 func (g *group) rdAllReduce(o *op) error {
 	n, pos, seq := g.size, g.pos, uint32(o.seq)
-	p := 1
-	for p*2 <= n {
-		p *= 2
-	}
-	e := n - p
+	p, e := foldSplit(n)
 	at := func(q int) *peer { return g.peers[g.ring[q]] }
 	if pos < 2*e && pos%2 == 0 {
 		// Folded: hand the buffer to the odd partner, which returns the result.
