@@ -59,8 +59,10 @@ func Tap(p *gorgonia.Node, index int, hook GradHook) (*gorgonia.Node, error) {
 }
 
 // identity holds what tapOp and gradReadyOp share: a shape-preserving copy of one
-// tensor input.
-type identity struct{}
+// tensor input, into the output it keeps across steps (Note [Tap outputs]).
+type identity struct {
+	out *tensor.Dense
+}
 
 func (identity) Arity() int { return 1 }
 
@@ -84,8 +86,9 @@ func (identity) ReturnsPtr() bool     { return false }
 func (identity) CallsExtern() bool    { return false }
 func (identity) OverwritesInput() int { return -1 }
 
-// copyInto copies the single dense input into prealloc, or else into *own, the op's output
-// of the previous step, and returns it (allocated, and kept in *own, when neither fits).
+// copyInto copies the single dense input into prealloc, or else into id.out, the op's
+// output of the previous step, and returns it (allocated, and kept in id.out, when neither
+// fits).
 //
 // Note [Tap outputs]: a tap and a grad-ready op each copy a whole parameter every step.
 // With a fresh tensor each time that was the trainer's main garbage (the seed transformer:
@@ -96,7 +99,7 @@ func (identity) OverwritesInput() int { return -1 }
 // anything else, as with every value the tape machine reuses). A later op may have
 // reshaped it in place, so its shape is restored. The op now holds state: one graph's
 // taps must not run in two machines at once.
-func copyInto(prealloc gorgonia.Value, own **tensor.Dense, in []gorgonia.Value) (*tensor.Dense, error) {
+func (id *identity) copyInto(prealloc gorgonia.Value, in []gorgonia.Value) (*tensor.Dense, error) {
 	if len(in) != 1 {
 		return nil, fmt.Errorf("want 1 input, got %d", len(in))
 	}
@@ -106,7 +109,7 @@ func copyInto(prealloc gorgonia.Value, own **tensor.Dense, in []gorgonia.Value) 
 	}
 	pre, _ := prealloc.(*tensor.Dense)
 	var dst *tensor.Dense
-	for _, c := range []*tensor.Dense{pre, *own} {
+	for _, c := range []*tensor.Dense{pre, id.out} {
 		if fits(c, src) {
 			dst = c
 			break
@@ -117,7 +120,7 @@ func copyInto(prealloc gorgonia.Value, own **tensor.Dense, in []gorgonia.Value) 
 	}
 	if dst == nil {
 		dst = tensor.New(tensor.Of(src.Dtype()), tensor.WithShape(src.Shape().Clone()...))
-		*own = dst
+		id.out = dst
 	}
 	if err := tensor.Copy(dst, src); err != nil {
 		return nil, err
@@ -142,7 +145,6 @@ type tapOp struct {
 	identity
 	index int
 	hook  GradHook
-	out   *tensor.Dense // Note [Tap outputs]
 }
 
 var (
@@ -156,7 +158,7 @@ func (op *tapOp) Do(in ...gorgonia.Value) (gorgonia.Value, error) {
 }
 
 func (op *tapOp) UsePreallocDo(prealloc gorgonia.Value, in ...gorgonia.Value) (gorgonia.Value, error) {
-	v, err := copyInto(prealloc, &op.out, in)
+	v, err := op.copyInto(prealloc, in)
 	if err != nil {
 		return nil, fmt.Errorf("gorgoniaddp: tap param %d: %w", op.index, err)
 	}
@@ -184,7 +186,6 @@ type gradReadyOp struct {
 	identity
 	index int
 	hook  GradHook
-	out   *tensor.Dense // Note [Tap outputs]
 }
 
 func (op *gradReadyOp) Do(in ...gorgonia.Value) (gorgonia.Value, error) {
@@ -192,7 +193,7 @@ func (op *gradReadyOp) Do(in ...gorgonia.Value) (gorgonia.Value, error) {
 }
 
 func (op *gradReadyOp) UsePreallocDo(prealloc gorgonia.Value, in ...gorgonia.Value) (gorgonia.Value, error) {
-	v, err := copyInto(prealloc, &op.out, in)
+	v, err := op.copyInto(prealloc, in)
 	if err != nil {
 		return nil, fmt.Errorf("gorgoniaddp: grad-ready param %d: %w", op.index, err)
 	}
