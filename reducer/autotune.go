@@ -49,7 +49,7 @@ const autoMeasured = 5
 //     collective in flight, by how much longer they took than in pass 2 beyond what the
 //     stretches with none did (func slowdown); collectives by how much longer the buckets
 //     took than the curve says, over their time inside backward. Both count a collective
-//     from the skew after its launch, as the model does.
+//     from the last rank's launch of it (Note [Last rank's start]).
 //
 // Rank 0 then searches the caps (package sim, Profile.Best), broadcasts the chosen pair,
 // and every rank rebuilds with it from the agreed order, so the layouts are identical. The
@@ -173,7 +173,11 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 // rank 0's and describes them with its own profile (AutoPlan).
 func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	choice := []int64{0, 0} // 0: keep pass 1's caps
-	prof, err := a.profile(r)
+	late, err := a.lastStarts(ctx, r)
+	if err != nil {
+		return err
+	}
+	prof, err := a.profile(r, late)
 	if err != nil {
 		prof = nil
 	}
@@ -210,8 +214,49 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	return nil
 }
 
+// Note [Last rank's start]: a collective's bytes start to move only once the last rank has
+// issued it, so the time a rank sees from its own launch to the end also counts its wait for
+// the slowest rank. In pass 3 that wait is not the steady skew of the model: it is whatever
+// held one rank back in its third step (on the two-host testbed at 10 Gbit/s, 13 ms at the
+// median and up to 104 ms), and counted as the collectives' own time it made them look up to
+// ten times slower under overlap than alone, and compute twice as slow beside them (the
+// model's caps), so that the predicted steps came out 13-57% long. The ranks finish a
+// collective at about the same time, so the least of the ranks' times from launch to end is
+// the time from the last rank's launch: lastStarts takes it with one all-reduce Min over
+// pass 3's buckets, and running counts each collective from there.
+
+// lastStarts returns, for each of pass 3's buckets, the least over the ranks that timed it of
+// the time from when the rank issued the collective (or its previous one ended, if later)
+// to its end; -1 for a bucket no rank timed. Every rank calls it at the decision.
+func (a *autoTuner) lastStarts(ctx context.Context, r *Reducer) ([]time.Duration, error) {
+	if len(a.passes) < 2 {
+		return nil, nil
+	}
+	s3 := a.passes[1]
+	d := make([]float64, len(s3.BucketBytes))
+	for b := range d {
+		d[b] = math.MaxFloat64 // untimed here
+	}
+	for _, iv := range running(s3, 0, nil) {
+		d[iv.b] = (iv.hi - iv.lo).Seconds()
+	}
+	if err := r.pg.AllReduce(ctx, d, procgroup.Min).Wait(ctx); err != nil {
+		return nil, fmt.Errorf("reducer: auto bucket sizing: all-reduce of pass 3's collective times: %w", err)
+	}
+	late := make([]time.Duration, len(d))
+	for b, v := range d {
+		late[b] = -1
+		if v < math.MaxFloat64 {
+			late[b] = time.Duration(v * float64(time.Second))
+		}
+	}
+	return late, nil
+}
+
 // profile turns the probe and passes 2 (one bucket) and 3 (eight) into the model's inputs.
-func (a *autoTuner) profile(r *Reducer) (*sim.Profile, error) {
+// late is lastStarts' result (nil: count each collective from skew after this rank's
+// launch).
+func (a *autoTuner) profile(r *Reducer, late []time.Duration) (*sim.Profile, error) {
 	if len(a.passes) < 2 || len(a.ends) < 2 {
 		return nil, fmt.Errorf("reducer: auto bucket sizing: %d passes measured, want 2", len(a.passes))
 	}
@@ -280,9 +325,9 @@ func (a *autoTuner) profile(r *Reducer) (*sim.Profile, error) {
 	if nb := len(s3.BucketBytes); nb > 0 {
 		p.Launch = math.Max((s3.HookTime-s3.CopyTime).Seconds()/float64(nb), 0)
 	}
-	p.Slowdown = slowdown(s2, s3, byTime, skew)
+	p.Slowdown = slowdown(s2, s3, byTime, skew, late)
 	var inside, outside, alone float64
-	for _, iv := range running(s3, skew) {
+	for _, iv := range running(s3, skew, late) {
 		in := max(min(iv.hi, s3.BackwardEnd)-iv.lo, 0)
 		inside += in.Seconds()
 		outside += (iv.hi - iv.lo - in).Seconds()
@@ -334,8 +379,8 @@ func (a *autoTuner) passDone(r *Reducer, st *IterStats) {
 // fractions, weighted by the in-flight time, ignores a stretch that a one-off stall made
 // long. f is at most 1/2 (s at most 1): one collective at a time runs on one goroutine, and
 // a fair scheduler gives the compute thread it competes with at least half of a core.
-func slowdown(s2, s3 *IterStats, order []int, skew time.Duration) float64 {
-	ivs := running(s3, skew)
+func slowdown(s2, s3 *IterStats, order []int, skew time.Duration, late []time.Duration) float64 {
+	ivs := running(s3, skew, late)
 	type stretch struct{ d2, d3, w float64 }
 	var ss []stretch
 	var prev2, prev3 time.Duration
@@ -392,8 +437,10 @@ type interval struct {
 
 // running lists when st's collectives ran, one at a time in bucket order: each from skew
 // after its launch (when the last rank launched it too, as the model has it) or its
-// predecessor's end, whichever is later, to its end.
-func running(st *IterStats, skew time.Duration) []interval {
+// predecessor's end, whichever is later, to its end. Where late[b] ≥ 0 (Note [Last rank's
+// start]) bucket b runs instead for the last late[b] before its end, from its
+// predecessor's end at the earliest.
+func running(st *IterStats, skew time.Duration, late []time.Duration) []interval {
 	var out []interval
 	prevEnd := time.Duration(-1)
 	for b := range st.BucketLaunched {
@@ -401,7 +448,11 @@ func running(st *IterStats, skew time.Duration) []interval {
 		if lo < 0 || hi < 0 {
 			continue
 		}
-		lo = min(max(lo+skew, prevEnd), hi)
+		lo += skew
+		if b < len(late) && late[b] >= 0 {
+			lo = hi - late[b]
+		}
+		lo = min(max(lo, prevEnd), hi)
 		prevEnd = hi
 		out = append(out, interval{b, lo, hi})
 	}

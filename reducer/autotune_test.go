@@ -1,11 +1,13 @@
 package reducer
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
 	"reflect"
+	"sync"
 	"testing"
 	"time"
 
@@ -198,7 +200,7 @@ func TestAutoProfile(t *testing.T) {
 	a := &autoTuner{total: 1200, order: []int{2, 1, 0}, passes: []*IterStats{s2, s3},
 		probe: []sim.Point{{Bytes: 400, Seconds: 5e-3}, {Bytes: 1200, Seconds: 13e-3}},
 		ends:  []time.Time{t0.Add(ms(60)), t0.Add(ms(150))}}
-	p, err := a.profile(r)
+	p, err := a.profile(r, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -229,7 +231,7 @@ func TestAutoProfile(t *testing.T) {
 	// collectives of pass 3 count from 2 ms after their launch: 8, 3 and 8 ms inside
 	// backward for 3 × 5 ms alone; the stretches' fractions become 2/8, 4.5/3 and 2/8.
 	s2.BucketFinished[0] = ms(45)
-	if p, err = a.profile(r); err != nil {
+	if p, err = a.profile(r, nil); err != nil {
 		t.Fatal(err)
 	}
 	near("Skew", p.Skew, 2e-3)
@@ -241,33 +243,49 @@ func TestAutoProfile(t *testing.T) {
 	// smaller sample, 1 ms, is the skew. Under backward, pass 3's bucket is no sample.
 	s2.BucketFinished[0] = ms(63)
 	s3.BucketLaunched[2], s3.BucketFinished[2] = ms(48.5), ms(54.5)
-	if p, err = a.profile(r); err != nil {
+	if p, err = a.profile(r, nil); err != nil {
 		t.Fatal(err)
 	}
 	near("Skew from pass 3", p.Skew, 1e-3)
 	s2.BucketFinished[0] = ms(45) // 2 ms, now below pass 3's
 	s3.BucketFinished[2] = ms(57.5)
-	if p, err = a.profile(r); err != nil {
+	if p, err = a.profile(r, nil); err != nil {
 		t.Fatal(err)
 	}
 	near("Skew from pass 2, the smaller", p.Skew, 2e-3)
 	s2.BucketFinished[0] = ms(63)
 	s3.BucketLaunched[2], s3.BucketFinished[2] = ms(36.5), ms(46.5)
-	if p, err = a.profile(r); err != nil {
+	if p, err = a.profile(r, nil); err != nil {
 		t.Fatal(err)
 	}
 	near("Skew with pass 3's bucket under backward", p.Skew, 20e-3)
 	s2.BucketFinished[0] = ms(45)
 
+	// Note [Last rank's start]: the other rank launched each of pass 3's collectives later,
+	// so that each ran for only its last 5 ms, the curve's time: [15, 20], [22, 27] and
+	// [41.5, 46.5]. No comm slowdown is left; the stretches' fractions become (12−10)/5,
+	// (14.5−10)/5 and (12−10)/5, of equal weights, whose median 0.4 is s = 2/3.
+	if p, err = a.profile(r, []time.Duration{ms(5), ms(5), ms(5)}); err != nil {
+		t.Fatal(err)
+	}
+	near("CommSlowdown from the last rank's start", p.CommSlowdown, 0)
+	near("Slowdown from the last rank's start", p.Slowdown, 0.4/0.6)
+	// A bucket no rank timed (-1) counts from skew after this rank's launch: with pass 2's
+	// 2 ms of skew, bucket 0 then runs [12, 20], 18 ms in flight inside backward for 15 alone.
+	if p, err = a.profile(r, []time.Duration{-1, ms(5), ms(5)}); err != nil {
+		t.Fatal(err)
+	}
+	near("CommSlowdown with bucket 0 untimed", p.CommSlowdown, 18.0/15.0-1)
+
 	// A gradient pass 2 never got: no model.
 	s2.GradReady[1] = -1
-	if _, err := a.profile(r); err == nil {
+	if _, err := a.profile(r, nil); err == nil {
 		t.Error("profile with a missing gradient: no error")
 	}
 	// The old estimate, extra compute over the whole in-flight time, would have taken the
 	// outlier in: (48.5 − 1.5 − (40 − 1.3)) / 25 = 0.332, s = 0.497.
 	s2.GradReady[1] = ms(20)
-	if got := slowdown(s2, s3, []int{2, 1, 0}, 0); math.Abs(got-0.25) > 1e-9 {
+	if got := slowdown(s2, s3, []int{2, 1, 0}, 0, nil); math.Abs(got-0.25) > 1e-9 {
 		t.Errorf("slowdown %v, want 0.25", got)
 	}
 }
@@ -280,14 +298,14 @@ func TestSlowdownNotOverlap(t *testing.T) {
 	s3 := &IterStats{GradReady: []time.Duration{ms(60), ms(45), ms(30)}, BackwardEnd: ms(75),
 		BucketLaunched: []time.Duration{ms(30), ms(45)}, BucketFinished: []time.Duration{ms(45), ms(60)}}
 	order := []int{2, 1, 0}
-	if got := slowdown(s2, s3, order, 0); got != 0 {
+	if got := slowdown(s2, s3, order, 0, nil); got != 0 {
 		t.Errorf("uniformly slower pass 3: slowdown %v, want 0", got)
 	}
 	// The stretch 30→48 ms takes 3 ms more than 1.5 × 10 ms, with 15 ms in flight
 	// (f = 0.2), and so does 48→66: the weighted median is 0.2, s = 0.25.
 	s3 = &IterStats{GradReady: []time.Duration{ms(66), ms(48), ms(30)}, BackwardEnd: ms(81),
 		BucketLaunched: []time.Duration{ms(30), ms(48)}, BucketFinished: []time.Duration{ms(45), ms(63)}}
-	if got := slowdown(s2, s3, order, 0); math.Abs(got-0.25) > 1e-9 {
+	if got := slowdown(s2, s3, order, 0, nil); math.Abs(got-0.25) > 1e-9 {
 		t.Errorf("slowdown %v, want 0.25", got)
 	}
 	// Far slower stretches are capped at s = 1.
@@ -295,7 +313,7 @@ func TestSlowdownNotOverlap(t *testing.T) {
 	s3.BackwardEnd = ms(145)
 	s3.BucketFinished = []time.Duration{ms(80), ms(130)}
 	s3.BucketLaunched = []time.Duration{ms(30), ms(80)}
-	if got := slowdown(s2, s3, order, 0); got != 1 {
+	if got := slowdown(s2, s3, order, 0, nil); got != 1 {
 		t.Errorf("slowdown %v, want the cap 1", got)
 	}
 }
@@ -307,5 +325,49 @@ func TestAutoPlanString(t *testing.T) {
 	want := "auto bucket layout after 3 synced steps: first cap 0.5 MB, cap 5 MB, 7 buckets; predicted 123.40 ms/step (default 1/25 MB: 200.00, 2 buckets), measured 130.50 ms/step"
 	if got := p.String(); got != want {
 		t.Errorf("String:\n got %s\nwant %s", got, want)
+	}
+}
+
+// TestLastStarts: each rank gives its pass 3 times from launch (or the previous bucket's
+// end, if later) to the end; every rank gets the least over the ranks, bucket by bucket,
+// and -1 where a rank did not time a bucket.
+func TestLastStarts(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	s3 := []*IterStats{
+		// rank 0 launched early: 12, 5 (from bucket 0's end at 20) and 9 ms; buckets 3 and 4
+		// untimed
+		{BucketBytes: []int64{4, 4, 4, 4, 4}, BucketLaunched: []time.Duration{ms(8), ms(18), ms(30), ms(40), ms(41)},
+			BucketFinished: []time.Duration{ms(20), ms(25), ms(39), -1, -1}},
+		// rank 1 launched late: 4, 5 and 3 ms, and 2 ms for bucket 3; bucket 4 untimed
+		{BucketBytes: []int64{4, 4, 4, 4, 4}, BucketLaunched: []time.Duration{ms(16), ms(19), ms(36), ms(41), -1},
+			BucketFinished: []time.Duration{ms(20), ms(25), ms(39), ms(43), -1}},
+	}
+	want := []time.Duration{ms(4), ms(5), ms(3), ms(2), -1}
+	var wg sync.WaitGroup
+	got := make([][]time.Duration, 2)
+	errs := make([]error, 2)
+	for rank := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := &Reducer{pg: c.Group(rank), log: zap.NewNop()}
+			a := &autoTuner{passes: []*IterStats{{}, s3[rank]}}
+			got[rank], errs[rank] = a.lastStarts(context.Background(), r)
+		}()
+	}
+	wg.Wait()
+	for rank := range 2 {
+		if errs[rank] != nil {
+			t.Fatalf("rank %d: %v", rank, errs[rank])
+		}
+		if len(got[rank]) != len(want) {
+			t.Fatalf("rank %d: %v, want %v", rank, got[rank], want)
+		}
+		for b := range want {
+			if d := got[rank][b] - want[b]; d < -time.Microsecond || d > time.Microsecond {
+				t.Errorf("rank %d bucket %d: %v, want %v", rank, b, got[rank][b], want[b])
+			}
+		}
 	}
 }
