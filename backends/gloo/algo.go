@@ -19,9 +19,11 @@ import (
 //   - shm-ring, ring, pair: each of the n-1 reduce-scatter steps reads the chunk it sends
 //     and reads and writes the chunk it reduces into (3c); each of the n-1 all-gather
 //     steps reads the chunk it sends and writes the one it receives (2c): 5(n-1)/n;
-//   - shm-inplace (Note [Shared buffers]): n-1 reductions of a peer's chunk into one's own
-//     (3c each), n-1 chunks copied from the peers (2c each): 5(n-1)/n as well; it saves
-//     the copies through the slots, not buffer traffic;
+//   - shm-inplace (Note [One pass]): chunk r of every buffer read once and written once:
+//     2, whatever n;
+//   - shm-vm: n-1 reductions of a peer's chunk into one's own (3c each), n-1 chunks copied
+//     from the peers (2c each): 5(n-1)/n, as the ring; it saves the copies through the
+//     slots, not buffer traffic;
 //   - shm-direct, direct: the buffer is read once per peer it goes to and once into the
 //     accumulator, and written once with the result: n+1.
 func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
@@ -40,7 +42,7 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 		return name, 5 * math.Ceil(math.Log2(n)) // per round: send, receive, combine
 	case "shm-ring":
 		if g.inPlaceOK() && g.ownsShared(b) {
-			return "shm-inplace", ring
+			return "shm-inplace", 2
 		}
 		if g.inPlaceOK() && g.cfg.VMReadv { // when every peer sets it too
 			return "shm-vm", ring

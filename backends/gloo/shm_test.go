@@ -190,4 +190,19 @@ func TestAllReduceAlgorithm(t *testing.T) {
 			}
 		})
 	}
+	t.Run("unix/n3/shared", func(t *testing.T) { // Note [One pass]: 2 bytes per byte, whatever n
+		groups := startGroups(t, 3, &Config{Transport: TransportUnix})
+		g := groups[0].(*group)
+		buf, err := g.AllocBuffer(procgroup.Float32, 1<<18)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer g.FreeBuffer(buf)
+		if name, traffic, _ := procgroup.AllReduceAlgorithm(g, buf); name != "shm-inplace" || traffic != 2 {
+			t.Errorf("a buffer from AllocBuffer: %q, %g; want shm-inplace, 2", name, traffic)
+		}
+		if name, traffic, _ := procgroup.AllReduceAlgorithm(g, make([]float32, 1<<18)); name != "shm-ring" || math.Abs(traffic-10.0/3) > 1e-12 {
+			t.Errorf("a private buffer: %q, %g; want shm-ring, 10/3", name, traffic)
+		}
+	})
 }

@@ -12,14 +12,16 @@ import (
 // Note [Ceiling]: --ceiling bounds each size's busbw by this machine's memory bandwidth.
 // On one host an all-reduce is memory traffic. The group says which algorithm a buffer
 // takes and how many bytes of the ranks' buffers it reads and writes per rank, per byte of
-// the message (procgroup.AlgorithmReporter; gloo's rings, in place or through slots:
-// 5(n-1)/n). memRates measures how fast a rank streams memory at that size while every rank
-// does the same at once, as they do in the collective, the slowest rank counting: a copy
-// (2 bytes of traffic per byte) and a reduction dst += src (3), and keeps the faster, since
-// the collective does both. The ceiling's algbw is that rate divided by the traffic; its
-// busbw follows as for the measured time. The single-copy column is the bound for an
-// algorithm that reads its chunk of all n buffers once and writes it, then copies the other
-// n-1 chunks from their owners: (3n-1)/n.
+// the message (procgroup.AlgorithmReporter; gloo's rings: 5(n-1)/n; its in-place pass over
+// the shared arena: 2). memRates measures how fast a rank streams memory at that size
+// while every rank does the same at once, as they do in the collective, the slowest rank
+// counting: a copy (2 bytes of traffic per byte) and a reduction dst += src (3), and keeps
+// the faster, since the collective does both. The ceiling's algbw is that rate divided by
+// the traffic; its busbw follows as for the measured time. The single-copy column is the
+// bound for an algorithm that reads its chunk of all n buffers once and writes it, then
+// copies the other n-1 chunks from their owners: (3n-1)/n, 2.5 bytes per byte at n=2.
+// gloo's in-place pass moves less (it writes each chunk to its peers while the chunk is in
+// cache), so its busbw may pass that column; its own ceiling is its bound.
 //
 // Staging memory (gloo's shared-memory slots, socket segments) is not counted: it is small
 // and stays in cache. Counting it (9(n-1)/n for the slot ring: every chunk copied into a
