@@ -3,7 +3,9 @@
 # shaped to RATE), 2×LOCAL ranks: goddp's allreduce-perf with the flat ring
 # (GODDP_GLOO_ALGO=ring) and with Note [Hierarchical]'s rings (auto), and PyTorch's Gloo
 # (allreduce_bench.py, env:// with GLOO_SOCKET_IFNAME=eth0) when installed, interleaved,
-# REPEATS times. Prints the median busbw per size. Root only.
+# REPEATS times. goddp's auto runs once more on buffers from the group's arena (--shared, as
+# the reducer's buckets are: Note [Host phases in place]) unless SHARED=0. Prints the median
+# busbw per size. Root only.
 #
 # PLACEMENT=contiguous (the default) puts ranks 0..LOCAL-1 on host 0, as ddprun --nnodes does
 # (goddp runs under it); PLACEMENT=roundrobin puts rank r on host r mod 2, every rank started
@@ -19,6 +21,7 @@ MIN=${MIN:-1048576}
 MAX=${MAX:-67108864}
 LOCAL=${LOCAL:-2}
 PLACEMENT=${PLACEMENT:-contiguous}
+SHARED=${SHARED:-1}
 TORCH_DIR=${TORCH_DIR:-../shared/bench/torch}
 OUT=${OUT:-out/testbed_allreduce_${RATE}_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT" bin
@@ -43,14 +46,19 @@ ranks() {
   echo "$out wait"
 }
 for rep in $(seq 1 "$REPEATS"); do
-  for algo in ring auto; do
-    echo "# repeat $rep: goddp $algo ($PLACEMENT)" >&2
+  runs="ring auto"
+  if [ "$SHARED" = 1 ]; then runs="$runs shared"; fi
+  for run in $runs; do
+    echo "# repeat $rep: goddp $run ($PLACEMENT)" >&2
+    algo=$run flags=""
+    if [ "$run" = shared ]; then algo=auto flags=--shared; fi
+    perf="bin/allreduce-perf -b $MIN -e $MAX -f 4 -n 5 -w 2 --json $flags"
     if [ "$PLACEMENT" = contiguous ]; then
-      cmd="bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node $LOCAL --master_addr \$TESTBED_MASTER --master_port 29500 bin/allreduce-perf -b $MIN -e $MAX -f 4 -n 5 -w 2 --json"
+      cmd="bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node $LOCAL --master_addr \$TESTBED_MASTER --master_port 29500 $perf"
     else
-      cmd="$(ranks "MASTER_PORT=29500 bin/allreduce-perf -b $MIN -e $MAX -f 4 -n 5 -w 2 --json")"
+      cmd="$(ranks "MASTER_PORT=29500 $perf")"
     fi
-    bin/testbed --hosts 2 --rate "$RATE" -- "export GODDP_GLOO_ALGO=$algo; $cmd" > "$OUT/goddp_${algo}_r${rep}.log" 2>&1
+    bin/testbed --hosts 2 --rate "$RATE" -- "export GODDP_GLOO_ALGO=$algo; $cmd" > "$OUT/goddp_${run}_r${rep}.log" 2>&1
   done
   if [ "$TORCH" = 1 ]; then
     echo "# repeat $rep: torch ($PLACEMENT)" >&2
@@ -78,10 +86,10 @@ for f in glob.glob(os.path.join(out, "torch_r*_0_0.csv")):  # rank 0's
             rows.setdefault(("torch", int(r["bytes"])), []).append(float(r["busbw_GBps"]))
 sizes = sorted({k[1] for k in rows})
 print(f"busbw GB/s, {world} ranks on 2 hosts ({sys.argv[3]}), median over repeats")
-print("| size | torch | goddp ring | goddp hierarchical | hierarchical/ring | hierarchical/torch |")
-print("|---:|---:|---:|---:|---:|---:|")
+print("| size | torch | goddp ring | goddp hierarchical | goddp --shared (in place) | hierarchical/ring | hierarchical/torch | shared/torch |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|")
 med = lambda k: statistics.median(rows[k]) if k in rows else float("nan")
 for s in sizes:
-    t, g, h = med(("torch", s)), med(("ring", s)), med(("auto", s))
-    print(f"| {s >> 20} MiB | {t:.3f} | {g:.3f} | {h:.3f} | {h / g:.2f} | {h / t:.2f} |")
+    t, g, h, sh = med(("torch", s)), med(("ring", s)), med(("auto", s)), med(("shared", s))
+    print(f"| {s >> 20} MiB | {t:.3f} | {g:.3f} | {h:.3f} | {sh:.3f} | {h / g:.2f} | {h / t:.2f} | {sh / t:.2f} |")
 PY

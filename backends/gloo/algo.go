@@ -25,7 +25,10 @@ import (
 //     from the peers (2c each): 5(n-1)/n, as the ring; it saves the copies through the
 //     slots, not buffer traffic;
 //   - shm-direct, direct: the buffer is read once per peer it goes to and once into the
-//     accumulator, and written once with the result: n+1.
+//     accumulator, and written once with the result: n+1;
+//   - hierarchical-inplace (Note [Host phases in place]), L ranks on each of H hosts:
+//     (L+1)/L to sum the host's chunk, 5(H-1)/H of it across hosts, 2(L-1)/L to copy it
+//     to the host's other buffers.
 func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 	b, dt, _, err := kernels.Bytes(buf)
 	if err != nil {
@@ -49,6 +52,9 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 		}
 	case "hierarchical":
 		L, H := float64(g.local.n), float64(g.cross.n)
+		if g.hostInPlaceOK() && g.ownsShared(b) { // Note [Host phases in place]
+			return "hierarchical-inplace", (L + 1 + 5*(H-1)/H + 2*(L-1)) / L
+		}
 		return name, (5*(L-1) + 5*(H-1)/H) / L
 	}
 	return name, ring
@@ -363,12 +369,21 @@ func (g *group) hierAllReduce(o *op) error {
 	if o.rop == procgroup.Avg {
 		sum.rop = procgroup.Sum
 	}
-	if err := g.ringReduceScatter(&sum, seq, o.buf, false, &g.local); err != nil {
+	inPlace, err := g.hierPost(o) // Note [Host phases in place]
+	if err != nil {
 		return err
 	}
-	// The all-gather below overwrites the chunks the reduce-scatter sent.
-	if err := g.waitSends(); err != nil {
-		return err
+	if inPlace {
+		g.lastPath = "hierarchical-inplace"
+		g.hostReduce(&sum)
+	} else {
+		if err := g.ringReduceScatter(&sum, seq, o.buf, false, &g.local); err != nil {
+			return err
+		}
+		// The all-gather below overwrites the chunks the reduce-scatter sent.
+		if err := g.waitSends(); err != nil {
+			return err
+		}
 	}
 	mine := g.local.chunk(o.buf, g.local.pos)
 	splitChunks(g.cross.offs, len(mine)/es, es)
@@ -383,6 +398,9 @@ func (g *group) hierAllReduce(o *op) error {
 	}
 	if o.rop == procgroup.Avg {
 		kernels.Divide(o.dt, mine, g.size)
+	}
+	if inPlace {
+		return g.hostBroadcast(o)
 	}
 	if err := g.ringAllGather(seq, o.buf, false, &g.local); err != nil {
 		return err

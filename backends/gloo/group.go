@@ -475,7 +475,8 @@ func randomBytes(n int) []byte {
 
 // AllocBuffer hands out count elements of dt that every rank of this host can read
 // (procgroup.BufferAllocator, Note [Shared buffers]); nil when the group has no such memory
-// (no arena, ranks on several hosts, not Linux), when dt is widened for reductions
+// (no arena, not Linux, ranks on several hosts that Note [Hierarchical] does not fit), when
+// dt is widened for reductions
 // (bfloat16, float16), or when the arena is full.
 func (g *group) AllocBuffer(dt procgroup.DType, count int) (any, error) {
 	if dt.Size() == 0 || count < 0 {

@@ -111,11 +111,27 @@ func (g *group) inPlaceOK() bool {
 	return m != nil && m.arena != nil && m.members == g.size
 }
 
+// hostInPlaceOK reports whether Note [Hierarchical]'s host phases may run in place (Note
+// [Host phases in place]): the region has an arena and its members are this host's ranks.
+func (g *group) hostInPlaceOK() bool {
+	m := g.shm
+	if !g.hier || m == nil || m.arena == nil || m.members != g.local.n {
+		return false
+	}
+	for _, r := range g.local.ranks {
+		if m.local[r] < 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // arenaAlloc is AllocBuffer's work (Note [Shared buffers]): count (> 0) elements of dt
-// from this rank's arena part; nil when the group has no arena, the ranks do not all share
-// it, or the part is full.
+// from this rank's arena part; nil when the group has no arena, when no all-reduce would
+// read it in place (the ranks neither all share it nor form Note [Hierarchical]'s hosts),
+// or when the part is full.
 func (g *group) arenaAlloc(dt procgroup.DType, count int) any {
-	if !g.inPlaceOK() {
+	if !g.inPlaceOK() && !g.hostInPlaceOK() {
 		return nil
 	}
 	m := g.shm
@@ -205,17 +221,34 @@ func (g *group) shmAllReduce(o *op) error {
 	if !g.inPlaceOK() {
 		return g.shmRingAllReduce(o)
 	}
+	// Every rank is a member, and its local index is its rank.
+	inPlace, vm, err := g.postBuffer(o, g.cfg.VMReadv)
+	switch {
+	case err != nil:
+		return err
+	case inPlace:
+		return g.inPlaceAllReduce(o, o.seq<<2, false)
+	case vm:
+		return g.inPlaceAllReduce(o, o.seq<<2, true)
+	}
+	return g.shmRingAllReduce(o)
+}
+
+// postBuffer posts o's buffer for an in-place all-reduce among the region's members (Note
+// [Shared buffers]) and waits until every member has posted. inPlace: every member's
+// buffer is in its arena, and m.peerBufs holds their views, by local index. vm (only when
+// asked for): every member may be read with process_vm_readv instead.
+func (g *group) postBuffer(o *op, vmAsked bool) (inPlace, vm bool, err error) {
 	m := g.shm
-	n, r := g.size, g.rank // every rank is a member: local index = rank
 	off, mine := m.ownOffset(o.buf)
-	p := m.post(r)
+	p := m.post(m.me)
 	*m.u64(p + 8) = uint64(off)
 	*m.u64(p + 16) = uint64(len(o.buf))
 	flag := uint32(0)
 	if mine {
 		flag = postArena
 	}
-	if g.cfg.VMReadv && len(o.buf) > 0 {
+	if vmAsked && len(o.buf) > 0 {
 		if m.vmCookie == 0 {
 			m.vmCookie = rand.Uint64() | 1
 		}
@@ -227,39 +260,38 @@ func (g *group) shmAllReduce(o *op) error {
 	}
 	*m.u32(p + 28) = uint32(o.dt)
 	atomic.StoreUint32(m.u32(p+24), flag)
-	base := o.seq << 2
-	if err := g.shmPhase(base | 1); err != nil {
-		return err
+	if err := g.shmPhase(o.seq<<2 | 1); err != nil {
+		return false, false, err
 	}
+	n := m.members
 	if len(m.peerBufs) != n {
 		m.peerBufs = make([][]byte, n) // once: all-reduces allocate nothing
 		m.peerPID, m.peerAddr, m.vmChecked = make([]int, n), make([]uintptr, n), make([]uint64, n)
 	}
-	peers := m.peerBufs
-	inPlace, vm := mine, flag&postVM != 0
+	inPlace, vm = mine, flag&postVM != 0
 	for j := range n {
-		if j == r {
+		if j == m.me {
 			continue
 		}
-		q := m.post(j)
+		q, rank := m.post(j), m.ranks[j]
 		// A peer that skipped this collective and posted a later one satisfies every
 		// phase wait; a correct peer cannot leave this one before this rank does.
 		if st := atomic.LoadUint64(m.u64(q)); st>>2 != o.seq {
-			return fmt.Errorf("%w: rank %d posted collective #%d in shared memory while this rank runs all-reduce #%d (ranks issued different collectives?)",
-				procgroup.ErrInvalidArgument, j, st>>2, o.seq)
+			return false, false, fmt.Errorf("%w: rank %d posted collective #%d in shared memory while this rank runs all-reduce #%d (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, rank, st>>2, o.seq)
 		}
 		pOff, pLen := *m.u64(q + 8), *m.u64(q + 16)
 		f := atomic.LoadUint32(m.u32(q + 24))
 		if pLen != uint64(len(o.buf)) || procgroup.DType(*m.u32(q + 28)) != o.dt {
-			return fmt.Errorf("%w: rank %d posted %d bytes of %v for all-reduce #%d in shared memory, this rank has %d bytes of %v (ranks issued different collectives?)",
-				procgroup.ErrInvalidArgument, j, pLen, procgroup.DType(*m.u32(q + 28)), o.seq, len(o.buf), o.dt)
+			return false, false, fmt.Errorf("%w: rank %d posted %d bytes of %v for all-reduce #%d in shared memory, this rank has %d bytes of %v (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, rank, pLen, procgroup.DType(*m.u32(q + 28)), o.seq, len(o.buf), o.dt)
 		}
 		if f&postVM == 0 {
 			vm = false
 		} else {
 			m.peerPID[j], m.peerAddr[j] = int(*m.u64(q + 32)), uintptr(*m.u64(q + 40))
 			if err := g.vmCheck(j, *m.u64(q + 48), uintptr(*m.u64(q + 56))); err != nil {
-				return err
+				return false, false, err
 			}
 		}
 		if f&postArena == 0 {
@@ -267,19 +299,13 @@ func (g *group) shmAllReduce(o *op) error {
 			continue
 		}
 		if pOff > uint64(m.arenaLen) || pLen > uint64(m.arenaLen)-pOff {
-			return fmt.Errorf("%w: rank %d posted a buffer of %d bytes at %d of its arena for collective #%d, this rank has %d bytes (ranks issued different collectives?)",
-				procgroup.ErrInvalidArgument, j, pLen, pOff, o.seq, len(o.buf))
+			return false, false, fmt.Errorf("%w: rank %d posted a buffer of %d bytes at %d of its arena for collective #%d, this rank has %d bytes (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, rank, pLen, pOff, o.seq, len(o.buf))
 		}
 		at := j*m.arenaLen + int(pOff)
-		peers[j] = m.arena[at : at+len(o.buf) : at+len(o.buf)]
+		m.peerBufs[j] = m.arena[at : at+len(o.buf) : at+len(o.buf)]
 	}
-	if !inPlace && vm {
-		return g.inPlaceAllReduce(o, base, true)
-	}
-	if !inPlace {
-		return g.shmRingAllReduce(o)
-	}
-	return g.inPlaceAllReduce(o, base, false)
+	return inPlace, vm, nil
 }
 
 // inPlaceAllReduce is Note [Shared buffers]'s in-place all-reduce, once every rank has
@@ -368,6 +394,59 @@ func (g *group) reduceBroadcast(o *op, peers [][]byte) {
 			}
 		}
 	}
+}
+
+// Note [Host phases in place]: in Note [Hierarchical], when the region's members are
+// exactly this host's ranks of the group and every one's buffer is in its arena, the two
+// host phases run in place instead of as rings through the slots. The members post as for
+// Note [Shared buffers]; local rank l then reduces chunk l of every member's buffer into
+// its own chunk l, a block at a time; the middle ring all-reduces that chunk across hosts;
+// then local rank l copies it into chunk l of every member's buffer, and all wait once
+// for each other. No wait is needed between: chunk l of any buffer is read and written
+// only by local rank l, from the post to the last wait. Each host decides alone (its
+// members see the same posts), since the middle ring does not care how a host formed its
+// sum. Across hosts the reducer's buckets then come from the arena too (arenaAlloc), so
+// DDP takes this path. A host phase then reads each byte of the message once and writes
+// each chunk once, where a ring copies it into a slot and out again at every step.
+
+// hierPost posts o's buffer among the host's members for Note [Host phases in place]; it
+// reports whether the host phases run in place.
+func (g *group) hierPost(o *op) (bool, error) {
+	if !g.hostInPlaceOK() {
+		return false, nil
+	}
+	inPlace, _, err := g.postBuffer(o, false)
+	return inPlace, err
+}
+
+// hostReduce is the first host phase of Note [Host phases in place]: this rank's local
+// chunk of o.buf ends as its sum over the host's buffers (o.rop, never Avg here).
+func (g *group) hostReduce(o *op) {
+	m, v := g.shm, &g.local
+	at := v.offs[v.ids[v.pos]]
+	own := v.chunk(o.buf, v.pos)
+	for a := 0; a < len(own); a += reduceBlock {
+		b := min(a+reduceBlock, len(own))
+		for q := range v.n {
+			if q != v.pos {
+				kernels.Reduce(o.dt, o.rop, own[a:b], m.peerBufs[m.local[v.ranks[q]]][at+a:at+b])
+			}
+		}
+	}
+}
+
+// hostBroadcast is the last host phase of Note [Host phases in place]: this rank's local
+// chunk, final, goes into every member's buffer; it returns once every member's has.
+func (g *group) hostBroadcast(o *op) error {
+	m, v := g.shm, &g.local
+	at := v.offs[v.ids[v.pos]]
+	own := v.chunk(o.buf, v.pos)
+	for q := range v.n {
+		if q != v.pos {
+			copy(m.peerBufs[m.local[v.ranks[q]]][at:at+len(own)], own)
+		}
+	}
+	return g.shmPhase(o.seq<<2 | 3)
 }
 
 // shmPhase publishes this rank's state, rings the peers, and waits until every peer's

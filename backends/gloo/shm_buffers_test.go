@@ -133,14 +133,7 @@ func TestSharedBuffersMixed(t *testing.T) {
 	const size, count = 3, 50000
 	groups := startGroups(t, size, &Config{Transport: TransportUnix})
 	xs := inputs(7, size, count, procgroup.Sum)
-	bufs := make([]any, size)
-	for r, g := range groups {
-		if r == 1 {
-			bufs[r] = toBuf(procgroup.Float64, xs[r])
-		} else {
-			bufs[r] = sharedBuf(t, g, procgroup.Float64, xs[r])
-		}
-	}
+	bufs := mixedBufs(t, groups, xs)
 	before := slotSegments(groups[0])
 	each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum)) })
 	if slotSegments(groups[0]) == before {
@@ -150,6 +143,20 @@ func TestSharedBuffersMixed(t *testing.T) {
 	for r := range size {
 		checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float64, procgroup.Sum, fromBuf(bufs[r]), want)
 	}
+}
+
+// mixedBufs holds xs[r] as float64 in a private buffer for rank 1 and in shared ones for
+// the others.
+func mixedBufs(t *testing.T, groups []procgroup.ProcessGroup, xs [][]float64) []any {
+	bufs := make([]any, len(groups))
+	for r, g := range groups {
+		if r == 1 {
+			bufs[r] = toBuf(procgroup.Float64, xs[r])
+		} else {
+			bufs[r] = sharedBuf(t, g, procgroup.Float64, xs[r])
+		}
+	}
+	return bufs
 }
 
 // TestArenaHeap: first fit in pages, full arena → nil, freed buffers read as zeros and are
@@ -349,4 +356,87 @@ func TestVMReadvAllReduce(t *testing.T) {
 			checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float64, procgroup.Sum, fromBuf(bufs[r]), reduceRef(xs, procgroup.Sum))
 		}
 	})
+}
+
+// TestHostPhasesInPlace: across (simulated) hosts, buffers from AllocBuffer take Note [Host
+// phases in place] (no segment goes through a host's slots), for contiguous and
+// round-robin placements, two and three ranks a host, every op and counts below the world
+// size, and match a float64 reference; every rank ends with the same bits. When one rank's
+// buffer is private, its host runs the rings while the other host stays in place, and the
+// result is still right.
+func TestHostPhasesInPlace(t *testing.T) {
+	counts := []int{1, 5, 4099, 70000}
+	for _, hosts := range [][]string{
+		{"a", "a", "b", "b"},
+		{"a", "b", "a", "b"},
+		{"a", "a", "a", "b", "b", "b"},
+	} {
+		t.Run(strings.Join(hosts, ""), func(t *testing.T) {
+			size := len(hosts)
+			groups := startGroupsHosts(t, hosts, Config{Tune: TuneOff, DirectMaxBytes: 8, SegmentSize: 4096, ShmSlotSize: 4096, ShmSlots: 2})
+			for r, g := range groups {
+				buf := sharedBuf(t, g, procgroup.Float32, make([]float64, 1<<18))
+				if name, _, _ := procgroup.AllReduceAlgorithm(g, buf); name != "hierarchical-inplace" {
+					t.Errorf("rank %d: a shared 1 MiB all-reduce takes %q, want hierarchical-inplace", r, name)
+				}
+				g.(procgroup.BufferAllocator).FreeBuffer(buf)
+			}
+			seed := uint64(300)
+			for _, dt := range []procgroup.DType{procgroup.Float32, procgroup.Float64, procgroup.Int64} {
+				for _, op := range procgroup.ReduceOps {
+					for _, count := range counts {
+						seed++
+						xs := inputs(seed, size, count, op)
+						bufs := make([]any, size)
+						for r, g := range groups {
+							bufs[r] = sharedBuf(t, g, dt, xs[r])
+						}
+						before := make([]uint64, size)
+						for r, g := range groups {
+							before[r] = slotSegments(g)
+						}
+						each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], op)) })
+						what := fmt.Sprintf("%v %v count %d", dt, op, count)
+						for r, g := range groups {
+							if p := g.(*group).lastPath; count*dt.Size() > 8 && p != "hierarchical-inplace" {
+								t.Fatalf("%s: rank %d took %q, want hierarchical-inplace", what, r, p)
+							}
+							if after := slotSegments(g); after != before[r] {
+								t.Fatalf("%s: rank %d sent %d segments through the slots; want none (in place)", what, r, after-before[r])
+							}
+						}
+						want := reduceRef(xs, op)
+						got0 := fromBuf(bufs[0])
+						for r, g := range groups {
+							got := fromBuf(bufs[r])
+							checkClose(t, fmt.Sprintf("%s rank %d", what, r), dt, op, got, want)
+							for k := range got {
+								if math.Float64bits(got[k]) != math.Float64bits(got0[k]) {
+									t.Fatalf("%s: rank %d element %d is %v, rank 0 has %v: ranks differ", what, r, k, got[k], got0[k])
+								}
+							}
+							g.(procgroup.BufferAllocator).FreeBuffer(bufs[r])
+						}
+					}
+				}
+			}
+			// Mixed: rank 1's buffer is private, so its host takes the rings.
+			xs := inputs(9, size, 50000, procgroup.Avg)
+			bufs := mixedBufs(t, groups, xs)
+			each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+				return wait(g.AllReduce(ctx, bufs[r], procgroup.Avg))
+			})
+			want := reduceRef(xs, procgroup.Avg)
+			for r, g := range groups {
+				wantPath := "hierarchical-inplace"
+				if hosts[r] == hosts[1] {
+					wantPath = "hierarchical"
+				}
+				if p := g.(*group).lastPath; p != wantPath {
+					t.Errorf("mixed: rank %d (host %s) took %q, want %q", r, hosts[r], p, wantPath)
+				}
+				checkClose(t, fmt.Sprintf("mixed rank %d", r), procgroup.Float64, procgroup.Avg, fromBuf(bufs[r]), want)
+			}
+		})
+	}
 }

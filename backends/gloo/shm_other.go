@@ -29,6 +29,10 @@ func (g *group) shmDirectAllReduce(o *op) error         { panic("gloo: no shared
 func (g *group) shmAllReduce(o *op) error               { panic("gloo: no shared memory") }
 func (g *group) inPlaceOK() bool                        { return false }
 func (g *group) ownsShared([]byte) bool                 { return false }
+func (g *group) hostInPlaceOK() bool                    { return false }
+func (g *group) hierPost(*op) (bool, error)             { return false, nil }
+func (g *group) hostReduce(*op)                         { panic("gloo: no shared memory") }
+func (g *group) hostBroadcast(*op) error                { panic("gloo: no shared memory") }
 
 // arenaAlloc has no shared memory to hand out here.
 func (g *group) arenaAlloc(procgroup.DType, int) any { return nil }

@@ -287,13 +287,14 @@ type row struct {
 
 	// --ceiling (Note [Ceiling]): the algorithm and its memory traffic per rank per message
 	// byte, the memory rates (GB/s read plus written, the slowest rank's, every rank
-	// copying, then reducing, at once), the busbw ceiling they imply for the algorithm and
-	// for a single-copy one, and busbw's share of the first.
+	// copying, then reducing, then exchanging, at once), the busbw ceiling they imply for
+	// the algorithm and for a single-copy one, and busbw's share of the first.
 	Algo            string  `json:"algo,omitempty"`
 	Traffic         float64 `json:"traffic_per_byte,omitempty"`
 	CopyGBs         float64 `json:"mem_copy_gbs,omitempty"`
 	ReduceGBs       float64 `json:"mem_reduce_gbs,omitempty"`
-	MemGBs          float64 `json:"mem_gbs,omitempty"` // the faster of the two
+	ExchangeGBs     float64 `json:"mem_exchange_gbs,omitempty"`
+	MemGBs          float64 `json:"mem_gbs,omitempty"` // the fastest of the three
 	CeilBusBW       float64 `json:"ceiling_busbw_gbs,omitempty"`
 	PctCeil         float64 `json:"pct_of_ceiling,omitempty"`
 	SingleCopyBusBW float64 `json:"single_copy_ceiling_busbw_gbs,omitempty"`

@@ -474,8 +474,8 @@ func TestCommandCeiling(t *testing.T) {
 			t.Fatalf("line %q: %v", l, err)
 		}
 		wantTraffic := map[string]float64{"shm-direct": 3, "shm-ring": 2.5}[wantAlgo[i]]
-		if r.MemGBs != max(r.CopyGBs, r.ReduceGBs) || r.CopyGBs <= 0 || r.ReduceGBs <= 0 {
-			t.Errorf("row %d: memory rate %g GB/s, want the faster of copy %g and reduce %g, both positive", i, r.MemGBs, r.CopyGBs, r.ReduceGBs)
+		if r.MemGBs != max(r.CopyGBs, r.ReduceGBs, r.ExchangeGBs) || r.CopyGBs <= 0 || r.ReduceGBs <= 0 || r.ExchangeGBs <= 0 {
+			t.Errorf("row %d: memory rate %g GB/s, want the fastest of copy %g, reduce %g and exchange %g, all positive", i, r.MemGBs, r.CopyGBs, r.ReduceGBs, r.ExchangeGBs)
 		}
 		if r.Algo != wantAlgo[i] || r.Traffic != wantTraffic || r.MemGBs <= 0 {
 			t.Errorf("row %d: algo %q traffic %g memory %g GB/s; want %q, %g, a positive rate", i, r.Algo, r.Traffic, r.MemGBs, wantAlgo[i], wantTraffic)
