@@ -20,14 +20,15 @@ import (
 // since each reads its own environment. Then every rank times all-reduces of a few sizes
 // (calibSizes) with each candidate (direct; recursive doubling from 3 ranks on; and the
 // ring the placement allows: the hierarchical rings, the two-rank exchange or the flat
-// ring), the ranks take the slowest rank's time of each (an all-reduce with Max), and
-// rank 0 fits each candidate's time as α + β·bytes (least squares on relative errors:
-// fitLine) and broadcasts the fits. Every rank then holds the same table and makes the
-// same choice for every size: the candidate with the least predicted time, up to
-// calibLimit times the largest size measured, and the ring above. Direct and recursive
-// doubling give the same bits (Note [One association]), so the choice between them
-// changes no result. GODDP_GLOO_ALGO (Config.Algorithm) overrides the model, and
-// GODDP_GLOO_TUNE=off (Config.Tune) keeps the fixed rules across hosts too.
+// ring; timed on an arena buffer where the reducer's buckets live in one), the ranks take
+// the slowest rank's time of each (an all-reduce with Max), and rank 0 fits each
+// candidate's time as α + β·bytes (least squares on relative errors: fitLine) and
+// broadcasts the fits. Every rank then holds the same table and makes the same choice for
+// every size: the candidate with the least predicted time, up to calibLimit times the
+// largest size measured, and the ring above. Direct and recursive doubling give the same
+// bits (Note [One association]), so the choice between them changes no result.
+// GODDP_GLOO_ALGO (Config.Algorithm) overrides the model, and GODDP_GLOO_TUNE=off
+// (Config.Tune) keeps the fixed rules across hosts too.
 
 // calibSizes are the message sizes the calibration times (bytes of float32).
 var calibSizes = []int{4 << 10, 16 << 10, 64 << 10, 256 << 10}
@@ -146,7 +147,15 @@ func (g *group) calibrate(ctx context.Context) error {
 		paths = append(paths, "rd")
 	}
 	paths = append(paths, g.ringPath())
-	buf := make([]float32, calibSizes[len(calibSizes)-1]/4)
+	// Where the host phases can run in place, the probe's buffer is the arena's, as the
+	// reducer's buckets are, so that the hierarchical candidate is timed on that path
+	// (Note [Host phases in place]).
+	buf, _ := g.arenaAlloc(procgroup.Float32, calibSizes[len(calibSizes)-1]/4).([]float32)
+	if buf != nil {
+		defer g.FreeBuffer(buf)
+	} else {
+		buf = make([]float32, calibSizes[len(calibSizes)-1]/4)
+	}
 	times := make([]float64, len(paths)*len(calibSizes))
 	for i, path := range paths {
 		for k, size := range calibSizes {
