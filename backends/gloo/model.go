@@ -150,11 +150,12 @@ func (g *group) calibrate(ctx context.Context) error {
 	// Where the host phases can run in place, the probe's buffer is the arena's, as the
 	// reducer's buckets are, so that the hierarchical candidate is timed on that path
 	// (Note [Host phases in place]).
-	buf, _ := g.arenaAlloc(procgroup.Float32, calibSizes[len(calibSizes)-1]/4).([]float32)
+	count := calibSizes[len(calibSizes)-1] / 4
+	buf, _ := g.arenaAlloc(procgroup.Float32, count).([]float32)
 	if buf != nil {
 		defer g.FreeBuffer(buf)
 	} else {
-		buf = make([]float32, calibSizes[len(calibSizes)-1]/4)
+		buf = make([]float32, count)
 	}
 	times := make([]float64, len(paths)*len(calibSizes))
 	for i, path := range paths {

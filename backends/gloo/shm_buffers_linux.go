@@ -227,9 +227,9 @@ func (g *group) shmAllReduce(o *op) error {
 	case err != nil:
 		return err
 	case inPlace:
-		return g.inPlaceAllReduce(o, o.seq<<2, false)
+		return g.inPlaceAllReduce(o, false)
 	case vm:
-		return g.inPlaceAllReduce(o, o.seq<<2, true)
+		return g.inPlaceAllReduce(o, true)
 	}
 	return g.shmRingAllReduce(o)
 }
@@ -315,13 +315,14 @@ func (g *group) postBuffer(o *op, vmAsked bool) (inPlace, vm bool, err error) {
 // process_vm_readv (one copy, by the kernel: a segment at a time into g.tmp for the
 // reduction), and a second pass, past the next phase, copies the other chunks from their
 // owners straight into the buffer. Both reduce in one order, so they give the same bits.
-func (g *group) inPlaceAllReduce(o *op, base uint64, vm bool) error {
+func (g *group) inPlaceAllReduce(o *op, vm bool) error {
 	n, r := g.size, g.rank
+	base := o.seq << 2
 	es := o.dt.Size()
 	g.setChunks(len(o.buf)/es, es)
 	if !vm {
 		g.lastPath = "shm-inplace"
-		g.reduceBroadcast(o, g.shm.peerBufs)
+		g.reduceBlocks(o, g.chunk(o.buf, r), g.offs[r], true)
 		return g.shmPhase(base | 3)
 	}
 	g.lastPath = "shm-vm"
@@ -371,26 +372,28 @@ func (g *group) inPlaceAllReduce(o *op, base uint64, vm bool) error {
 // reduceBlock is the block of Note [One pass], in bytes (a multiple of every element size).
 const reduceBlock = 32 << 10
 
-// reduceBroadcast is Note [One pass]: this rank's chunk of o.buf and of every peer's
-// buffer in peers (indexed by rank; this rank's entry unused) ends as the reduction of
-// that chunk over all of them.
-func (g *group) reduceBroadcast(o *op, peers [][]byte) {
-	n, r := g.size, g.rank
-	own := g.chunk(o.buf, r)
-	at := g.offs[r]
+// reduceBlocks is the block loop of Notes [One pass] and [Host phases in place]: own,
+// bytes at.. of this rank's buffer, ends as o.rop of those bytes over every member's
+// buffer (g.shm.peerBufs, by local index: rank order), a block at a time, divided by the
+// group's size for Avg. With bcast each finished block is also written into every peer's
+// buffer while it is still in cache.
+func (g *group) reduceBlocks(o *op, own []byte, at int, bcast bool) {
+	m := g.shm
 	for a := 0; a < len(own); a += reduceBlock {
 		b := min(a+reduceBlock, len(own))
-		for j := range n {
-			if j != r {
-				kernels.Reduce(o.dt, o.rop, own[a:b], peers[j][at+a:at+b])
+		for j, p := range m.peerBufs {
+			if j != m.me {
+				kernels.Reduce(o.dt, o.rop, own[a:b], p[at+a:at+b])
 			}
 		}
 		if o.rop == procgroup.Avg {
-			kernels.Divide(o.dt, own[a:b], n)
+			kernels.Divide(o.dt, own[a:b], g.size)
 		}
-		for j := range n {
-			if j != r {
-				copy(peers[j][at+a:at+b], own[a:b])
+		if bcast {
+			for j, p := range m.peerBufs {
+				if j != m.me {
+					copy(p[at+a:at+b], own[a:b])
+				}
 			}
 		}
 	}
@@ -422,28 +425,18 @@ func (g *group) hierPost(o *op) (bool, error) {
 // hostReduce is the first host phase of Note [Host phases in place]: this rank's local
 // chunk of o.buf ends as its sum over the host's buffers (o.rop, never Avg here).
 func (g *group) hostReduce(o *op) {
-	m, v := g.shm, &g.local
-	at := v.offs[v.ids[v.pos]]
-	own := v.chunk(o.buf, v.pos)
-	for a := 0; a < len(own); a += reduceBlock {
-		b := min(a+reduceBlock, len(own))
-		for q := range v.n {
-			if q != v.pos {
-				kernels.Reduce(o.dt, o.rop, own[a:b], m.peerBufs[m.local[v.ranks[q]]][at+a:at+b])
-			}
-		}
-	}
+	v := &g.local // its positions are the members in rank order, as their local indices
+	g.reduceBlocks(o, v.chunk(o.buf, v.pos), v.offs[v.ids[v.pos]], false)
 }
 
 // hostBroadcast is the last host phase of Note [Host phases in place]: this rank's local
 // chunk, final, goes into every member's buffer; it returns once every member's has.
 func (g *group) hostBroadcast(o *op) error {
 	m, v := g.shm, &g.local
-	at := v.offs[v.ids[v.pos]]
-	own := v.chunk(o.buf, v.pos)
-	for q := range v.n {
-		if q != v.pos {
-			copy(m.peerBufs[m.local[v.ranks[q]]][at:at+len(own)], own)
+	at, own := v.offs[v.ids[v.pos]], v.chunk(o.buf, v.pos)
+	for j, p := range m.peerBufs {
+		if j != m.me {
+			copy(p[at:at+len(own)], own)
 		}
 	}
 	return g.shmPhase(o.seq<<2 | 3)
