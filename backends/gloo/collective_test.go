@@ -278,6 +278,8 @@ func TestHostPlacements(t *testing.T) {
 			// The fixed rules (TestCalibratedChoice covers the calibrated model): the rings
 			// for almost every count, in tiny segments; and the rules' defaults.
 			{DirectMaxBytes: 8, SegmentSize: 64, Tune: TuneOff},
+			// and with Note [Hierarchical pipeline] in pieces of 256 bytes.
+			{DirectMaxBytes: 8, SegmentSize: 64, Tune: TuneOff, HierPieceSize: 256, ShmSlotSize: 64},
 			{Tune: TuneOff},
 		} {
 			t.Run(fmt.Sprintf("%v/%s/direct%d", hosts, cfg.Algorithm, cfg.DirectMaxBytes), func(t *testing.T) {

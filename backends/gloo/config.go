@@ -76,6 +76,12 @@ type Config struct {
 	// take memory only once written. Only the lowest rank of a host's value counts.
 	// GODDP_GLOO_SHM_ARENA_MIB overrides it.
 	ShmArenaMiB int
+	// HierPieceSize is the piece of Note [Hierarchical pipeline], in bytes: where a host's
+	// ranks share memory, the hierarchical all-reduce cuts its message into pieces of about
+	// this size (at most 16) and overlaps one piece's host phases with another's transfer
+	// across hosts (default 2 MiB; -1: one piece, no overlap). Every rank must have the
+	// same value. GODDP_GLOO_HIER_PIECE overrides it.
+	HierPieceSize int
 	// Tune is "auto" (default) or "off": whether a group that spans hosts calibrates the
 	// cost model that picks the all-reduce's algorithm (Note [Algorithm choice]).
 	// GODDP_GLOO_TUNE overrides it.
@@ -143,6 +149,19 @@ func (c *Config) validate() error {
 			return fmt.Errorf("%w: gloo: GODDP_GLOO_SHM_ARENA_MIB=%q: want a number of MiB, or -1 for none", procgroup.ErrInvalidArgument, v)
 		}
 		c.ShmArenaMiB = n
+	}
+	if v := os.Getenv("GODDP_GLOO_HIER_PIECE"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < -1 || n == 0 {
+			return fmt.Errorf("%w: gloo: GODDP_GLOO_HIER_PIECE=%q: want a number of bytes, or -1 for one piece", procgroup.ErrInvalidArgument, v)
+		}
+		c.HierPieceSize = n
+	}
+	switch {
+	case c.HierPieceSize == 0:
+		c.HierPieceSize = 2 << 20
+	case c.HierPieceSize < -1:
+		return fmt.Errorf("%w: gloo: hierarchical piece size %d: want bytes, or -1 for one piece", procgroup.ErrInvalidArgument, c.HierPieceSize)
 	}
 	switch {
 	case c.ShmArenaMiB == 0:

@@ -81,6 +81,9 @@ type group struct {
 	pos  int    // this rank's index in ring
 	flat ringView
 	hier bool // Note [Hierarchical] applies: local and cross are set
+	// hostShm: hier, and this host's ranks are exactly the members of its shared-memory
+	// region, so the host phases run through its slots or in place (Note [Hierarchical]).
+	hostShm bool
 	// lastPath is the path the worker's latest all-reduce took (allReducePath, or
 	// "shm-inplace"), for the tests.
 	lastPath string
@@ -88,9 +91,14 @@ type group struct {
 	cross    ringView // the ranks with this rank's local index, one per host
 	marks    []int    // ring: next.issued before each reduce-scatter step's sends
 	wideOp   op       // runWide's float32 twin of a 16-bit op
-	wideBuf  []byte   // runWide's float32 buffers
-	wideIn   []byte
-	sendBuf  []byte // inline frame
+	hierSum  op       // hierAllReduce's op with Avg as Sum
+	// Note [Hierarchical pipeline]: the middle rings the worker queues for crossWorker,
+	// and their results, in order; nil unless hier.
+	crossJobs chan crossJob
+	crossDone chan error
+	wideBuf   []byte // runWide's float32 buffers
+	wideIn    []byte
+	sendBuf   []byte // inline frame
 
 	model *costModel  // Note [Algorithm choice]; nil: the fixed rules
 	shm   *shmRegion  // nil: no shared memory (Note [Shared memory])
@@ -166,11 +174,17 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		g.releaseShm()
 		return nil, fmt.Errorf("gloo: rank %d: shared memory setup: %w", g.rank, err)
 	}
+	g.hostShm = g.hier && g.shmHolds(g.local.ranks)
 	for _, p := range g.peers {
 		if p != nil {
 			g.wg.Add(1)
 			go p.writeLoop()
 		}
+	}
+	if g.hier {
+		g.crossJobs, g.crossDone = make(chan crossJob, hierMaxPieces), make(chan error, hierMaxPieces)
+		g.wg.Add(1)
+		go g.crossWorker()
 	}
 	g.wg.Add(1)
 	go g.worker()
@@ -347,6 +361,9 @@ func (g *group) next() *op {
 func (g *group) worker() {
 	defer g.wg.Done()
 	defer close(g.workerDone)
+	if g.crossJobs != nil {
+		defer close(g.crossJobs) // crossWorker exits
+	}
 	for {
 		o := g.next()
 		if o == nil {

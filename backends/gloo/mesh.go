@@ -58,7 +58,6 @@ type peer struct {
 	hdr      [frameHeaderLen]byte
 	abortBuf [maxAbortLen]byte
 	rbuf     []byte // a small frame with its header
-	peek     [1]byte
 }
 
 type sendReq struct {
@@ -582,9 +581,12 @@ func (p *peer) alive() (bool, error) {
 	}
 	var n int
 	var perr error
-	// Control, not Read: Read would report the read deadline that brought us here.
+	// Control, not Read: Read would report the read deadline that brought us here. The
+	// byte is this call's own: the worker and crossWorker (Note [Hierarchical pipeline])
+	// may probe at once.
 	err := p.raw.Control(func(fd uintptr) {
-		n, _, perr = syscall.Recvfrom(int(fd), p.peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
+		var peek [1]byte
+		n, _, perr = syscall.Recvfrom(int(fd), peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
 	})
 	if err != nil {
 		return false, err

@@ -113,18 +113,7 @@ func (g *group) inPlaceOK() bool {
 
 // hostInPlaceOK reports whether Note [Hierarchical]'s host phases may run in place (Note
 // [Host phases in place]): the region has an arena and its members are this host's ranks.
-func (g *group) hostInPlaceOK() bool {
-	m := g.shm
-	if !g.hier || m == nil || m.arena == nil || m.members != g.local.n {
-		return false
-	}
-	for _, r := range g.local.ranks {
-		if m.local[r] < 0 {
-			return false
-		}
-	}
-	return true
-}
+func (g *group) hostInPlaceOK() bool { return g.hostShm && g.shm.arena != nil }
 
 // arenaAlloc is AllocBuffer's work (Note [Shared buffers]): count (> 0) elements of dt
 // from this rank's arena part; nil when the group has no arena, when no all-reduce would
@@ -405,8 +394,9 @@ func (g *group) reduceBlocks(o *op, own []byte, at int, bcast bool) {
 // Note [Shared buffers]; local rank l then reduces chunk l of every member's buffer into
 // its own chunk l, a block at a time; the middle ring all-reduces that chunk across hosts;
 // then local rank l copies it into chunk l of every member's buffer, and all wait once
-// for each other. No wait is needed between: chunk l of any buffer is read and written
-// only by local rank l, from the post to the last wait. Each host decides alone (its
+// for each other. With Note [Hierarchical pipeline] the same runs piece by piece, chunk l
+// being that of the piece. No wait is needed between: chunk l of any buffer (of any
+// piece) is read and written only by local rank l, from the post to the last wait. Each host decides alone (its
 // members see the same posts), since the middle ring does not care how a host formed its
 // sum. Across hosts the reducer's buckets then come from the arena too (arenaAlloc), so
 // DDP takes this path. A host phase then reads each byte of the message once and writes
@@ -422,24 +412,26 @@ func (g *group) hierPost(o *op) (bool, error) {
 	return inPlace, err
 }
 
-// hostReduce is the first host phase of Note [Host phases in place]: this rank's local
-// chunk of o.buf ends as its sum over the host's buffers (o.rop, never Avg here).
-func (g *group) hostReduce(o *op) {
+// hostReduce is the first host phase of Note [Host phases in place], for b, the piece of
+// o.buf at byte at (Note [Hierarchical pipeline]) whose local chunks are in g.local: this
+// rank's local chunk of b ends as its sum over the host's buffers (o.rop, never Avg here).
+func (g *group) hostReduce(o *op, b []byte, at int) {
 	v := &g.local // its positions are the members in rank order, as their local indices
-	g.reduceBlocks(o, v.chunk(o.buf, v.pos), v.offs[v.ids[v.pos]], false)
+	g.reduceBlocks(o, v.chunk(b, v.pos), at+v.offs[v.ids[v.pos]], false)
 }
 
-// hostBroadcast is the last host phase of Note [Host phases in place]: this rank's local
-// chunk, final, goes into every member's buffer; it returns once every member's has.
-func (g *group) hostBroadcast(o *op) error {
+// hostBroadcast is the last host phase of Note [Host phases in place], for the piece b at
+// at as in hostReduce: this rank's local chunk of b, final, goes into every member's
+// buffer. The members wait for each other once, after the last piece.
+func (g *group) hostBroadcast(b []byte, at int) {
 	m, v := g.shm, &g.local
-	at, own := v.offs[v.ids[v.pos]], v.chunk(o.buf, v.pos)
+	own := v.chunk(b, v.pos)
+	at += v.offs[v.ids[v.pos]]
 	for j, p := range m.peerBufs {
 		if j != m.me {
 			copy(p[at:at+len(own)], own)
 		}
 	}
-	return g.shmPhase(o.seq<<2 | 3)
 }
 
 // shmPhase publishes this rank's state, rings the peers, and waits until every peer's

@@ -362,8 +362,8 @@ func TestVMReadvAllReduce(t *testing.T) {
 // phases in place] (no segment goes through a host's slots), for contiguous and
 // round-robin placements, two and three ranks a host, every op and counts below the world
 // size, and match a float64 reference; every rank ends with the same bits. When one rank's
-// buffer is private, its host runs the rings while the other host stays in place, and the
-// result is still right.
+// buffer is private, its host runs the rings through its slots while the other host stays
+// in place, and the result is still right.
 func TestHostPhasesInPlace(t *testing.T) {
 	counts := []int{1, 5, 4099, 70000}
 	for _, hosts := range [][]string{
@@ -373,7 +373,9 @@ func TestHostPhasesInPlace(t *testing.T) {
 	} {
 		t.Run(strings.Join(hosts, ""), func(t *testing.T) {
 			size := len(hosts)
-			groups := startGroupsHosts(t, hosts, Config{Tune: TuneOff, DirectMaxBytes: 8, SegmentSize: 4096, ShmSlotSize: 4096, ShmSlots: 2})
+			// Pieces of 4 KiB (Note [Hierarchical pipeline]): the larger counts run as 2-16
+			// pieces of uneven lengths.
+			groups := startGroupsHosts(t, hosts, Config{Tune: TuneOff, DirectMaxBytes: 8, SegmentSize: 4096, ShmSlotSize: 4096, ShmSlots: 2, HierPieceSize: 4096})
 			for r, g := range groups {
 				buf := sharedBuf(t, g, procgroup.Float32, make([]float64, 1<<18))
 				if name, _, _ := procgroup.AllReduceAlgorithm(g, buf); name != "hierarchical-inplace" {
@@ -420,22 +422,93 @@ func TestHostPhasesInPlace(t *testing.T) {
 					}
 				}
 			}
-			// Mixed: rank 1's buffer is private, so its host takes the rings.
+			// Mixed: rank 1's buffer is private, so its host takes the rings, through the
+			// host's slots.
 			xs := inputs(9, size, 50000, procgroup.Avg)
 			bufs := mixedBufs(t, groups, xs)
+			before := make([]uint64, size)
+			for r, g := range groups {
+				before[r] = slotSegments(g)
+			}
 			each(t, groups, func(r int, g procgroup.ProcessGroup) error {
 				return wait(g.AllReduce(ctx, bufs[r], procgroup.Avg))
 			})
 			want := reduceRef(xs, procgroup.Avg)
 			for r, g := range groups {
-				wantPath := "hierarchical-inplace"
+				wantPath, slots := "hierarchical-inplace", false
 				if hosts[r] == hosts[1] {
-					wantPath = "hierarchical"
+					wantPath, slots = "hierarchical", true
 				}
 				if p := g.(*group).lastPath; p != wantPath {
 					t.Errorf("mixed: rank %d (host %s) took %q, want %q", r, hosts[r], p, wantPath)
 				}
+				if sent := slotSegments(g) - before[r]; (sent > 0) != slots {
+					t.Errorf("mixed: rank %d (host %s) sent %d segments through its host's slots, want them used: %v", r, hosts[r], sent, slots)
+				}
 				checkClose(t, fmt.Sprintf("mixed rank %d", r), procgroup.Float64, procgroup.Avg, fromBuf(bufs[r]), want)
+			}
+		})
+	}
+}
+
+// TestHierPipelinePeerLost: a rank that dies (its sockets closed abruptly, as for SIGKILL)
+// while the others run Note [Hierarchical pipeline] (the ranks of the other host are
+// mid-pipeline, their middle rings blocked on it or on its host) fails every other rank's
+// pending all-reduces within seconds with a PeerLostError naming it, on private buffers
+// (the host rings through the slots) and on the arena's (in place); the worker and
+// crossWorker of every rank stop (the package's goroutine check).
+func TestHierPipelinePeerLost(t *testing.T) {
+	const dead, ops = 3, 30
+	for _, shared := range []bool{false, true} {
+		t.Run(fmt.Sprintf("shared=%v", shared), func(t *testing.T) {
+			hosts := []string{"a", "a", "b", "b"}
+			groups := startGroupsHosts(t, hosts, Config{Tune: TuneOff, HierPieceSize: 64 << 10, PollInterval: 100 * time.Millisecond})
+			works := make([][]procgroup.Work, len(groups))
+			for r, g := range groups {
+				if r == dead {
+					continue
+				}
+				var buf any = make([]float32, 1<<20)
+				if shared {
+					buf = sharedBuf(t, g, procgroup.Float32, make([]float64, 1<<20))
+				}
+				for range ops {
+					works[r] = append(works[r], g.AllReduce(ctx, buf, procgroup.Sum))
+				}
+			}
+			time.Sleep(30 * time.Millisecond)
+			start := time.Now()
+			for _, p := range groups[dead].(*group).peers {
+				if p != nil {
+					p.conn.Close()
+				}
+			}
+			c, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			for r, ws := range works {
+				if r == dead {
+					continue
+				}
+				failed := 0
+				for i, w := range ws {
+					err := w.Wait(c)
+					var ple *PeerLostError
+					switch {
+					case err == nil:
+						continue
+					case errors.Is(err, context.DeadlineExceeded):
+						t.Fatalf("rank %d: all-reduce %d: no result %v after the loss", r, i, time.Since(start))
+					case !errors.As(err, &ple) || ple.Rank != dead:
+						t.Errorf("rank %d: all-reduce %d: %v; want a PeerLostError naming rank %d", r, i, err, dead)
+					}
+					failed++
+				}
+				if failed == 0 {
+					t.Errorf("rank %d: all %d all-reduces succeeded without rank %d", r, ops, dead)
+				}
+			}
+			for _, g := range groups {
+				g.Abort(nil)
 			}
 		})
 	}

@@ -539,6 +539,20 @@ func (g *group) shmWait(v uint32) error {
 	return nil
 }
 
+// shmHolds reports whether ranks are exactly the members of this rank's region.
+func (g *group) shmHolds(ranks []int) bool {
+	m := g.shm
+	if m == nil || m.members != len(ranks) {
+		return false
+	}
+	for _, r := range ranks {
+		if m.local[r] < 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // useShmRing reports whether the ring all-reduce runs over shared memory.
 func (g *group) useShmRing() bool {
 	// Every rank must decide alike: a rank whose ring neighbours share its region while
@@ -549,45 +563,51 @@ func (g *group) useShmRing() bool {
 }
 
 // shmRingAllReduce is the ring of Note [Ring] over shared memory, run inline by the worker.
-// Both halves form one stream per direction: this rank sends chunks r-1-t and receives
-// chunks r-2-t for t = 0 … 2n-3; stream chunk t < n-1 is reduced into the buffer (the
-// reduce-scatter), the others are copied (the all-gather). Outgoing chunk t+1 is incoming
-// chunk t after processing, so its segment a may go once incoming segment a of chunk t is
-// done. An all-gather segment may only land in the buffer once the same bytes, sent n-1
-// chunks earlier, have been copied out. The loop sends whatever is ready while a slot is
-// free, processes whatever has arrived, and sleeps on its bell when neither can move.
 func (g *group) shmRingAllReduce(o *op) error {
+	es := o.dt.Size()
+	g.setChunks(len(o.buf)/es, es)
+	return g.shmRing(o, o.buf, &g.flat, 0, 2*g.size-2)
+}
+
+// shmRing runs stream steps t0 … t1-1 of ring v (all of whose ranks share the region) over
+// w through the slots. Both halves of the ring form one stream per direction: this rank
+// sends chunks r-1-t and receives chunks r-2-t for t = 0 … 2n-3; stream chunk t < n-1 is
+// reduced into w (the reduce-scatter), the others are copied (the all-gather). Steps 0 …
+// n-2 alone are the reduce-scatter, n-1 … 2n-3 alone the all-gather. Outgoing chunk t+1
+// is incoming chunk t after processing, so its segment a may go once incoming segment a of
+// chunk t is done. An all-gather segment may only land in w once the same bytes, sent n-1
+// chunks earlier, have been copied out (before t0 they all were: a send copies into its
+// slot at once). The loop sends whatever is ready while a slot is free, processes whatever
+// has arrived, and sleeps on its bell when neither can move.
+func (g *group) shmRing(o *op, w []byte, v *ringView, t0, t1 int) error {
 	m := g.shm
-	n, r := g.size, g.pos // Note [Ring order]: positions, and chunks by position
-	ni, pi := m.local[g.ring[(r+1)%n]], m.local[g.ring[(r+n-1)%n]]
+	n, r := v.n, v.pos // Note [Ring order]: positions, and chunks by position
+	ni, pi := m.local[v.ranks[(r+1)%n]], m.local[v.ranks[(r+n-1)%n]]
 	out, in := m.channel(m.me, ni), m.channel(pi, m.me)
 	outProd, outCons := m.u64(out+shmProd), m.u64(out+shmCons)
 	inProd, inCons := m.u64(in+shmProd), m.u64(in+shmCons)
-	es := o.dt.Size()
-	g.setChunks(len(o.buf)/es, es)
 	seq := uint32(o.seq)
-	T := 2*n - 2
 	S, K := m.slot, uint64(m.slots)
 	bell := m.u32(m.rankArea(m.me) + shmBell)
-	outT, outA, inT, inA := 0, 0, 0, 0
+	outA, inA := 0, 0
 	// skip moves a cursor past empty chunks (count < n); both sides skip the same ones.
 	skip := func(t, off int) int {
-		for t < T && len(g.flat.chunk(o.buf, r-off-t)) == 0 {
+		for t < t1 && len(v.chunk(w, r-off-t)) == 0 {
 			t++
 		}
 		return t
 	}
-	outT, inT = skip(0, 1), skip(0, 2)
-	for outT < T || inT < T {
-		v := atomic.LoadUint32(bell)
+	outT, inT := skip(t0, 1), skip(t0, 2)
+	for outT < t1 || inT < t1 {
+		bv := atomic.LoadUint32(bell)
 		moved := false
 		// Send what is ready while slots are free.
-		for outT < T && (outT == 0 || inT > outT-1 || (inT == outT-1 && inA > outA)) {
+		for outT < t1 && (outT == t0 || inT > outT-1 || (inT == outT-1 && inA > outA)) {
 			p := m.prod[ni]
 			if p-atomic.LoadUint64(outCons) >= K {
 				break
 			}
-			c := g.flat.chunk(o.buf, r-1-outT)
+			c := v.chunk(w, r-1-outT)
 			l := min(S, len(c)-outA)
 			i := int(p % K)
 			copy(m.slotData(out, i, l), c[outA:outA+l])
@@ -603,15 +623,15 @@ func (g *group) shmRingAllReduce(o *op) error {
 			}
 		}
 		// Process what has arrived.
-		for inT < T {
+		for inT < t1 {
 			cn := m.cons[pi]
 			if atomic.LoadUint64(inProd) <= cn {
 				break
 			}
-			if ag := inT - (n - 1); ag >= 0 && (outT < ag || (outT == ag && outA <= inA)) {
+			if ag := inT - (n - 1); ag >= t0 && (outT < ag || (outT == ag && outA <= inA)) {
 				break // its bytes are not copied out yet
 			}
-			c := g.flat.chunk(o.buf, r-2-inT)
+			c := v.chunk(w, r-2-inT)
 			l := min(S, len(c)-inA)
 			i := int(cn % K)
 			h := m.slotHdr(in, i)
@@ -637,7 +657,7 @@ func (g *group) shmRingAllReduce(o *op) error {
 			}
 		}
 		if !moved {
-			if err := g.shmWait(v); err != nil {
+			if err := g.shmWait(bv); err != nil {
 				return err
 			}
 		}

@@ -18,21 +18,24 @@ const (
 
 type shmRegion struct{}
 
-func (g *group) setupShm(context.Context) error         { return nil }
-func (g *group) releaseShm()                            {}
-func (g *group) shmAbort(peer, lost int, reason string) {}
-func (g *group) shmWake()                               {}
-func (g *group) useShmRing() bool                       { return false }
-func (g *group) shmRingAllReduce(o *op) error           { panic("gloo: no shared memory") }
-func (g *group) useShmDirect(int) bool                  { return false }
-func (g *group) shmDirectAllReduce(o *op) error         { panic("gloo: no shared memory") }
-func (g *group) shmAllReduce(o *op) error               { panic("gloo: no shared memory") }
-func (g *group) inPlaceOK() bool                        { return false }
-func (g *group) ownsShared([]byte) bool                 { return false }
-func (g *group) hostInPlaceOK() bool                    { return false }
-func (g *group) hierPost(*op) (bool, error)             { return false, nil }
-func (g *group) hostReduce(*op)                         { panic("gloo: no shared memory") }
-func (g *group) hostBroadcast(*op) error                { panic("gloo: no shared memory") }
+func (g *group) setupShm(context.Context) error                 { return nil }
+func (g *group) releaseShm()                                    {}
+func (g *group) shmAbort(peer, lost int, reason string)         {}
+func (g *group) shmWake()                                       {}
+func (g *group) useShmRing() bool                               { return false }
+func (g *group) shmRingAllReduce(o *op) error                   { panic("gloo: no shared memory") }
+func (g *group) shmRing(*op, []byte, *ringView, int, int) error { panic("gloo: no shared memory") }
+func (g *group) shmHolds([]int) bool                            { return false }
+func (g *group) useShmDirect(int) bool                          { return false }
+func (g *group) shmDirectAllReduce(o *op) error                 { panic("gloo: no shared memory") }
+func (g *group) shmAllReduce(o *op) error                       { panic("gloo: no shared memory") }
+func (g *group) inPlaceOK() bool                                { return false }
+func (g *group) ownsShared([]byte) bool                         { return false }
+func (g *group) hostInPlaceOK() bool                            { return false }
+func (g *group) hierPost(*op) (bool, error)                     { return false, nil }
+func (g *group) hostReduce(*op, []byte, int)                    { panic("gloo: no shared memory") }
+func (g *group) shmPhase(uint64) error                          { panic("gloo: no shared memory") }
+func (g *group) hostBroadcast([]byte, int)                      { panic("gloo: no shared memory") }
 
 // arenaAlloc has no shared memory to hand out here.
 func (g *group) arenaAlloc(procgroup.DType, int) any { return nil }
