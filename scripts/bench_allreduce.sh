@@ -4,7 +4,9 @@
 # the machine is shared and noisy. goddp runs twice: on ordinary buffers, and (SHARED=1,
 # the default) on buffers from the group's shared arena (--shared, all-reduced in place, as
 # the reducer's buckets are), the latter with --ceiling. Prints, per world size and size,
-# the median busbw of each over the repeats, the ceiling and the ratios. VMREADV=1 adds a
+# the median busbw of each over the repeats, the ceiling and the ratios. goddp's busbw is
+# nccl-tests' (from the mean iteration); the p50 columns take its median iteration, as the
+# PyTorch peer's script does for its own figure. VMREADV=1 adds a
 # third goddp run on ordinary buffers with GODDP_GLOO_VMREADV=1 (the peers' buffers read
 # with process_vm_readv, Note [Shared buffers]); TORCH=0 leaves PyTorch out.
 #
@@ -78,8 +80,8 @@ def med(rows, key):
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 for n in sorted({k[0] for k in goddp}):
     print(f"\nworld_size={n}  (busbw GB/s, median over repeats; ceiling and algorithm from the --shared --ceiling runs)")
-    print("| size | torch | goddp | goddp --shared | algorithm | ceiling | % of ceiling | shared/goddp | goddp/torch | shared/torch | goddp vm_readv | vm/goddp | checked |")
-    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| size | torch | goddp | goddp --shared | algorithm | ceiling | % of ceiling | shared/goddp | goddp/torch | shared/torch | goddp vm_readv | vm/goddp | goddp p50 | shared p50 | % of ceiling p50 | shared p50/torch | checked |")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for (m, b) in sorted(k for k in goddp if k[0] == n):
         g, sh = goddp[(m, b)], shared.get((m, b), [])
         t = statistics.median(torch[(m, b)]) if (m, b) in torch else float("nan")
@@ -88,7 +90,8 @@ for n in sorted({k[0] for k in goddp}):
         algo = sh[0].get("algo", "-") if sh else "-"
         v = vm.get((m, b), [])
         vb = med(v, "busbw_gbs")
+        gm, sm = med(g, "busbw_median_gbs"), med(sh, "busbw_median_gbs")
         ok = all(r["ok"] is not False for r in g + sh + v)
-        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {100 * sb / ceil:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {vb:.3f} | {vb / gb:.2f} | {'yes' if ok else 'NO'} |")
+        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {100 * sb / ceil:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {vb:.3f} | {vb / gb:.2f} | {gm:.3f} | {sm:.3f} | {100 * sm / ceil:.0f}% | {sm / t:.2f} | {'yes' if ok else 'NO'} |")
 PY
 echo "raw results in $OUT" >&2

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"time"
 
 	"github.com/goddp/goddp/procgroup"
@@ -60,26 +61,35 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			wrong = total[0]
 		}
 		var elapsed time.Duration
-		for range cfg.iters {
+		its := make([]float64, cfg.iters)
+		for i := range cfg.iters {
 			copyBuf(buf, src)
 			start := time.Now()
 			if err := allreduce(buf, cfg.op, "timed", bytes); err != nil {
 				return err
 			}
-			elapsed += time.Since(start)
+			d := time.Since(start)
+			elapsed += d
+			its[i] = float64(d.Nanoseconds()) / 1e3
 		}
-		us := []float64{float64(elapsed.Nanoseconds()) / 1e3 / float64(cfg.iters)}
-		if err := allreduce(us, procgroup.Max, "time", 8); err != nil {
+		// The mean (nccl-tests' time) and the median iteration (the PyTorch peer's), each
+		// the slowest rank's.
+		us := []float64{float64(elapsed.Nanoseconds()) / 1e3 / float64(cfg.iters), median(its)}
+		if err := allreduce(us, procgroup.Max, "time", 16); err != nil {
 			return err
 		}
 		r := row{
 			SizeBytes: bytes, Count: count, DType: cfg.dtype.String(), Op: cfg.op.String(), Ranks: world,
-			TimeUS: us[0], Wrong: wrong,
+			TimeUS: us[0], TimeUSMedian: us[1], Wrong: wrong,
 		}
+		bus := 2 * float64(world-1) / float64(world)
 		if us[0] > 0 {
 			r.AlgBW = float64(bytes) / (us[0] * 1e3) // bytes/ns = GB/s
 		}
-		r.BusBW = r.AlgBW * 2 * float64(world-1) / float64(world)
+		if us[1] > 0 {
+			r.BusBWMedian = float64(bytes) / (us[1] * 1e3) * bus
+		}
+		r.BusBW = r.AlgBW * bus
 		if cfg.check {
 			ok := wrong == 0
 			r.OK = &ok
@@ -326,4 +336,17 @@ func verify(buf any, world int, bytes int64, dt procgroup.DType, op procgroup.Re
 		}
 	}
 	return wrong
+}
+
+// median is the median of xs (the mean of the middle two for an even count); it sorts xs.
+func median(xs []float64) float64 {
+	if len(xs) == 0 {
+		return 0
+	}
+	slices.Sort(xs)
+	m := len(xs) / 2
+	if len(xs)%2 == 1 {
+		return xs[m]
+	}
+	return (xs[m-1] + xs[m]) / 2
 }

@@ -126,6 +126,7 @@ func addCeiling(ctx context.Context, pg procgroup.ProcessGroup, buf any, r *row)
 	r.CeilBusBW = ceilingBusBW(n, traffic, r.MemGBs)
 	if r.CeilBusBW > 0 {
 		r.PctCeil = 100 * r.BusBW / r.CeilBusBW
+		r.PctCeilMedian = 100 * r.BusBWMedian / r.CeilBusBW
 		r.SingleCopyBusBW = ceilingBusBW(n, singleCopyTraffic(n), r.MemGBs)
 	}
 	return nil

@@ -279,11 +279,15 @@ type row struct {
 	DType     string  `json:"dtype"`
 	Op        string  `json:"op"`
 	Ranks     int     `json:"nranks"`
-	TimeUS    float64 `json:"time_us"`
+	TimeUS    float64 `json:"time_us"` // the mean iteration, as nccl-tests reports it
 	AlgBW     float64 `json:"algbw_gbs"`
 	BusBW     float64 `json:"busbw_gbs"`
-	OK        *bool   `json:"ok"`    // null when not checked (-c 0)
-	Wrong     int64   `json:"wrong"` // elements differing from the reference, over all ranks; -1 unchecked
+	// The median iteration and its busbw, as the PyTorch peer's script reports them: one
+	// descheduled iteration moves the mean of a short run, not the median.
+	TimeUSMedian float64 `json:"time_us_median"`
+	BusBWMedian  float64 `json:"busbw_median_gbs"`
+	OK           *bool   `json:"ok"`    // null when not checked (-c 0)
+	Wrong        int64   `json:"wrong"` // elements differing from the reference, over all ranks; -1 unchecked
 
 	// --ceiling (Note [Ceiling]): the algorithm and its memory traffic per rank per message
 	// byte, the memory rates (GB/s read plus written, the slowest rank's, every rank
@@ -297,6 +301,7 @@ type row struct {
 	MemGBs          float64 `json:"mem_gbs,omitempty"` // the fastest of the three
 	CeilBusBW       float64 `json:"ceiling_busbw_gbs,omitempty"`
 	PctCeil         float64 `json:"pct_of_ceiling,omitempty"`
+	PctCeilMedian   float64 `json:"pct_of_ceiling_median,omitempty"` // the median's busbw
 	SingleCopyBusBW float64 `json:"single_copy_ceiling_busbw_gbs,omitempty"`
 }
 

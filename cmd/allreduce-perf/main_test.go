@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,6 +23,21 @@ import (
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// TestMedian: the middle value of an odd count, the mean of the middle two of an even one,
+// whatever the order; 0 for none.
+func TestMedian(t *testing.T) {
+	for _, c := range []struct {
+		xs   []float64
+		want float64
+	}{
+		{nil, 0}, {[]float64{7}, 7}, {[]float64{9, 1, 5}, 5}, {[]float64{4, 100, 1, 2}, 3}, {[]float64{3, 3, 1, 3000}, 3},
+	} {
+		if got := median(slices.Clone(c.xs)); got != c.want {
+			t.Errorf("median(%v) = %v, want %v", c.xs, got, c.want)
+		}
+	}
+}
 
 func TestParseSize(t *testing.T) {
 	for in, want := range map[string]int64{
@@ -140,6 +156,10 @@ func TestBenchEveryTypeAndOp(t *testing.T) {
 					wantBus := r.AlgBW * 2 * float64(world-1) / float64(world)
 					if r.TimeUS <= 0 || r.AlgBW <= 0 || math.Abs(r.BusBW-wantBus) > 1e-12 {
 						t.Errorf("row %+v: time/bandwidth inconsistent (busbw want %g)", r, wantBus)
+					}
+					wantMed := float64(r.SizeBytes) / (r.TimeUSMedian * 1e3) * 2 * float64(world-1) / float64(world)
+					if r.TimeUSMedian <= 0 || math.Abs(r.BusBWMedian-wantMed) > 1e-9*wantMed {
+						t.Errorf("row %+v: median time/busbw inconsistent (busbw want %g)", r, wantMed)
 					}
 				}
 			}
@@ -482,6 +502,9 @@ func TestCommandCeiling(t *testing.T) {
 		}
 		if want := ceilingBusBW(2, r.Traffic, r.MemGBs); math.Abs(r.CeilBusBW-want) > 1e-9*want || want <= 0 {
 			t.Errorf("row %d: ceiling %g, want %g from its own rate and traffic", i, r.CeilBusBW, want)
+		}
+		if want := 100 * r.BusBWMedian / r.CeilBusBW; math.Abs(r.PctCeilMedian-want) > 1e-9*want {
+			t.Errorf("row %d: median at %g%% of the ceiling, want %g", i, r.PctCeilMedian, want)
 		}
 		if want := 100 * r.BusBW / r.CeilBusBW; math.Abs(r.PctCeil-want) > 1e-9*want {
 			t.Errorf("row %d: %g%% of the ceiling, want %g", i, r.PctCeil, want)
