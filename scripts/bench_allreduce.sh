@@ -6,7 +6,10 @@
 # the reducer's buckets are), the latter with --ceiling. Prints, per world size and size,
 # the median busbw of each over the repeats, the ceiling and the ratios. goddp's busbw is
 # nccl-tests' (from the mean iteration); the p50 columns take its median iteration, as the
-# PyTorch peer's script does for its own figure. VMREADV=1 adds a
+# PyTorch peer's script does for its own figure. Both time their iterations back to back on
+# one buffer; RESET=1 (the default) adds a --shared --reset run, each iteration from the
+# input copied in again, as a DDP bucket is written just before its all-reduce (its
+# column: "shared reset"). VMREADV=1 adds a
 # third goddp run on ordinary buffers with GODDP_GLOO_VMREADV=1 (the peers' buffers read
 # with process_vm_readv, Note [Shared buffers]); TORCH=0 leaves PyTorch out.
 #
@@ -24,6 +27,7 @@ MAX=${MAX:-268435456}
 EXTRA=${EXTRA:-}
 SHARED=${SHARED:-1}
 VMREADV=${VMREADV:-0}
+RESET=${RESET:-1}
 TORCH=${TORCH:-1}
 OUT=${OUT:-out/bench_allreduce_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT" bin
@@ -55,16 +59,22 @@ for rep in $(seq 1 "$REPEATS"); do
       ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json --shared --ceiling $EXTRA \
         > "$OUT/shared_n${n}_r${rep}.jsonl"
     fi
+    if [ "$SHARED" = 1 ] && [ "$RESET" = 1 ]; then
+      echo "# repeat $rep world_size $n: goddp --shared --reset $EXTRA" >&2
+      # shellcheck disable=SC2086
+      ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json --shared --reset $EXTRA \
+        > "$OUT/reset_n${n}_r${rep}.jsonl"
+    fi
   done
 done
 /usr/bin/python3 - "$OUT" <<'PY'
 import csv, glob, json, os, statistics, sys
 out = sys.argv[1]
-torch, goddp, shared, vm = {}, {}, {}, {}
+torch, goddp, shared, vm, reset = {}, {}, {}, {}, {}
 for f in glob.glob(os.path.join(out, "torch_*.csv")):
     for r in csv.DictReader(open(f)):
         torch.setdefault((int(r["world_size"]), int(r["bytes"])), []).append(float(r["busbw_GBps"]))
-for kind, into in (("goddp", goddp), ("shared", shared), ("vm", vm)):
+for kind, into in (("goddp", goddp), ("shared", shared), ("vm", vm), ("reset", reset)):
     for f in glob.glob(os.path.join(out, kind + "_*.jsonl")):
         n = int(os.path.basename(f).split("_")[1][1:])
         for line in open(f):
@@ -80,8 +90,8 @@ def med(rows, key):
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 for n in sorted({k[0] for k in goddp}):
     print(f"\nworld_size={n}  (busbw GB/s, median over repeats; ceiling and algorithm from the --shared --ceiling runs)")
-    print("| size | torch | goddp | goddp --shared | algorithm | ceiling | % of ceiling | shared/goddp | goddp/torch | shared/torch | goddp vm_readv | vm/goddp | goddp p50 | shared p50 | % of ceiling p50 | shared p50/torch | checked |")
-    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| size | torch | goddp | goddp --shared | algorithm | ceiling | % of ceiling | shared/goddp | goddp/torch | shared/torch | goddp vm_readv | vm/goddp | goddp p50 | shared p50 | % of ceiling p50 | shared p50/torch | shared reset | reset % of ceiling | reset/torch | checked |")
+    print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for (m, b) in sorted(k for k in goddp if k[0] == n):
         g, sh = goddp[(m, b)], shared.get((m, b), [])
         t = statistics.median(torch[(m, b)]) if (m, b) in torch else float("nan")
@@ -91,7 +101,9 @@ for n in sorted({k[0] for k in goddp}):
         v = vm.get((m, b), [])
         vb = med(v, "busbw_gbs")
         gm, sm = med(g, "busbw_median_gbs"), med(sh, "busbw_median_gbs")
-        ok = all(r["ok"] is not False for r in g + sh + v)
-        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {100 * sb / ceil:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {vb:.3f} | {vb / gb:.2f} | {gm:.3f} | {sm:.3f} | {100 * sm / ceil:.0f}% | {sm / t:.2f} | {'yes' if ok else 'NO'} |")
+        rs = reset.get((m, b), [])
+        rb = med(rs, "busbw_gbs")
+        ok = all(r["ok"] is not False for r in g + sh + v + rs)
+        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {100 * sb / ceil:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {vb:.3f} | {vb / gb:.2f} | {gm:.3f} | {sm:.3f} | {100 * sm / ceil:.0f}% | {sm / t:.2f} | {rb:.3f} | {100 * rb / ceil:.0f}% | {rb / t:.2f} | {'yes' if ok else 'NO'} |")
 PY
 echo "raw results in $OUT" >&2

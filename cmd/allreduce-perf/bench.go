@@ -17,8 +17,9 @@ var afterOp func(rank int)
 // bench runs every size of cfg on pg and calls emit with each size's row (on every rank:
 // the numbers are agreed between ranks with collectives).
 //
-// For each size, every iteration restores the buffer from the rank's pristine data before
-// the timed all-reduce (so repeated sums or products stay in range and never reach
+// For each size the buffer is filled from the rank's pristine data before each warm-up
+// iteration, the checked one and the first timed one; the timed ones then run back to
+// back (restored before each with --reset, and for products, which would pass through
 // subnormals), and the time of a size is the slowest rank's mean.
 func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func(row)) error {
 	rank, world := pg.Rank(), pg.Size()
@@ -60,10 +61,21 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			}
 			wrong = total[0]
 		}
+		// The timed iterations run back to back on the buffer, as nccl-tests' and the PyTorch
+		// peer's do: sums grow (the check above is an iteration of its own). Products would
+		// shrink towards 0 through the subnormals, where x86 multiplies slow down by orders
+		// of magnitude, so they restart from the input, as every op does with --reset: the
+		// input is copied in again outside the timer, so each rank has just written its
+		// whole buffer, as a DDP bucket's rank has, and the peers' chunks come from the other
+		// cores' caches.
+		reset := cfg.reset || cfg.op == procgroup.Prod
 		var elapsed time.Duration
 		its := make([]float64, cfg.iters)
+		copyBuf(buf, src)
 		for i := range cfg.iters {
-			copyBuf(buf, src)
+			if reset && i > 0 {
+				copyBuf(buf, src)
+			}
 			start := time.Now()
 			if err := allreduce(buf, cfg.op, "timed", bytes); err != nil {
 				return err

@@ -1,8 +1,9 @@
 // Command allreduce-perf measures all-reduce the way nccl-tests' all_reduce_perf does: for
 // each message size from -b to -e (times -f each step) it runs -w warm-up and -n timed
-// all-reduces and prints size, element count, type, time, algorithm bandwidth and bus
-// bandwidth (busbw = algbw·2(n−1)/n, the per-link traffic of a ring), and checks the result
-// against a reference computed independently in float64.
+// all-reduces, back to back on one buffer (--reset: each from the input again), and prints
+// size, element count, type, time, algorithm bandwidth and bus bandwidth (busbw =
+// algbw·2(n−1)/n, the per-link traffic of a ring), and checks the result of one more
+// all-reduce against a reference computed independently in float64.
 //
 // # Usage
 //
@@ -53,6 +54,7 @@ type config struct {
 	transport, algo    string
 	timeout            time.Duration
 	ceiling, shared    bool
+	reset              bool
 }
 
 // errUsage marks flag errors (exit status 2).
@@ -87,6 +89,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&algo, "algo", "", "gloo algorithm: auto, ring, direct, hierarchical or rd (sets GODDP_GLOO_ALGO)")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "collective and rendezvous timeout")
 	fs.BoolVar(&c.shared, "shared", false, "all-reduce buffers from the group's allocator (gloo: its shared arena, all-reduced in place) where it has one")
+	fs.BoolVar(&c.reset, "reset", false, "copy the input into the buffer again before every timed iteration, outside the timer (by default they run back to back on the buffer, as in nccl-tests; products always restart)")
 	fs.BoolVar(&c.ceiling, "ceiling", false, "also measure the memory bandwidth (every rank at once) and print each busbw as a percentage of the ceiling the algorithm's memory traffic implies")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: allreduce-perf [flags]\n\nnccl-tests style all-reduce benchmark; see the package doc.\n\n")
@@ -343,6 +346,9 @@ func (t *tableReporter) header() {
 	shared := ""
 	if t.cfg.shared {
 		shared = " --shared"
+	}
+	if t.cfg.reset {
+		shared += " --reset"
 	}
 	fmt.Fprintf(t.w, "# allreduce-perf: backend %s, %d ranks, dtype %s, op %s, -b %d -e %d -f %d -n %d -w %d -c %d%s\n",
 		t.cfg.backend, t.ranks, t.cfg.dtype, t.cfg.op, t.cfg.minBytes, t.cfg.maxBytes, t.cfg.factor, t.cfg.iters, t.cfg.warmup, check, shared)

@@ -513,8 +513,9 @@ func TestCommandCeiling(t *testing.T) {
 			t.Errorf("row %d: single-copy ceiling %g, want %g", i, r.SingleCopyBusBW, want)
 		}
 	}
-	// --shared: the 1 MiB buffer comes from the arena and is all-reduced in place.
-	stdout, stderr, code = runCommand(t, bin, nil, "--nproc", "2", "-b", "1M", "-e", "1M", "-n", "2", "-w", "1", "--ceiling", "--shared", "--json")
+	// --shared: the 1 MiB buffer comes from the arena and is all-reduced in place (each
+	// timed iteration from the input, --reset).
+	stdout, stderr, code = runCommand(t, bin, nil, "--nproc", "2", "-b", "1M", "-e", "1M", "-n", "2", "-w", "1", "--ceiling", "--shared", "--reset", "--json")
 	var r row
 	if err := json.Unmarshal([]byte(strings.TrimSpace(stdout)), &r); code != 0 || err != nil || r.Algo != "shm-inplace" || r.OK == nil || !*r.OK {
 		t.Errorf("--shared: exit %d, row %+v (%v); want shm-inplace, checked OK\n%s", code, r, err, stderr)
@@ -527,5 +528,61 @@ func TestCommandCeiling(t *testing.T) {
 	rows := dataRows(stdout)
 	if len(rows) != 1 || len(rows[0]) != 14 || rows[0][8] != "shm-ring" || !strings.HasSuffix(rows[0][12], "%") {
 		t.Errorf("table rows %q, want one of 14 fields (algo shm-ring, a %% of the ceiling):\n%s", rows, stdout)
+	}
+}
+
+// inputLog records a copy of every float32 buffer of count elements that rank's
+// all-reduces are given, before they run.
+type inputLog struct {
+	procgroup.ProcessGroup
+	count int
+	in    [][]float32
+}
+
+func (l *inputLog) AllReduce(ctx context.Context, buf any, op procgroup.ReduceOp) procgroup.Work {
+	if b, ok := buf.([]float32); ok && len(b) == l.count {
+		l.in = append(l.in, slices.Clone(b))
+	}
+	return l.ProcessGroup.AllReduce(ctx, buf, op)
+}
+
+// TestTimedIterationsBackToBack: the timed all-reduces run back to back on the buffer (the
+// second sums the first's result, the third twice that), and with --reset, or for
+// products, each starts from the rank's input again (that of the checked one).
+func TestTimedIterationsBackToBack(t *testing.T) {
+	const count = 96
+	for _, c := range []struct {
+		op    procgroup.ReduceOp
+		reset bool
+	}{{procgroup.Sum, false}, {procgroup.Sum, true}, {procgroup.Prod, false}} {
+		pgs := newStoreGroups(t, 2)
+		logs := []*inputLog{{ProcessGroup: pgs[0], count: count}, {ProcessGroup: pgs[1], count: count}}
+		cfg := config{minBytes: 4 * count, maxBytes: 4 * count, factor: 2, iters: 3, warmup: 1, check: true,
+			dtype: procgroup.Float32, op: c.op, reset: c.reset}
+		benchAll(t, []procgroup.ProcessGroup{logs[0], logs[1]}, cfg)
+		for r, l := range logs {
+			// warm-up, checked, three timed
+			if len(l.in) != 5 {
+				t.Fatalf("%v reset=%v rank %d: %d all-reduces of the buffer, want 5", c.op, c.reset, r, len(l.in))
+			}
+			src := l.in[1]
+			if !slices.Equal(l.in[0], src) {
+				t.Errorf("%v reset=%v rank %d: the warm-up and the checked all-reduce start from different inputs", c.op, c.reset, r)
+			}
+			for i := range 3 {
+				want := slices.Clone(src)
+				if !c.reset && c.op == procgroup.Sum && i > 0 {
+					for k := range want {
+						want[k] = logs[0].in[1][k] + logs[1].in[1][k]
+						if i == 2 {
+							want[k] *= 2
+						}
+					}
+				}
+				if got := l.in[2+i]; !slices.Equal(got, want) {
+					t.Errorf("%v reset=%v rank %d: timed all-reduce %d started from %v..., want %v...", c.op, c.reset, r, i, got[:3], want[:3])
+				}
+			}
+		}
 	}
 }
