@@ -6,7 +6,8 @@
 # the reducer's buckets are), the latter with --ceiling. Prints, per world size and size,
 # the median busbw of each over the repeats, the ceiling and the ratios. goddp's busbw is
 # nccl-tests' (from the mean iteration); the p50 columns take its median iteration, as the
-# PyTorch peer's script does for its own figure. Both time their iterations back to back on
+# PyTorch peer's script does for its own figure. Each size runs at least 20 iterations and
+# at least MIN_TIME (0.3s, the peer's --min_time). Both time their iterations back to back on
 # one buffer; RESET=1 (the default) adds a --shared --reset run, each iteration from the
 # input copied in again, as a DDP bucket is written just before its all-reduce (its
 # column: "shared reset"). VMREADV=1 adds a
@@ -28,6 +29,7 @@ EXTRA=${EXTRA:-}
 SHARED=${SHARED:-1}
 VMREADV=${VMREADV:-0}
 RESET=${RESET:-1}
+MIN_TIME=${MIN_TIME:-0.3s} # each size timed for at least this long, as the peer (--min_time 0.3)
 TORCH=${TORCH:-1}
 OUT=${OUT:-out/bench_allreduce_$(date +%Y%m%d_%H%M%S)}
 mkdir -p "$OUT" bin
@@ -45,24 +47,24 @@ for rep in $(seq 1 "$REPEATS"); do
     fi
     echo "# repeat $rep world_size $n: goddp $EXTRA" >&2
     # shellcheck disable=SC2086
-    ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json $EXTRA \
+    ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json $EXTRA \
       > "$OUT/goddp_n${n}_r${rep}.jsonl"
     if [ "$VMREADV" = 1 ]; then
       echo "# repeat $rep world_size $n: goddp with GODDP_GLOO_VMREADV=1 $EXTRA" >&2
       # shellcheck disable=SC2086
-      GODDP_GLOO_VMREADV=1 ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json $EXTRA \
+      GODDP_GLOO_VMREADV=1 ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json $EXTRA \
         > "$OUT/vm_n${n}_r${rep}.jsonl"
     fi
     if [ "$SHARED" = 1 ]; then
       echo "# repeat $rep world_size $n: goddp --shared --ceiling $EXTRA" >&2
       # shellcheck disable=SC2086
-      ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json --shared --ceiling $EXTRA \
+      ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json --shared --ceiling $EXTRA \
         > "$OUT/shared_n${n}_r${rep}.jsonl"
     fi
     if [ "$SHARED" = 1 ] && [ "$RESET" = 1 ]; then
       echo "# repeat $rep world_size $n: goddp --shared --reset $EXTRA" >&2
       # shellcheck disable=SC2086
-      ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --json --shared --reset $EXTRA \
+      ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json --shared --reset $EXTRA \
         > "$OUT/reset_n${n}_r${rep}.jsonl"
     fi
   done

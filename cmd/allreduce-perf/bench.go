@@ -11,6 +11,9 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
+// maxIters bounds the timed iterations --min_time asks for.
+const maxIters = 1 << 20
+
 // afterOp, when set (by the test hooks), runs after each all-reduce this rank completes.
 var afterOp func(rank int)
 
@@ -43,11 +46,23 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			return err
 		}
 
+		fastest := []float64{math.Inf(1)} // the fastest warm-up iteration, in seconds
 		for range cfg.warmup {
 			copyBuf(buf, src)
+			start := time.Now()
 			if err := allreduce(buf, cfg.op, "warm-up", bytes); err != nil {
 				return err
 			}
+			fastest[0] = min(fastest[0], time.Since(start).Seconds())
+		}
+		iters := cfg.iters
+		if cfg.minTime > 0 && cfg.warmup > 0 {
+			// As the PyTorch peer does: enough iterations for --min_time at the fastest
+			// warm-up's pace, the same count on every rank (the slowest rank's pace).
+			if err := allreduce(fastest, procgroup.Max, "warm-up time", 8); err != nil {
+				return err
+			}
+			iters = max(iters, min(int(math.Ceil(cfg.minTime.Seconds()/fastest[0])), maxIters))
 		}
 		wrong := int64(-1)
 		if cfg.check {
@@ -70,9 +85,9 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 		// cores' caches.
 		reset := cfg.reset || cfg.op == procgroup.Prod
 		var elapsed time.Duration
-		its := make([]float64, cfg.iters)
+		its := make([]float64, iters)
 		copyBuf(buf, src)
-		for i := range cfg.iters {
+		for i := range iters {
 			if reset && i > 0 {
 				copyBuf(buf, src)
 			}
@@ -86,13 +101,13 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 		}
 		// The mean (nccl-tests' time) and the median iteration (the PyTorch peer's), each
 		// the slowest rank's.
-		us := []float64{float64(elapsed.Nanoseconds()) / 1e3 / float64(cfg.iters), median(its)}
+		us := []float64{float64(elapsed.Nanoseconds()) / 1e3 / float64(iters), median(its)}
 		if err := allreduce(us, procgroup.Max, "time", 16); err != nil {
 			return err
 		}
 		r := row{
 			SizeBytes: bytes, Count: count, DType: cfg.dtype.String(), Op: cfg.op.String(), Ranks: world,
-			TimeUS: us[0], TimeUSMedian: us[1], Wrong: wrong,
+			TimeUS: us[0], TimeUSMedian: us[1], Iters: iters, Wrong: wrong,
 		}
 		bus := 2 * float64(world-1) / float64(world)
 		if us[0] > 0 {

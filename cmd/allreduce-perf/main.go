@@ -55,6 +55,7 @@ type config struct {
 	timeout            time.Duration
 	ceiling, shared    bool
 	reset              bool
+	minTime            time.Duration
 }
 
 // errUsage marks flag errors (exit status 2).
@@ -79,6 +80,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&factor, "f", 2, "size multiplication factor between steps (at least 2)")
 	fs.IntVar(&c.iters, "n", 20, "timed iterations per size")
 	fs.IntVar(&c.warmup, "w", 5, "warm-up iterations per size")
+	fs.DurationVar(&c.minTime, "min_time", 0, "time each size for at least this long, at the fastest warm-up iteration's pace (-n is then the least count; needs -w 1 or more)")
 	fs.IntVar(&check, "c", 1, "check results (1) or not (0)")
 	fs.StringVar(&dt, "d", "float32", "element type: float32, float64, int32, int64, bfloat16, float16")
 	fs.StringVar(&op, "op", "sum", "reduction: sum, avg, min, max, prod")
@@ -128,6 +130,10 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, usagef("-n %d: want at least 1", c.iters)
 	case c.warmup < 0:
 		return c, usagef("-w %d: want at least 0", c.warmup)
+	case c.minTime < 0:
+		return c, usagef("--min_time %v: want 0 or more", c.minTime)
+	case c.minTime > 0 && c.warmup == 0:
+		return c, usagef("--min_time %v needs warm-up iterations to set its pace (-w 0)", c.minTime)
 	case check != 0 && check != 1:
 		return c, usagef("-c %d: want 0 or 1", check)
 	case c.nproc < 0:
@@ -289,6 +295,7 @@ type row struct {
 	// descheduled iteration moves the mean of a short run, not the median.
 	TimeUSMedian float64 `json:"time_us_median"`
 	BusBWMedian  float64 `json:"busbw_median_gbs"`
+	Iters        int     `json:"iters"` // timed iterations: -n, or more for --min_time
 	OK           *bool   `json:"ok"`    // null when not checked (-c 0)
 	Wrong        int64   `json:"wrong"` // elements differing from the reference, over all ranks; -1 unchecked
 
@@ -349,6 +356,9 @@ func (t *tableReporter) header() {
 	}
 	if t.cfg.reset {
 		shared += " --reset"
+	}
+	if t.cfg.minTime > 0 {
+		shared += " --min_time " + t.cfg.minTime.String()
 	}
 	fmt.Fprintf(t.w, "# allreduce-perf: backend %s, %d ranks, dtype %s, op %s, -b %d -e %d -f %d -n %d -w %d -c %d%s\n",
 		t.cfg.backend, t.ranks, t.cfg.dtype, t.cfg.op, t.cfg.minBytes, t.cfg.maxBytes, t.cfg.factor, t.cfg.iters, t.cfg.warmup, check, shared)

@@ -56,19 +56,20 @@ func TestParseSize(t *testing.T) {
 }
 
 func TestParseFlags(t *testing.T) {
-	c, err := parseFlags(strings.Fields("-b 1K -e 1M -f 4 -n 3 -w 0 -c 0 -d bf16 --op max --backend store --nproc 3 --json --transport unix --algo ring"), &bytes.Buffer{})
+	c, err := parseFlags(strings.Fields("-b 1K -e 1M -f 4 -n 3 -w 0 -c 0 -d bf16 --op max --backend store --nproc 3 --json --transport unix --algo ring --reset --min_time 300ms -w 2"), &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := config{minBytes: 1024, maxBytes: 1 << 20, factor: 4, iters: 3, warmup: 0, check: false,
+	want := config{minBytes: 1024, maxBytes: 1 << 20, factor: 4, iters: 3, warmup: 2, check: false,
 		dtype: procgroup.BFloat16, op: procgroup.Max, backend: "store", nproc: 3, json: true,
-		transport: "unix", algo: "ring", timeout: 5 * time.Minute}
+		transport: "unix", algo: "ring", timeout: 5 * time.Minute, reset: true, minTime: 300 * time.Millisecond}
 	if c != want {
 		t.Fatalf("parseFlags =\n%+v\nwant\n%+v", c, want)
 	}
 	for _, args := range []string{
 		"-b 0", "-b 1 -d float32", "-b 1M -e 4K", "-f 1", "-n 0", "-w -1", "-c 2", "-d int8",
 		"--op mean", "--nproc -1", "--transport rdma", "--algo tree", "--bogus", "extra", "--timeout 0s", "-e lots",
+		"--min_time -1s", "--min_time 1s -w 0", "--min_time 5",
 	} {
 		_, err := parseFlags(strings.Fields(args), &bytes.Buffer{})
 		var u errUsage
@@ -584,5 +585,22 @@ func TestTimedIterationsBackToBack(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestMinTime: --min_time raises the timed count above -n, the same on every rank (they
+// agree on the slowest pace), and the row says how many ran; without it -n holds.
+func TestMinTime(t *testing.T) {
+	pgs := newStoreGroups(t, 2)
+	base := config{minBytes: 1 << 10, maxBytes: 1 << 10, factor: 2, iters: 3, warmup: 2, check: true,
+		dtype: procgroup.Float32, op: procgroup.Sum}
+	if rows := benchAll(t, pgs, base); len(rows) != 1 || rows[0].Iters != 3 {
+		t.Fatalf("without --min_time: rows %+v, want one of 3 iterations", rows)
+	}
+	cfg := base
+	cfg.minTime = 50 * time.Millisecond
+	rows := benchAll(t, pgs, cfg)
+	if len(rows) != 1 || rows[0].Iters <= 3 || rows[0].Iters > maxIters || rows[0].OK == nil || !*rows[0].OK {
+		t.Fatalf("--min_time 50ms: rows %+v, want one checked row of more than 3 iterations", rows)
 	}
 }
