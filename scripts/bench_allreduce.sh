@@ -91,7 +91,7 @@ def fmt(b):
 def med(rows, key):
     return statistics.median(r[key] for r in rows) if rows else float("nan")
 for n in sorted({k[0] for k in goddp}):
-    print(f"\nworld_size={n}  (busbw GB/s, median over repeats; ceiling and algorithm from the --shared --ceiling runs)")
+    print(f"\nworld_size={n}  (busbw GB/s, median over repeats; ceiling and algorithm from the --shared --ceiling runs; their % of ceiling is the median of each run's own percentage, reset's is against the median ceiling)")
     print("| size | torch | goddp | goddp --shared | algorithm | ceiling | % of ceiling | shared/goddp | goddp/torch | shared/torch | goddp vm_readv | vm/goddp | goddp p50 | shared p50 | % of ceiling p50 | shared p50/torch | shared reset | reset % of ceiling | reset/torch | checked |")
     print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for (m, b) in sorted(k for k in goddp if k[0] == n):
@@ -105,7 +105,9 @@ for n in sorted({k[0] for k in goddp}):
         gm, sm = med(g, "busbw_median_gbs"), med(sh, "busbw_median_gbs")
         rs = reset.get((m, b), [])
         rb = med(rs, "busbw_gbs")
+        pct = [r for r in sh if r.get("pct_of_ceiling")]
+        pc, pcm = med(pct, "pct_of_ceiling"), med(pct, "pct_of_ceiling_median")
         ok = all(r["ok"] is not False for r in g + sh + v + rs)
-        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {100 * sb / ceil:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {vb:.3f} | {vb / gb:.2f} | {gm:.3f} | {sm:.3f} | {100 * sm / ceil:.0f}% | {sm / t:.2f} | {rb:.3f} | {100 * rb / ceil:.0f}% | {rb / t:.2f} | {'yes' if ok else 'NO'} |")
+        print(f"| {fmt(b)} | {t:.3f} | {gb:.3f} | {sb:.3f} | {algo} | {ceil:.3f} | {pc:.0f}% | {sb / gb:.2f} | {gb / t:.2f} | {sb / t:.2f} | {vb:.3f} | {vb / gb:.2f} | {gm:.3f} | {sm:.3f} | {pcm:.0f}% | {sm / t:.2f} | {rb:.3f} | {100 * rb / ceil:.0f}% | {rb / t:.2f} | {'yes' if ok else 'NO'} |")
 PY
 echo "raw results in $OUT" >&2
