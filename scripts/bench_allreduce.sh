@@ -16,6 +16,7 @@
 #
 #   scripts/bench_allreduce.sh                         # world sizes 2 and 4, 3 repeats
 #   WORLD_SIZES=2 REPEATS=5 EXTRA="--transport tcp" SHARED=0 scripts/bench_allreduce.sh
+#   REPEATS=0 OUT=out/bench_x scripts/bench_allreduce.sh  # an earlier run's tables again
 #
 # Needs the PyTorch peer installed ($TORCH_DIR/setup.sh).
 set -euo pipefail
