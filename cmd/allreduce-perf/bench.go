@@ -62,7 +62,7 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			if err := allreduce(fastest, procgroup.Max, "warm-up time", 8); err != nil {
 				return err
 			}
-			iters = max(iters, min(int(math.Ceil(cfg.minTime.Seconds()/fastest[0])), maxIters))
+			iters = max(iters, int(min(math.Ceil(cfg.minTime.Seconds()/max(fastest[0], 1e-9)), maxIters)))
 		}
 		wrong := int64(-1)
 		if cfg.check {
