@@ -39,6 +39,16 @@ if [ "$TORCH" = 1 ]; then
   # shellcheck disable=SC1091
   source "$TORCH_DIR/env.sh"
 fi
+# goddp KIND FLAGS...: one allreduce-perf run of world size $n, repeat $rep, with FLAGS, into
+# $OUT/KIND_n${n}_r${rep}.jsonl (GODDP_GLOO_VMREADV from the caller's environment).
+goddp() {
+  local kind=$1
+  shift
+  echo "# repeat $rep world_size $n: goddp $kind${GODDP_GLOO_VMREADV:+ GODDP_GLOO_VMREADV=$GODDP_GLOO_VMREADV} $* $EXTRA" >&2
+  # shellcheck disable=SC2086
+  ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json "$@" $EXTRA \
+    > "$OUT/${kind}_n${n}_r${rep}.jsonl"
+}
 for rep in $(seq 1 "$REPEATS"); do
   for n in $WORLD_SIZES; do
     if [ "$TORCH" = 1 ]; then
@@ -46,28 +56,10 @@ for rep in $(seq 1 "$REPEATS"); do
       /usr/bin/python3 "$TORCH_DIR/allreduce_bench.py" --world_sizes "$n" --min_bytes "$MIN" \
         --max_bytes "$MAX" --factor 4 --trials 1 --min_time 0.3 --csv "$OUT/torch_n${n}_r${rep}.csv" >&2
     fi
-    echo "# repeat $rep world_size $n: goddp $EXTRA" >&2
-    # shellcheck disable=SC2086
-    ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json $EXTRA \
-      > "$OUT/goddp_n${n}_r${rep}.jsonl"
-    if [ "$VMREADV" = 1 ]; then
-      echo "# repeat $rep world_size $n: goddp with GODDP_GLOO_VMREADV=1 $EXTRA" >&2
-      # shellcheck disable=SC2086
-      GODDP_GLOO_VMREADV=1 ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json $EXTRA \
-        > "$OUT/vm_n${n}_r${rep}.jsonl"
-    fi
-    if [ "$SHARED" = 1 ]; then
-      echo "# repeat $rep world_size $n: goddp --shared --ceiling $EXTRA" >&2
-      # shellcheck disable=SC2086
-      ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json --shared --ceiling $EXTRA \
-        > "$OUT/shared_n${n}_r${rep}.jsonl"
-    fi
-    if [ "$SHARED" = 1 ] && [ "$RESET" = 1 ]; then
-      echo "# repeat $rep world_size $n: goddp --shared --reset $EXTRA" >&2
-      # shellcheck disable=SC2086
-      ./bin/allreduce-perf --nproc "$n" -b "$MIN" -e "$MAX" -f 4 -n 20 -w 5 --min_time "$MIN_TIME" --json --shared --reset $EXTRA \
-        > "$OUT/reset_n${n}_r${rep}.jsonl"
-    fi
+    goddp goddp
+    if [ "$VMREADV" = 1 ]; then GODDP_GLOO_VMREADV=1 goddp vm; fi
+    if [ "$SHARED" = 1 ]; then goddp shared --shared --ceiling; fi
+    if [ "$SHARED" = 1 ] && [ "$RESET" = 1 ]; then goddp reset --shared --reset; fi
   done
 done
 /usr/bin/python3 - "$OUT" <<'PY'

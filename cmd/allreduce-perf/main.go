@@ -350,18 +350,18 @@ func (t *tableReporter) header() {
 	if !t.cfg.check {
 		check = 0
 	}
-	shared := ""
+	flags := "" // the flags past -c that are set
 	if t.cfg.shared {
-		shared = " --shared"
+		flags += " --shared"
 	}
 	if t.cfg.reset {
-		shared += " --reset"
+		flags += " --reset"
 	}
 	if t.cfg.minTime > 0 {
-		shared += " --min_time " + t.cfg.minTime.String()
+		flags += " --min_time " + t.cfg.minTime.String()
 	}
 	fmt.Fprintf(t.w, "# allreduce-perf: backend %s, %d ranks, dtype %s, op %s, -b %d -e %d -f %d -n %d -w %d -c %d%s\n",
-		t.cfg.backend, t.ranks, t.cfg.dtype, t.cfg.op, t.cfg.minBytes, t.cfg.maxBytes, t.cfg.factor, t.cfg.iters, t.cfg.warmup, check, shared)
+		t.cfg.backend, t.ranks, t.cfg.dtype, t.cfg.op, t.cfg.minBytes, t.cfg.maxBytes, t.cfg.factor, t.cfg.iters, t.cfg.warmup, check, flags)
 	fmt.Fprintf(t.w, "#\n# %12s %12s %9s %6s %12s %10s %10s %8s", "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong")
 	if t.cfg.ceiling {
 		fmt.Fprintf(t.w, " %10s %7s %9s %9s %9s %9s", "algo", "traffic", "memory", "ceiling", "%ceiling", "1-copy")
