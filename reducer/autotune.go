@@ -23,6 +23,10 @@ const AutoBucketCap = -math.MaxFloat64
 // autoPasses is the number of synced passes Note [Auto buckets] measures before it decides.
 const autoPasses = 3
 
+// autoMinGain is the least predicted gain over the default caps for which the auto sizing
+// changes the layout (Note [Keep the default] in package bucket/sim).
+const autoMinGain = sim.DefaultMinGain
+
 // autoMeasured is the number of steps after the decision whose median is reported as the
 // measured step time.
 const autoMeasured = 5
@@ -51,10 +55,12 @@ const autoMeasured = 5
 //     took than the curve says, over their time inside backward. Both count a collective
 //     from the last rank's launch of it (Note [Last rank's start]).
 //
-// Rank 0 then searches the caps (package sim, Profile.Best), broadcasts the chosen pair,
-// and every rank rebuilds with it from the agreed order, so the layouts are identical. The
-// choice is logged with the predicted step time for it and for the default caps, and, five
-// steps later, with the measured median (AutoPlan). The layout is not re-tuned later. If
+// Rank 0 then searches the caps (package sim, Profile.Best), keeping pass 1's caps unless
+// the best layout is predicted at least 5% faster (autoMinGain, Note [Keep the default] in
+// package bucket/sim), broadcasts the chosen pair, and every rank rebuilds with it from the
+// agreed order, so the layouts are identical. The choice is logged with the predicted step
+// time for it and for the default caps, and, five steps later, with the measured median
+// (AutoPlan). The layout is not re-tuned later. If
 // rank 0 cannot model the step (a gradient missing in pass 2), every rank goes back to the
 // layout of pass 1's caps.
 type autoTuner struct {
@@ -79,9 +85,15 @@ type AutoPlan struct {
 	// FirstCapBytes and CapBytes are the chosen caps; Buckets the number of buckets.
 	FirstCapBytes, CapBytes int64
 	Buckets                 int
-	// Predicted is the model's step for the chosen layout, Default the one for PyTorch's
-	// default caps (1 and 25 MiB).
-	Predicted, Default sim.Result
+	// Predicted is the model's step for the chosen layout, Default the one for pass 1's caps,
+	// DefaultFirstCapBytes and DefaultCapBytes (FirstBucketCapMB and 25 MiB: PyTorch's
+	// default 1 and 25 MiB unless FirstBucketCapMB is set).
+	Predicted, Default                    sim.Result
+	DefaultFirstCapBytes, DefaultCapBytes int64
+	// Gain is the best layout's predicted gain over pass 1's caps (a fraction of their step),
+	// and Kept whether those caps were kept because Gain was under 5% (autoMinGain).
+	Gain float64
+	Kept bool
 	// DecidedAfter is the number of synced passes measured before the decision.
 	DecidedAfter int
 	// Measured is the median step time of the first five steps after the decision (0 until
@@ -90,11 +102,14 @@ type AutoPlan struct {
 }
 
 func (p *AutoPlan) String() string {
-	s := fmt.Sprintf("auto bucket layout after %d synced steps: first cap %.3g MB, cap %.3g MB, %d buckets; predicted %.2f ms/step (default 1/25 MB: %.2f, %d buckets)",
+	s := fmt.Sprintf("auto bucket layout after %d synced steps: first cap %.3g MB, cap %.3g MB, %d buckets; predicted %.2f ms/step (default %.3g/%.3g MB: %.2f, %d buckets)",
 		p.DecidedAfter, float64(p.FirstCapBytes)/(1<<20), float64(p.CapBytes)/(1<<20), p.Buckets,
-		p.Predicted.Step*1e3, p.Default.Step*1e3, p.Default.Buckets)
+		p.Predicted.Step*1e3, float64(p.DefaultFirstCapBytes)/(1<<20), float64(p.DefaultCapBytes)/(1<<20), p.Default.Step*1e3, p.Default.Buckets)
 	if p.Measured > 0 {
 		s += fmt.Sprintf(", measured %.2f ms/step", float64(p.Measured.Microseconds())/1e3)
+	}
+	if p.Kept {
+		s += fmt.Sprintf("; kept: the best layout found was predicted %.1f%% faster, under the %.0f%% margin", 100*p.Gain, 100*autoMinGain)
 	}
 	return s
 }
@@ -172,7 +187,10 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 // decide builds this rank's profile; rank 0 picks the caps with it, and every rank takes
 // rank 0's and describes them with its own profile (AutoPlan).
 func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
-	choice := []int64{0, 0} // 0: keep pass 1's caps
+	// The caps (0: fall back to pass 1's), rank 0's predicted gain in ppm, and 1 if it kept
+	// pass 1's caps.
+	choice := []int64{0, 0, 0, 0}
+	keepFirst, keepCap := mib(r.opts.FirstBucketCapMB), bucket.DefaultCapBytes
 	late, err := a.lastStarts(ctx, r)
 	if err != nil {
 		return err
@@ -183,8 +201,12 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	}
 	if prof != nil && r.pg.Rank() == 0 {
 		var best sim.Plan
-		if best, err = prof.Best(sim.SearchOptions{}); err == nil {
-			choice = []int64{best.FirstCapBytes, best.CapBytes}
+		o := sim.SearchOptions{KeepFirstCapBytes: keepFirst, KeepCapBytes: keepCap, MinGain: autoMinGain}
+		if best, err = prof.Best(o); err == nil {
+			choice = []int64{best.FirstCapBytes, best.CapBytes, int64(math.Round(best.Gain * 1e6)), 0}
+			if best.Kept {
+				choice[3] = 1
+			}
 		}
 	}
 	if err != nil && r.pg.Rank() == 0 {
@@ -195,7 +217,7 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	}
 	a.decided, a.fresh = true, true
 	if choice[0] <= 0 || choice[1] <= 0 {
-		r.firstCap, r.capBytes = mib(r.opts.FirstBucketCapMB), bucket.DefaultCapBytes
+		r.firstCap, r.capBytes = keepFirst, keepCap
 		return nil
 	}
 	r.firstCap, r.capBytes = choice[0], choice[1]
@@ -207,9 +229,9 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 		return fmt.Errorf("reducer: auto bucket sizing: rank 0's caps: %w", err)
 	}
 	predicted, _ := prof.Simulate(bs)
-	def, _ := prof.SimulateCaps(bucket.DefaultFirstCapBytes, bucket.DefaultCapBytes)
+	def, _ := prof.SimulateCaps(keepFirst, keepCap)
 	a.plan = &AutoPlan{Profile: prof, FirstCapBytes: choice[0], CapBytes: choice[1], Buckets: len(bs),
-		Predicted: predicted, Default: def, DecidedAfter: autoPasses}
+		Predicted: predicted, Default: def, DefaultFirstCapBytes: keepFirst, DefaultCapBytes: keepCap, Gain: float64(choice[2]) / 1e6, Kept: choice[3] == 1, DecidedAfter: autoPasses}
 	r.log.Info("reducer: "+a.plan.String(), zap.Int("rank", r.pg.Rank()))
 	return nil
 }

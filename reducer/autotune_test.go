@@ -125,6 +125,12 @@ func checkAutoPlan(r *Reducer) error {
 	if p.DecidedAfter != autoPasses || p.Profile == nil || p.Measured != 0 {
 		return fmt.Errorf("plan %+v: want decided after %d passes, a profile, and no measured time before 6 more steps", p, autoPasses)
 	}
+	// Note [Keep the default]: the default caps unless rank 0 predicted a gain of 5% or more
+	if keep := [2]int64{mib(r.opts.FirstBucketCapMB), bucket.DefaultCapBytes}; [2]int64{p.DefaultFirstCapBytes, p.DefaultCapBytes} != keep ||
+		p.Kept != (p.Gain < autoMinGain) || p.Gain < 0 || p.Gain >= 1 || (p.Kept && [2]int64{p.FirstCapBytes, p.CapBytes} != keep) {
+		return fmt.Errorf("plan: caps %d/%d, default %d/%d, gain %v, kept %v; want the default caps %v kept exactly when the gain is under %v",
+			p.FirstCapBytes, p.CapBytes, p.DefaultFirstCapBytes, p.DefaultCapBytes, p.Gain, p.Kept, keep, autoMinGain)
+	}
 	want, err := bucket.AssignOrdered(r.bparams, r.auto.order, p.FirstCapBytes, p.CapBytes)
 	if err != nil {
 		return err
@@ -321,10 +327,18 @@ func TestSlowdownNotOverlap(t *testing.T) {
 // TestAutoPlanString: the line the trainer prints.
 func TestAutoPlanString(t *testing.T) {
 	p := &AutoPlan{FirstCapBytes: 1 << 19, CapBytes: 5 << 20, Buckets: 7, DecidedAfter: 3,
-		Predicted: sim.Result{Step: 0.1234}, Default: sim.Result{Step: 0.2, Buckets: 2}, Measured: ms(130.5)}
+		Predicted: sim.Result{Step: 0.1234}, Default: sim.Result{Step: 0.2, Buckets: 2}, Measured: ms(130.5),
+		DefaultFirstCapBytes: 1 << 20, DefaultCapBytes: 25 << 20, Gain: 0.383}
 	want := "auto bucket layout after 3 synced steps: first cap 0.5 MB, cap 5 MB, 7 buckets; predicted 123.40 ms/step (default 1/25 MB: 200.00, 2 buckets), measured 130.50 ms/step"
 	if got := p.String(); got != want {
 		t.Errorf("String:\n got %s\nwant %s", got, want)
+	}
+	kept := &AutoPlan{FirstCapBytes: 1 << 20, CapBytes: 25 << 20, Buckets: 2, DecidedAfter: 3,
+		Predicted: sim.Result{Step: 0.2, Buckets: 2}, Default: sim.Result{Step: 0.2, Buckets: 2},
+		DefaultFirstCapBytes: 1 << 20, DefaultCapBytes: 25 << 20, Gain: 0.0312, Kept: true}
+	want = "auto bucket layout after 3 synced steps: first cap 1 MB, cap 25 MB, 2 buckets; predicted 200.00 ms/step (default 1/25 MB: 200.00, 2 buckets); kept: the best layout found was predicted 3.1% faster, under the 5% margin"
+	if got := kept.String(); got != want {
+		t.Errorf("String, kept:\n got %s\nwant %s", got, want)
 	}
 }
 

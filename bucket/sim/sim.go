@@ -374,13 +374,40 @@ type SearchOptions struct {
 	MinCapBytes, MaxCapBytes int64
 	// Steps is the number of caps tried per factor of 2 (default 4).
 	Steps int
+	// KeepFirstCapBytes and KeepCapBytes, when both are set, are the caps of the layout in
+	// use (Note [Keep the default]): Best returns their layout unless the least predicted
+	// step is at least MinGain (a fraction of the kept layout's step) shorter.
+	KeepFirstCapBytes, KeepCapBytes int64
+	MinGain                         float64
 }
+
+// DefaultMinGain is the auto sizing's margin (Note [Keep the default]): the reducer, and
+// cmd/ddpsim for its choice, keep the default caps unless another layout is predicted at
+// least this much faster.
+const DefaultMinGain = 0.05
+
+// Note [Keep the default]: where the predicted steps of many layouts lie within a few
+// percent of each other, which of them a profile finds best is decided by the noise in its
+// few measured steps, not by the layouts. On the two-host testbed at 10 Gbit/s (L=4 h=512,
+// 2026-12-03), six launches of the auto sizing chose five layouts (1 to 18 buckets), each
+// predicted 0.8-10.4% faster than the default caps, and measured from 6% faster to 24%
+// slower than the sweep's best cap (50 MB, 451.6 ms/step), where the default 25 MB measured
+// 451.8. With a layout to keep and a MinGain, Best prefers the kept layout (for the reducer,
+// the default caps that a DDP user would otherwise run) unless another is predicted to beat
+// it by at least the margin. The reducer's margin is 5% (DefaultMinGain): the tolerance
+// within which its validation counts a layout as good as the best, so that a layout
+// predicted within it gains nothing the model can vouch for.
 
 // Plan is a chosen layout and its prediction.
 type Plan struct {
 	FirstCapBytes, CapBytes int64
 	Buckets                 []bucket.Bucket
 	Predicted               Result
+	// Gain is how much shorter the least predicted step is than the kept layout's, as a
+	// fraction of the latter (0 without SearchOptions.KeepCapBytes), and Kept whether Best
+	// returned the kept layout because Gain fell short of MinGain.
+	Gain float64
+	Kept bool
 }
 
 // Caps returns the caps Best tries: geometric from MinCapBytes to MaxCapBytes, Steps per
@@ -413,12 +440,38 @@ func (o SearchOptions) Caps(total int64) []int64 {
 // Best returns the layout with the least predicted step among the pairs (first cap, cap) of
 // caps from o.Caps, the first cap at most the other. Among the layouts within 0.1% of the
 // least, it takes the one with the fewest buckets (then the first found: smaller caps
-// first). The search is deterministic: every rank given the same profile finds the same
-// plan.
+// first). With a layout to keep (o.KeepCapBytes), it returns that one instead unless the
+// least step is at least o.MinGain shorter (Note [Keep the default]). The search is
+// deterministic: every rank given the same profile finds the same plan.
 func (p *Profile) Best(o SearchOptions) (Plan, error) {
 	if err := p.Check(); err != nil {
 		return Plan{}, err
 	}
+	if (o.KeepFirstCapBytes > 0) != (o.KeepCapBytes > 0) || o.KeepFirstCapBytes < 0 || o.KeepCapBytes < 0 || !(o.MinGain >= 0 && o.MinGain < 1) {
+		return Plan{}, fmt.Errorf("%w: layout to keep: first cap %d, cap %d bytes, margin %v (want both caps or neither, and a margin in [0, 1))",
+			ErrInvalid, o.KeepFirstCapBytes, o.KeepCapBytes, o.MinGain)
+	}
+	best, err := p.least(o)
+	if err != nil || o.KeepCapBytes == 0 {
+		return best, err
+	}
+	bs, err := p.Layout(o.KeepFirstCapBytes, o.KeepCapBytes)
+	if err != nil {
+		return Plan{}, err
+	}
+	r, err := p.Simulate(bs)
+	if err != nil {
+		return Plan{}, err
+	}
+	best.Gain = math.Max(1-best.Predicted.Step/r.Step, 0)
+	if best.Gain >= o.MinGain {
+		return best, nil
+	}
+	return Plan{FirstCapBytes: o.KeepFirstCapBytes, CapBytes: o.KeepCapBytes, Buckets: bs, Predicted: r, Gain: best.Gain, Kept: true}, nil
+}
+
+// least is Best's search, without the layout to keep.
+func (p *Profile) least(o SearchOptions) (Plan, error) {
 	caps := o.Caps(p.TotalBytes())
 	var plans []Plan
 	least := math.Inf(1)

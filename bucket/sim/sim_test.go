@@ -328,6 +328,52 @@ func TestBestIsTheLeastOnItsGrid(t *testing.T) {
 	}
 }
 
+// TestBestKeepsTheDefault: with a layout to keep, Best returns the least layout only when it
+// is predicted at least MinGain faster than the kept one, and reports the gain either way.
+func TestBestKeepsTheDefault(t *testing.T) {
+	rng := rand.New(rand.NewPCG(4, 6))
+	for trial := range 10 {
+		p := randomProfile(rng, 30)
+		free, err := p.Best(SearchOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		kf, kc := int64(64<<10)<<rng.IntN(3), int64(256<<10)<<rng.IntN(4)
+		keep, err := p.SimulateCaps(kf, kc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		gain := math.Max(1-free.Predicted.Step/keep.Step, 0) // the gain computed from the two steps
+		for _, margin := range []float64{0, gain / 2, gain + 0.01, 0.5} {
+			got, err := p.Best(SearchOptions{KeepFirstCapBytes: kf, KeepCapBytes: kc, MinGain: margin})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if math.Abs(got.Gain-gain) > 1e-12 {
+				t.Errorf("trial %d, margin %.3f: gain %.6f, want %.6f", trial, margin, got.Gain, gain)
+			}
+			wantKept := gain < margin
+			if got.Kept != wantKept {
+				t.Errorf("trial %d, margin %.3f (gain %.4f): kept %v, want %v", trial, margin, gain, got.Kept, wantKept)
+			}
+			want, wantStep := [2]int64{free.FirstCapBytes, free.CapBytes}, free.Predicted.Step
+			if wantKept {
+				want, wantStep = [2]int64{kf, kc}, keep.Step
+			}
+			if g := [2]int64{got.FirstCapBytes, got.CapBytes}; g != want || got.Predicted.Step != wantStep || got.Predicted.Buckets != len(got.Buckets) {
+				t.Errorf("trial %d, margin %.3f: caps %v at %.6f s (%d buckets, %d listed), want %v at %.6f s",
+					trial, margin, g, got.Predicted.Step, got.Predicted.Buckets, len(got.Buckets), want, wantStep)
+			}
+		}
+	}
+	p := randomProfile(rng, 5)
+	for _, o := range []SearchOptions{{KeepCapBytes: 1 << 20}, {KeepFirstCapBytes: 1 << 20}, {KeepFirstCapBytes: 1, KeepCapBytes: 1, MinGain: 1}, {KeepFirstCapBytes: 1, KeepCapBytes: 1, MinGain: -0.1}} {
+		if _, err := p.Best(o); !errors.Is(err, ErrInvalid) {
+			t.Errorf("%+v: %v, want ErrInvalid", o, err)
+		}
+	}
+}
+
 // TestOverlapPays: with slow links and no slowdown, small buckets beat one bucket by about
 // the communication they hide; with a large launch cost, one bucket wins.
 func TestOverlapPays(t *testing.T) {

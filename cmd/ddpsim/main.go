@@ -59,6 +59,7 @@ type config struct {
 	profiles []string
 	caps     []float64
 	firstMB  float64
+	minGain  float64 // -min_gain
 	measured string
 	world    int
 	algo     string
@@ -79,6 +80,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	profiles := fs.String("profile", "", "comma-separated profiles written by --auto_profile (combined by the median)")
 	caps := fs.String("caps", "1,5,10,25,50,100,200", "bucket_cap_mb values to predict, comma-separated")
 	fs.Float64Var(&c.firstMB, "first_cap_mb", 1, "first bucket's cap in MB for the caps of -caps")
+	fs.Float64Var(&c.minGain, "min_gain", sim.DefaultMinGain, "auto's margin: its choice keeps the caps -first_cap_mb and 25 MB unless another layout is predicted at least this fraction faster (0: the least predicted)")
 	fs.StringVar(&c.measured, "measured", "", "a sweep's summary.csv (sweep-report) to compare with, point by point (system goddp)")
 	fs.IntVar(&c.world, "world", 0, "with -gbit: ranks of the all-reduce to model instead of the measured curve")
 	fs.StringVar(&c.algo, "algo", "ring", "with -gbit: ring or tree")
@@ -112,6 +114,9 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	}
 	if !(c.firstMB > 0) || c.firstMB > 1<<30 {
 		return c, fmt.Errorf("-first_cap_mb %v: want a size in MB between 0 and 2^30", c.firstMB)
+	}
+	if !(c.minGain >= 0 && c.minGain < 1) {
+		return c, fmt.Errorf("-min_gain %v: want a fraction in [0, 1)", c.minGain)
 	}
 	if c.gbit < 0 || (c.gbit > 0 && c.world < 2) {
 		return c, fmt.Errorf("-gbit %v needs -world of 2 or more (got %d)", c.gbit, c.world)
@@ -224,7 +229,7 @@ func predictTable(w io.Writer, p *sim.Profile, c config, meas map[float64]float6
 		}
 		fmt.Fprintln(w)
 	}
-	plan, err := p.Best(sim.SearchOptions{})
+	plan, err := p.Best(sim.SearchOptions{KeepFirstCapBytes: mib(c.firstMB), KeepCapBytes: bucket.DefaultCapBytes, MinGain: c.minGain})
 	if err != nil {
 		return err
 	}
@@ -237,6 +242,9 @@ func predictTable(w io.Writer, p *sim.Profile, c config, meas map[float64]float6
 		float64(plan.FirstCapBytes)/(1<<20), float64(plan.CapBytes)/(1<<20), plan.Predicted.Buckets, plan.Predicted.Step*1e3)
 	if measAuto > 0 {
 		fmt.Fprintf(w, " (measured with --bucket_cap_mb auto: %.1f ms/step, error %+.1f%%)", measAuto, 100*(plan.Predicted.Step*1e3-measAuto)/measAuto)
+	}
+	if plan.Kept {
+		fmt.Fprintf(w, "; the default caps, kept: the best layout found was predicted %.1f%% faster, under the %g%% margin (-min_gain)", 100*plan.Gain, 100*c.minGain)
 	}
 	fmt.Fprintln(w)
 	return nil

@@ -257,3 +257,38 @@ func TestReadyFromTrace(t *testing.T) {
 		t.Errorf("ddpsim -trace: %v\n%s", err, out.String())
 	}
 }
+
+// TestAutoChoiceKeepsTheDefault: ddpsim's "auto's choice" is the reducer's (Note [Keep the
+// default] in package bucket/sim): a layout other than the default caps' only if it is
+// predicted at least -min_gain faster.
+func TestAutoChoiceKeepsTheDefault(t *testing.T) {
+	a := profileFile(t, t.TempDir(), "a.json", 0.080)
+	choice := func(args ...string) string {
+		t.Helper()
+		var out strings.Builder
+		if err := run(append([]string{"-profile", a, "-caps", "1,25"}, args...), &out, io.Discard); err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range strings.Split(out.String(), "\n") {
+			if strings.HasPrefix(l, "auto's choice") {
+				return l
+			}
+		}
+		t.Fatalf("no auto's choice in:\n%s", out.String())
+		return ""
+	}
+	// The default caps 1/25 MB give two buckets, the second launched when backward ends:
+	// 170.1 ms/step against 110.8 for a bucket per gradient (TestPredictAgainstMeasured), a
+	// gain of at least 35%.
+	if got := choice(); strings.Contains(got, "kept") || strings.Contains(got, "cap 25 MB") {
+		t.Errorf("default margin: %s; want another layout than the default's", got)
+	}
+	if got, want := choice("-min_gain", "0.5"), "first cap 1 MB, cap 25 MB, 2 buckets, predicted 170.1 ms/step; the default caps, kept: the best layout found was predicted "; !strings.Contains(got, want) {
+		t.Errorf("margin 0.5: %s\nwant %s...", got, want)
+	}
+	for _, bad := range []string{"1", "-0.1", "x"} {
+		if err := run([]string{"-profile", a, "-min_gain", bad}, io.Discard, io.Discard); err == nil {
+			t.Errorf("-min_gain %s: no error", bad)
+		}
+	}
+}
