@@ -53,7 +53,8 @@ const autoMeasured = 5
 //     collective in flight, by how much longer they took than in pass 2 beyond what the
 //     stretches with none did (func slowdown); collectives by how much longer the buckets
 //     took than the curve says, over their time inside backward. Both count a collective
-//     from the last rank's launch of it (Note [Last rank's start]).
+//     from the last rank's launch of it (Note [Last rank's start]), and the pair is bounded
+//     as one resource shared allows (Note [Shared speed] in package bucket/sim).
 //
 // Rank 0 then searches the caps (package sim, Profile.Best), keeping pass 1's caps unless
 // the best layout is predicted at least 5% faster (autoMinGain, Note [Keep the default] in
@@ -358,6 +359,7 @@ func (a *autoTuner) profile(r *Reducer, late []time.Duration) (*sim.Profile, err
 	if inside > 1e-4 && alone-outside > 0 {
 		p.CommSlowdown = min(math.Max(inside/(alone-outside)-1, 0), 9)
 	}
+	p.Slowdown, p.CommSlowdown = sim.SharedSpeed(p.Slowdown, p.CommSlowdown)
 	r.log.Info("reducer: auto bucket sizing: measured", zap.Int("rank", r.pg.Rank()),
 		zap.Duration("compute_one_bucket", s2.Compute()), zap.Duration("compute_eight", s3.Compute()),
 		zap.Duration("skew", skew), zap.Float64("slowdown", p.Slowdown), zap.Float64("comm_slowdown", p.CommSlowdown))

@@ -294,6 +294,24 @@ func TestAutoProfile(t *testing.T) {
 	if got := slowdown(s2, s3, []int{2, 1, 0}, 0, nil); math.Abs(got-0.25) > 1e-9 {
 		t.Errorf("slowdown %v, want 0.25", got)
 	}
+
+	// Note [Shared speed]: the stretches 10→25 and 25→40 ms each take 5 ms more than pass
+	// 2's 10 with 15 ms in flight (f = 1/3) and 40→50 none more with 10 (f = 0): s = 0.5 by
+	// the weighted median. The buckets run 40 ms inside backward (and 5 after) for 3 × 5 ms
+	// alone: c = 40/(15−5) − 1 = 3. The pair 0.5, 3 is beyond s·c ≤ 1, so both are divided by
+	// √1.5.
+	s2.BucketFinished[0] = ms(43) // no skew
+	a.passes[1] = &IterStats{Start: t0.Add(ms(200)),
+		GradReady:      []time.Duration{ms(40), ms(25), ms(10)},
+		BucketBytes:    []int64{400, 400, 400},
+		BucketLaunched: []time.Duration{ms(10), ms(25), ms(40)},
+		BucketFinished: []time.Duration{ms(25), ms(40), ms(55)},
+		BackwardEnd:    ms(50), CopyTime: ms(1.2), HookTime: ms(1.5)}
+	if p, err = a.profile(r, nil); err != nil {
+		t.Fatal(err)
+	}
+	near("Slowdown, shared", p.Slowdown, 0.5/math.Sqrt(1.5))
+	near("CommSlowdown, shared", p.CommSlowdown, 3/math.Sqrt(1.5))
 }
 
 // TestSlowdownNotOverlap: a pass 3 uniformly 1.5× slower than pass 2, collectives in flight

@@ -374,6 +374,20 @@ func TestBestKeepsTheDefault(t *testing.T) {
 	}
 }
 
+// TestSharedSpeed: a pair within s·c ≤ 1 is kept; one beyond comes back to s·c = 1 with
+// the ratio s/c kept.
+func TestSharedSpeed(t *testing.T) {
+	for _, tc := range []struct{ s, c, ws, wc float64 }{
+		{0, 9, 0, 9}, {0.5, 2, 0.5, 2}, {0.25, 0.5, 0.25, 0.5}, {1, 1, 1, 1},
+		{1, 4, 0.5, 2}, {1, 9, 1.0 / 3, 3}, {2, 2, 1, 1},
+	} {
+		s, c := SharedSpeed(tc.s, tc.c)
+		if math.Abs(s-tc.ws) > 1e-12 || math.Abs(c-tc.wc) > 1e-12 {
+			t.Errorf("SharedSpeed(%v, %v) = %v, %v; want %v, %v", tc.s, tc.c, s, c, tc.ws, tc.wc)
+		}
+	}
+}
+
 // TestOverlapPays: with slow links and no slowdown, small buckets beat one bucket by about
 // the communication they hide; with a large launch cost, one bucket wins.
 func TestOverlapPays(t *testing.T) {

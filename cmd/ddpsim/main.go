@@ -237,6 +237,9 @@ func predictTable(w io.Writer, p *sim.Profile, c config, meas map[float64]float6
 	if bestMeas >= 0 {
 		d := bestPred - bestMeas
 		fmt.Fprintf(w, "; best measured: %g MB (%d step(s) apart); largest error %.1f%%", c.caps[bestMeas], max(d, -d), 100*worst)
+		if m, ok := meas[c.caps[bestPred]]; ok {
+			fmt.Fprintf(w, "; the best predicted cap measured %+.1f%% against the best measured", 100*(m/meas[c.caps[bestMeas]]-1))
+		}
 	}
 	fmt.Fprintf(w, "\nauto's choice for this profile: first cap %.3g MB, cap %.3g MB, %d buckets, predicted %.1f ms/step",
 		float64(plan.FirstCapBytes)/(1<<20), float64(plan.CapBytes)/(1<<20), plan.Predicted.Buckets, plan.Predicted.Step*1e3)

@@ -121,12 +121,25 @@ func TestPredictAgainstMeasured(t *testing.T) {
 		"backward compute 90.00 ms, rest of the step 20.00 ms",
 		"| 1 | 8 | 110.8 | 0.8 | 125.0 | -11.4% |",
 		"| 8 | 2 | 170.1 | 60.1 | 180.0 | -5.5% |",
-		"best predicted of these caps: 1 MB; best measured: 1 MB (0 step(s) apart); largest error 11.4%",
+		"best predicted of these caps: 1 MB; best measured: 1 MB (0 step(s) apart); largest error 11.4%; the best predicted cap measured +0.0% against the best measured",
 		"(measured with --bucket_cap_mb auto: 120.0 ms/step",
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("output lacks %q:\n%s", want, out.String())
 		}
+	}
+	// A sweep where the other cap measured faster: cap 1, the best predicted, is 200/180 − 1
+	// above it.
+	other := filepath.Join(dir, "other.csv")
+	if err := os.WriteFile(other, []byte(strings.Replace(csv, "goddp,1,125,", "goddp,1,200,", 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out.Reset()
+	if err := run([]string{"-profile", a, "-caps", "1,8", "-measured", other}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	if want := "best measured: 8 MB (1 step(s) apart); largest error 44.6%; the best predicted cap measured +11.1% against the best measured"; !strings.Contains(out.String(), want) {
+		t.Errorf("output lacks %q:\n%s", want, out.String())
 	}
 	// Compute rescaled to the summary's compute-only 55 ms (the profile: 90 + 20 ms).
 	out.Reset()

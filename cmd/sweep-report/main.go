@@ -80,6 +80,9 @@ type series struct {
 	ddp     map[float64][]float64
 	compute []float64
 	auto    []float64 // --bucket_cap_mb auto
+	// the same by repeat: ms/step per cap and repeat, and auto's per repeat
+	ddpRep  map[float64]map[string]float64
+	autoRep map[string]float64
 }
 
 func read(path string) (map[string]*series, error) {
@@ -112,7 +115,7 @@ func read(path string) (map[string]*series, error) {
 		}
 		s := all[rec[0]]
 		if s == nil {
-			s = &series{ddp: map[float64][]float64{}}
+			s = &series{ddp: map[float64][]float64{}, ddpRep: map[float64]map[string]float64{}, autoRep: map[string]float64{}}
 			all[rec[0]] = s
 		}
 		switch rec[1] {
@@ -122,10 +125,15 @@ func read(path string) (map[string]*series, error) {
 				return nil, fmt.Errorf("%s:%d: bad bucket_cap_mb %q", path, line, rec[2])
 			}
 			s.ddp[c] = append(s.ddp[c], ms)
+			if s.ddpRep[c] == nil {
+				s.ddpRep[c] = map[string]float64{}
+			}
+			s.ddpRep[c][rec[3]] = ms
 		case "compute":
 			s.compute = append(s.compute, ms)
 		case "auto":
 			s.auto = append(s.auto, ms)
+			s.autoRep[rec[3]] = ms
 		default:
 			return nil, fmt.Errorf("%s:%d: kind %q, want ddp, auto or compute", path, line, rec[1])
 		}
@@ -146,6 +154,19 @@ func median(xs []float64) float64 {
 		return s[len(s)/2]
 	}
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+// paired is the median over the repeats that a and b share of a's ms/step over b's in the
+// same repeat (NaN if none). The sweep runs every kind once per repeat, one after the other,
+// so a drift of the machine between repeats moves both sides of each ratio alike.
+func paired(a, b map[string]float64) float64 {
+	var rs []float64
+	for k, x := range a {
+		if y, ok := b[k]; ok {
+			rs = append(rs, x/y)
+		}
+	}
+	return median(rs)
 }
 
 func minMax(xs []float64) (float64, float64) {
@@ -216,6 +237,20 @@ func run(in, out string, stdout io.Writer) error {
 			if !math.IsNaN(def) {
 				fmt.Fprintf(&md, "\nauto: %.2fx the best cap's ms/step, %.1f%% faster than the default 25 MB\n", m/best, 100*(def-m)/def)
 			}
+			fmt.Fprintf(&md, "\nauto paired by repeat (the median over repeats of auto's ms/step over the cap's in the same repeat):")
+			rlo, rhi := math.Inf(1), math.Inf(-1)
+			for _, c := range caps {
+				if r := paired(s.autoRep, s.ddpRep[c]); !math.IsNaN(r) {
+					if median(s.ddp[c]) == best {
+						fmt.Fprintf(&md, " %.3fx the best cap (%g MB);", r, c)
+					}
+					rlo, rhi = math.Min(rlo, r), math.Max(rhi, r)
+				}
+			}
+			if r := paired(s.autoRep, s.ddpRep[25]); !math.IsNaN(r) {
+				fmt.Fprintf(&md, " %.3fx the default 25 MB;", r)
+			}
+			fmt.Fprintf(&md, " %.3f..%.3fx over all the caps\n", rlo, rhi)
 		}
 		if len(s.compute) > 0 {
 			lo, hi := minMax(s.compute)

@@ -33,6 +33,8 @@ func TestReport(t *testing.T) {
 		"| compute only | 0.85 |",
 		"| auto | 100.0 | 99.0..101.0 | 0.95x | 15.0 | 15.0% |", // median 100 vs best cap 105
 		"auto: 0.95x the best cap's ms/step, 4.8% faster than the default 25 MB",
+		// by repeat: 99/100 and 101/110 against cap 25, 99/120 and 101/140 against cap 1
+		"(the median over repeats of auto's ms/step over the cap's in the same repeat): 0.954x the best cap (25 MB); 0.954x the default 25 MB; 0.773..0.954x over all the caps",
 	} {
 		if !strings.Contains(table, want) {
 			t.Errorf("table lacks %q:\n%s", want, table)
