@@ -61,9 +61,8 @@ const autoMeasured = 5
 // package bucket/sim), broadcasts the chosen pair, and every rank rebuilds with it from the
 // agreed order, so the layouts are identical. The choice is logged with the predicted step
 // time for it and for the default caps, and, five steps later, with the measured median
-// (AutoPlan). The layout is not re-tuned later. If
-// rank 0 cannot model the step (a gradient missing in pass 2), every rank goes back to the
-// layout of pass 1's caps.
+// (AutoPlan). The layout is not re-tuned later. If rank 0 cannot model the step (a gradient
+// missing in pass 2), every rank goes back to the layout of pass 1's caps.
 type autoTuner struct {
 	total    int64        // the bytes of all the gradients
 	rebuilds int          // rebuilds done so far
