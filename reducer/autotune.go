@@ -10,7 +10,6 @@ import (
 
 	"go.uber.org/zap"
 
-	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -190,7 +189,8 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	// The caps (0: fall back to pass 1's), rank 0's predicted gain in ppm, and 1 if it kept
 	// pass 1's caps.
 	choice := []int64{0, 0, 0, 0}
-	keepFirst, keepCap := mib(r.opts.FirstBucketCapMB), bucket.DefaultCapBytes
+	o := sim.AutoOptions(mib(r.opts.FirstBucketCapMB))
+	keepFirst, keepCap := o.KeepFirstCapBytes, o.KeepCapBytes
 	late, err := a.lastStarts(ctx, r)
 	if err != nil {
 		return err
@@ -201,7 +201,6 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	}
 	if prof != nil && r.pg.Rank() == 0 {
 		var best sim.Plan
-		o := sim.SearchOptions{KeepFirstCapBytes: keepFirst, KeepCapBytes: keepCap, MinGain: autoMinGain}
 		if best, err = prof.Best(o); err == nil {
 			choice = []int64{best.FirstCapBytes, best.CapBytes, int64(math.Round(best.Gain * 1e6)), 0}
 			if best.Kept {

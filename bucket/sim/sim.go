@@ -409,6 +409,13 @@ type SearchOptions struct {
 // least this much faster.
 const DefaultMinGain = 0.05
 
+// AutoOptions are the auto sizing's search options: the layout to keep is the first cap
+// given (FirstBucketCapMB's) and bucket.DefaultCapBytes, with the margin DefaultMinGain.
+// The reducer decides with them, and cmd/ddpsim predicts its choice with them.
+func AutoOptions(firstCapBytes int64) SearchOptions {
+	return SearchOptions{KeepFirstCapBytes: firstCapBytes, KeepCapBytes: bucket.DefaultCapBytes, MinGain: DefaultMinGain}
+}
+
 // Note [Keep the default]: where the predicted steps of many layouts lie within a few
 // percent of each other, which of them a profile finds best is decided by the noise in its
 // few measured steps, not by the layouts. On the two-host testbed at 10 Gbit/s (L=4 h=512,

@@ -229,7 +229,9 @@ func predictTable(w io.Writer, p *sim.Profile, c config, meas map[float64]float6
 		}
 		fmt.Fprintln(w)
 	}
-	plan, err := p.Best(sim.SearchOptions{KeepFirstCapBytes: mib(c.firstMB), KeepCapBytes: bucket.DefaultCapBytes, MinGain: c.minGain})
+	o := sim.AutoOptions(mib(c.firstMB))
+	o.MinGain = c.minGain
+	plan, err := p.Best(o)
 	if err != nil {
 		return err
 	}
