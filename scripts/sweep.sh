@@ -3,7 +3,10 @@
 # time (two --no_ddp processes at once, sharing the cores as the two ranks do) and, when PyTorch is installed ($TORCH_DIR/setup.sh), PyTorch DDP's
 # ddp_bench.py on the same model shape in the same run, interleaved. Writes raw.csv,
 # summary.csv, table.md, sweep.svg and sweep.png under $OUT, and every run's output under
-# $OUT/logs (goddp's include the per-step overlap figures and each rank's peak RSS).
+# $OUT/logs (goddp's include the per-step overlap figures and each rank's peak RSS). With
+# auto (AUTO=1), sim.md holds cmd/ddpsim's prediction of every cap against the measured
+# medians, from auto's profiles and from one traced one-bucket launch per repeat
+# (ONEBUCKET=1). The points of a repeat run in a shuffled order (ORDER, SEED; logs/order.txt).
 #
 #   make sweep                                   # caps 1 5 10 25 50 100 200, 3 repeats
 #   CAPS="1 25 200" REPEATS=1 STEPS=5 make sweep # quick look
@@ -33,6 +36,10 @@ TAGS=${TAGS:-}
 TORCH=${TORCH:-auto}
 LINK=${LINK:-1}               # on the testbed: one more traced goddp launch per cap (link.txt)
 AUTO=${AUTO:-1}               # also run goddp with --bucket_cap_mb auto (kind auto in raw.csv)
+ONEBUCKET=${ONEBUCKET:-1}     # also one traced goddp launch with one bucket per repeat (sim.md)
+ONEBUCKET_MB=${ONEBUCKET_MB:-100000} # its cap: above any model's size
+ORDER=${ORDER:-random}        # or fixed: the order of the points within a repeat
+SEED=${SEED:-$((RANDOM % 10000))}
 if [ "$TORCH" = auto ]; then
   if [ -f "$TORCH_DIR/ddp_bench.py" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then TORCH=1; else TORCH=0; fi
 fi
@@ -48,7 +55,8 @@ fi
 "$GO" build -o bin/ddprun ./cmd/ddprun
 "$GO" build -tags "$TAGS" -o bin/transformer ./examples/transformer
 "$GO" build -o bin/sweep-report ./cmd/sweep-report
-echo "# transformer built with tags '${TAGS}'; logs in $OUT/logs" >&2
+"$GO" build -o bin/ddpsim ./cmd/ddpsim
+echo "# transformer built with tags '${TAGS}'; logs in $OUT/logs; order seed $SEED" >&2
 raw="$OUT/raw.csv"
 echo "system,kind,bucket_cap_mb,repeat,ms_step" > "$raw"
 # torch's --hidden/--batch/--seq are goddp's --hidden_size/--batch_size/--seq_len
@@ -80,25 +88,28 @@ goddp_testbed() {
     > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap on the testbed${*:+ ($*)}"
 }
 
-# goddp_point CAP LOG: one goddp launch with --bucket_cap_mb CAP (CAP may carry more of the
-# trainer's flags, as "auto --auto_profile F"): on a fresh two-host testbed with TESTBED_RATE,
-# else 2 ranks on this host. Sets m to rank 0's ms/step, or fails the sweep.
+# goddp_point CAP LOG [DDPRUN_FLAGS...]: one goddp launch with --bucket_cap_mb CAP (CAP may
+# carry more of the trainer's flags, as "auto --auto_profile F"): on a fresh two-host testbed
+# with TESTBED_RATE, else 2 ranks on this host. Sets m to rank 0's ms/step, or fails the sweep.
 goddp_point() {
   local cap=$1 log=$2
+  shift 2
   if [ -n "$TESTBED_RATE" ]; then
-    goddp_testbed "$cap" "$log"
+    goddp_testbed "$cap" "$log" "$@"
     m=$(sed -n 's/^\[host0\] \(\[rank0\].*\)/\1/p' "$log" | msstep)
   else
     # shellcheck disable=SC2086 # $cap may hold several flags
-    ./bin/ddprun --nproc_per_node 2 ./bin/transformer -- --bucket_cap_mb $cap \
+    ./bin/ddprun --nproc_per_node 2 "$@" ./bin/transformer -- --bucket_cap_mb $cap \
       --warmup_steps "$WARMUP" --bench_steps "$STEPS" $CONFIG > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap"
     m=$(grep '^\[rank0\]' "$log" | msstep)
   fi
   [ -n "$m" ] || fail "$log" "goddp bucket_cap_mb=$cap"
 }
 
-for rep in $(seq 1 "$REPEATS"); do
-  # compute only: two --no_ddp processes at once; the step time is the slower one
+# compute_point REP: compute only, two --no_ddp processes at once (the step time is the slower
+# one), and PyTorch's.
+compute_point() {
+  local rep=$1 a b ma mb log m
   echo "# repeat $rep: goddp compute-only" >&2
   a="$OUT/logs/goddp_compute_r${rep}_a.log"; b="$OUT/logs/goddp_compute_r${rep}_b.log"
   OPENBLAS_NUM_THREADS=1 ./bin/transformer --no_ddp --warmup_steps "$WARMUP" --bench_steps "$STEPS" $CONFIG > "$a" 2>&1 &
@@ -117,45 +128,101 @@ for rep in $(seq 1 "$REPEATS"); do
     m=$(torchms "$log") || fail "$log" "torch compute-only"
     echo "torch,compute,,$rep,$m" >> "$raw"
   fi
-  for cap in $CAPS; do
-    echo "# repeat $rep: goddp bucket_cap_mb=$cap" >&2
-    log="$OUT/logs/goddp_cap${cap}_r${rep}.log"
-    goddp_point "$cap" "$log"
+}
+
+# cap_point CAP REP: goddp with --bucket_cap_mb CAP, then PyTorch DDP with the same cap.
+cap_point() {
+  local cap=$1 rep=$2 log
+  echo "# repeat $rep: goddp bucket_cap_mb=$cap" >&2
+  log="$OUT/logs/goddp_cap${cap}_r${rep}.log"
+  goddp_point "$cap" "$log"
+  if [ -n "$TESTBED_RATE" ]; then
+    # link use while buckets are in flight: bytes on the wire each way per pass (a two-rank
+    # all-reduce sends its whole buffer each way) over the in-flight time
+    sed -n 's/^\[host0\] \[rank0\]: ddp: .* comm \([0-9.]*\)ms .* reduced \([0-9.]*\)MB\/pass.*/\1 \2/p' "$log" | tail -1 |
+      awk -v cap="$cap" -v rep="$rep" -v rate="$TESTBED_RATE" '
+        function bps(r) { r = tolower(r); if (r ~ /gbit$/) return r * 1e9; if (r ~ /mbit$/) return r * 1e6; return r }
+        { printf "goddp,%s,%s,%s,%s,%.3f\n", cap, rep, $1, $2, ($2 * 1048576 * 8) / ($1 / 1000) / bps(rate) }' >> "$OUT/util.csv"
+  fi
+  echo "goddp,ddp,$cap,$rep,$m" >> "$raw"
+  if [ "$TORCH" = 1 ]; then
+    echo "# repeat $rep: torch bucket_cap_mb=$cap" >&2
+    log="$OUT/logs/torch_cap${cap}_r${rep}.log"
     if [ -n "$TESTBED_RATE" ]; then
-      # link use while buckets are in flight: bytes on the wire each way per pass (a two-rank
-      # all-reduce sends its whole buffer each way) over the in-flight time
-      sed -n 's/^\[host0\] \[rank0\]: ddp: .* comm \([0-9.]*\)ms .* reduced \([0-9.]*\)MB\/pass.*/\1 \2/p' "$log" | tail -1 |
-        awk -v cap="$cap" -v rep="$rep" -v rate="$TESTBED_RATE" '
-          function bps(r) { r = tolower(r); if (r ~ /gbit$/) return r * 1e9; if (r ~ /mbit$/) return r * 1e6; return r }
-          { printf "goddp,%s,%s,%s,%s,%.3f\n", cap, rep, $1, $2, ($2 * 1048576 * 8) / ($1 / 1000) / bps(rate) }' >> "$OUT/util.csv"
+      ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
+        "RANK=\$TESTBED_HOST WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=\$TESTBED_MASTER MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 \
+         /usr/bin/python3 $TORCH_DIR/ddp_bench.py --bucket_cap_mb $cap --warmup $WARMUP --steps $STEPS $torch_config" \
+        > "$log.all" 2>&1 || fail "$log.all" "torch bucket_cap_mb=$cap on the testbed"
+      sed -n 's/^\[host0\] //p' "$log.all" > "$log"
+    else
+      /usr/bin/python3 "$TORCH_DIR/ddp_bench.py" --world_size 2 --bucket_cap_mb "$cap" --warmup "$WARMUP" --steps "$STEPS" $torch_config \
+        > "$log" 2>&1 || fail "$log" "torch bucket_cap_mb=$cap"
     fi
-    echo "goddp,ddp,$cap,$rep,$m" >> "$raw"
-    if [ "$AUTO" = 1 ] && [ "$cap" = "$(echo $CAPS | awk '{print $NF}')" ]; then
-      # after the last cap: goddp choosing its own layout; its measurements go to
-      # auto_profile_rN.json (cmd/ddpsim -profile)
-      echo "# repeat $rep: goddp bucket_cap_mb=auto" >&2
-      goddp_point "auto --auto_profile $OUT/logs/auto_profile_r${rep}.json" "$OUT/logs/goddp_auto_r${rep}.log"
-      echo "goddp,auto,,$rep,$m" >> "$raw"
-    fi
-    if [ "$TORCH" = 1 ]; then
-      echo "# repeat $rep: torch bucket_cap_mb=$cap" >&2
-      log="$OUT/logs/torch_cap${cap}_r${rep}.log"
-      if [ -n "$TESTBED_RATE" ]; then
-        ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
-          "RANK=\$TESTBED_HOST WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=\$TESTBED_MASTER MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 \
-           /usr/bin/python3 $TORCH_DIR/ddp_bench.py --bucket_cap_mb $cap --warmup $WARMUP --steps $STEPS $torch_config" \
-          > "$log.all" 2>&1 || fail "$log.all" "torch bucket_cap_mb=$cap on the testbed"
-        sed -n 's/^\[host0\] //p' "$log.all" > "$log"
-      else
-        /usr/bin/python3 "$TORCH_DIR/ddp_bench.py" --world_size 2 --bucket_cap_mb "$cap" --warmup "$WARMUP" --steps "$STEPS" $torch_config \
-          > "$log" 2>&1 || fail "$log" "torch bucket_cap_mb=$cap"
-      fi
-      m=$(torchms "$log") || fail "$log" "torch bucket_cap_mb=$cap"
-      echo "torch,ddp,$cap,$rep,$m" >> "$raw"
-    fi
+    m=$(torchms "$log") || fail "$log" "torch bucket_cap_mb=$cap"
+    echo "torch,ddp,$cap,$rep,$m" >> "$raw"
+  fi
+}
+
+# auto_point REP: goddp choosing its own layout; its measurements go to auto_profile_rN.json
+# (cmd/ddpsim -profile).
+auto_point() {
+  echo "# repeat $1: goddp bucket_cap_mb=auto" >&2
+  goddp_point "auto --auto_profile $OUT/logs/auto_profile_r$1.json" "$OUT/logs/goddp_auto_r$1.log"
+  echo "goddp,auto,,$1,$m" >> "$raw"
+}
+
+# onebucket_point REP: goddp with one bucket, traced and not timed: no collective runs during
+# its backward passes, so its trace gives the steady compute timeline (cmd/ddpsim -trace),
+# where auto's profile has its second step's.
+onebucket_point() {
+  echo "# repeat $1: goddp with one bucket, traced" >&2
+  goddp_point "$ONEBUCKET_MB --first_bucket_cap_mb $ONEBUCKET_MB" "$OUT/logs/goddp_onebucket_r$1.log" \
+    --trace_merge "$OUT/logs/onebucket_r$1_trace.json"
+}
+
+# Each repeat runs every point once, in an order shuffled from SEED and the repeat (ORDER=fixed:
+# compute, the caps, auto, one bucket), so that no point always follows the same one or
+# runs at the same place in the repeat while the machine's speed drifts.
+items="compute"
+for cap in $CAPS; do items="$items cap:$cap"; done
+[ "$AUTO" = 1 ] && items="$items auto"
+[ "$ONEBUCKET" = 1 ] && items="$items onebucket"
+: > "$OUT/logs/order.txt"
+for rep in $(seq 1 "$REPEATS"); do
+  order=$items
+  if [ "$ORDER" != fixed ]; then
+    order=$(printf '%s\n' $items | awk -v seed=$((SEED * 1000 + rep)) 'BEGIN { srand(seed) } { print rand() "\t" $0 }' | sort -g | cut -f2 | tr '\n' ' ')
+  fi
+  echo "repeat $rep: $order" >> "$OUT/logs/order.txt"
+  for item in $order; do
+    case $item in
+      compute) compute_point "$rep" ;;
+      cap:*) cap_point "${item#cap:}" "$rep" ;;
+      auto) auto_point "$rep" ;;
+      onebucket) onebucket_point "$rep" ;;
+    esac
   done
 done
 ./bin/sweep-report -in "$raw" -out "$OUT"
+if [ "$AUTO" = 1 ]; then
+  # The step model (cmd/ddpsim) against the sweep: from auto's profiles, as the auto sizing
+  # saw its first steps, and with the compute timeline of the one-bucket launches' steady
+  # passes (after the warm-up) in their place.
+  profiles=$(ls "$OUT"/logs/auto_profile_r*.json | paste -sd,)
+  {
+    echo "## The step model from auto's profiles ($REPEATS, combined by the median)"
+    echo
+    ./bin/ddpsim -profile "$profiles" -measured "$OUT/summary.csv"
+    if [ "$ONEBUCKET" = 1 ]; then
+      echo
+      echo "## The same, with the compute timeline of the one-bucket launches (their passes after the warm-up, each from the rank that paced it)"
+      echo
+      ./bin/ddpsim -profile "$profiles" -measured "$OUT/summary.csv" -trace_from $((WARMUP + 1)) \
+        -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)"
+    fi
+  } > "$OUT/sim.md" || { echo "sweep: ddpsim failed" >&2; exit 1; }
+  cat "$OUT/sim.md"
+fi
 if [ -n "$TESTBED_RATE" ] && [ "$LINK" = 1 ]; then
   # One more goddp launch per cap, traced and not timed: the merged trace of both hosts gives
   # each bucket's time on the wire from the later rank's start (sweep-report -trace), which

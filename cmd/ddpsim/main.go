@@ -66,11 +66,11 @@ type config struct {
 	latency  time.Duration
 	gbit     float64
 	seed     bool
-	compute  string // -compute_ms: "", a number, or "sweep"
-	perf     string // -allreduce: allreduce-perf --json output
-	trace    string // -trace: a goddp trace whose grad-ready times replace the profile's
-	rank     int    // -trace_rank
-	from     int    // -trace_from
+	compute  string   // -compute_ms: "", a number, or "sweep"
+	perf     string   // -allreduce: allreduce-perf --json output
+	traces   []string // -trace: goddp traces whose grad-ready times replace the profile's
+	rank     int      // -trace_rank
+	from     int      // -trace_from
 }
 
 func parse(args []string, stderr io.Writer) (config, error) {
@@ -89,8 +89,8 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&c.compute, "compute_ms", "", "rescale the profile's compute so that a step without communication takes this many ms; "+
 		"sweep: the compute-only ms/step of -measured (two --no_ddp processes, steady state, where the profile's first steps may be slower)")
 	fs.StringVar(&c.perf, "allreduce", "", "replace the profile's all-reduce curve with allreduce-perf --json output (one JSON object per size)")
-	fs.StringVar(&c.trace, "trace", "", "take the grad-ready times, backward compute, the rest of the step and the skew from this goddp trace (--trace) instead: the medians over its passes; trace a run with one bucket (--bucket_cap_mb and --first_bucket_cap_mb above the model's size), so that no collective runs during backward")
-	fs.IntVar(&c.rank, "trace_rank", 0, "with -trace: the rank whose passes to read")
+	traces := fs.String("trace", "", "take the grad-ready times, backward compute, the rest of the step and the skew from these goddp traces (--trace; comma-separated) instead: the mean over the passes of each trace, then the median over the traces; trace a run with one bucket (--bucket_cap_mb and --first_bucket_cap_mb above the model's size), so that no collective runs during backward")
+	fs.IntVar(&c.rank, "trace_rank", -1, "with -trace: the rank whose passes to read; -1: each pass from whichever rank in the trace launched its collectives last (with every rank's: ddprun --trace_merge)")
 	fs.IntVar(&c.from, "trace_from", 3, "with -trace: the first backward pass (counted from 1) to read; the first ones warm up")
 	fs.BoolVar(&c.seed, "seed", false, "print the extrapolation to the seed article's 8-GPU experiment and the multi-node what-if")
 	if err := fs.Parse(args); err != nil {
@@ -104,6 +104,9 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	}
 	if *profiles != "" {
 		c.profiles = strings.Split(*profiles, ",")
+	}
+	if *traces != "" {
+		c.traces = strings.Split(*traces, ",")
 	}
 	for _, s := range strings.Split(*caps, ",") {
 		v, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
@@ -126,6 +129,9 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	}
 	if v, err := strconv.ParseFloat(c.compute, 64); c.compute != "" && c.compute != "sweep" && (err != nil || !(v > 0)) {
 		return c, fmt.Errorf("-compute_ms %q: want a positive number of ms or sweep", c.compute)
+	}
+	if c.rank < -1 {
+		return c, fmt.Errorf("-trace_rank %d: want a rank, or -1 for each pass's last rank", c.rank)
 	}
 	if c.algo != "ring" && c.algo != "tree" {
 		return c, fmt.Errorf("-algo %q: want ring or tree", c.algo)
@@ -150,8 +156,8 @@ func run(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
-	if c.trace != "" {
-		if err := readyFromTrace(p, c.trace, c.rank, c.from); err != nil {
+	if c.traces != nil {
+		if err := readyFromTrace(p, c.traces, c.rank, c.from); err != nil {
 			return err
 		}
 	}
@@ -321,63 +327,53 @@ func loadProfiles(paths []string) (*sim.Profile, error) {
 	return &out, nil
 }
 
-// readyFromTrace replaces p's ready times and backward compute with the medians, over rank's
-// passes from iteration from on, of each gradient's ready time ("grad" instants) and the
-// backward pass's length ("backward" spans) in a goddp trace, less the reducer's copies
-// before each (p.CopyPerByte). Where the trainer traced its steps ("step" spans), the rest
-// of the step (p.Other) is replaced too: the median of each step's length less its pass,
-// from the pass's start to the end of its Finalize wait. Where every pass ran one bucket,
-// so did the skew (p.Skew): the median of how much longer its collective took than the
-// all-reduce curve (p.Comm) gives for its bytes.
-func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
-	tf, err := tracefile.ReadFile(path)
-	if err != nil {
-		return err
+// Note [The pacing rank]: a collective starts when the last rank launches it, so each pass
+// of a job goes at the pace of whichever rank was slower in it. Two ranks that share this
+// 2-core machine differ by up to 20% in backward (one core busier than the other, measured
+// in the one-bucket launches of a sweep on 2026-12-04), and which of them is slower changes
+// from launch to launch. A single rank's timeline accounts for the other only through the
+// skew, its wait for the other: 1 ms in one launch and 12 ms in the next, whose median
+// describes neither, and which does not move with the layout as the slower rank's compute
+// does. With -trace_rank -1 every pass is read from the rank whose collectives took least
+// from launch to end: the last to launch them, which waited for no one.
+
+// readyFromTrace replaces p's ready times and backward compute with each gradient's ready
+// time ("grad" instants) and the backward pass's length ("backward" spans) in goddp traces,
+// less the reducer's copies before each (p.CopyPerByte): the mean over a trace's passes
+// from iteration from on (of rank; -1: Note [The pacing rank]), then the median over the
+// traces (one launch each). Where the trainer traced its steps ("step" spans), the rest of
+// the step (p.Other) is replaced too, from each step's length less its pass (from the
+// pass's start to the end of its Finalize wait). Where every pass ran one bucket, so is the
+// skew (p.Skew), from how much longer the collective took than the all-reduce curve (p.Comm)
+// gives for its bytes.
+func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
+	// Each trace's means, then the median over the traces: the sweep's own statistic (the
+	// mean ms/step of a launch, the median over launches).
+	n := len(p.Params)
+	ready := make([][]float64, n)
+	var lens, rest, skews []float64
+	for _, path := range paths {
+		s := traceSamples{at: make([][]float64, n)}
+		if err := s.read(p, path, rank, from); err != nil {
+			return err
+		}
+		for i := range s.at {
+			if len(s.at[i]) == 0 {
+				return fmt.Errorf("%s: the passes read (from iteration %d) never reported parameter %d (%s) ready", path, from, i, p.Params[i].Name)
+			}
+			ready[i] = append(ready[i], mean(s.at[i]))
+		}
+		lens = append(lens, mean(s.lens))
+		if len(s.rest) > 0 {
+			rest = append(rest, mean(s.rest))
+		}
+		if len(s.skews) > 0 && len(s.skews) == len(s.lens) {
+			skews = append(skews, mean(s.skews))
+		}
 	}
-	start := map[int64]float64{} // iteration → the backward pass's start, µs
-	length := map[int64]float64{}
-	end := map[int64]float64{} // iteration → the end of its Finalize wait, µs
-	var steps [][2]float64     // rank's step spans, µs
-	comms := map[int64][]tracefile.Event{}
-	for _, e := range tf.TraceEvents {
-		if e.PID != rank || e.Ph != "X" {
-			continue
-		}
-		iter, ok := e.Arg("iter")
-		switch {
-		case e.Cat == observe.CatStep:
-			steps = append(steps, [2]float64{e.TS, e.End()})
-		case ok && e.Cat == observe.CatBackward && iter >= int64(from):
-			start[iter], length[iter] = e.TS, e.Dur
-			end[iter] = max(end[iter], e.End())
-		case ok && e.Cat == observe.CatWait && iter >= int64(from):
-			end[iter] = max(end[iter], e.End())
-		case ok && e.Cat == observe.CatComm && iter >= int64(from):
-			comms[iter] = append(comms[iter], e)
-		}
-	}
-	if len(start) == 0 {
-		return fmt.Errorf("%s: no backward passes of rank %d from iteration %d (a trace written with --trace?)", path, rank, from)
-	}
-	at := make([][]float64, len(p.Params))
-	for _, e := range tf.TraceEvents {
-		iter, ok1 := e.Arg("iter")
-		i, ok2 := e.Arg("param")
-		s, ok3 := start[iter]
-		if !ok1 || !ok2 || !ok3 || e.PID != rank || e.Cat != observe.CatGrad {
-			continue
-		}
-		if i < 0 || int(i) >= len(p.Params) {
-			return fmt.Errorf("%s: gradient of parameter %d; the profile has %d", path, i, len(p.Params))
-		}
-		at[i] = append(at[i], (e.TS-s)/1e6)
-	}
-	order := make([]int, len(p.Params))
-	for i := range at {
-		if len(at[i]) == 0 {
-			return fmt.Errorf("%s: rank %d never reported parameter %d (%s) ready", path, rank, i, p.Params[i].Name)
-		}
-		p.Ready[i] = median(at[i])
+	order := make([]int, n)
+	for i := range ready {
+		p.Ready[i] = median(ready[i])
 		order[i] = i
 	}
 	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(p.Ready[a], p.Ready[b]) })
@@ -386,37 +382,121 @@ func readyFromTrace(p *sim.Profile, path string, rank, from int) error {
 		p.Ready[i] = math.Max(p.Ready[i]-copies, 0)
 		copies += p.CopyPerByte * float64(p.Params[i].Bytes())
 	}
-	lens := make([]float64, 0, len(length))
-	for _, l := range length {
-		lens = append(lens, l/1e6)
-	}
 	p.Backward = math.Max(median(lens)-copies, 0)
-	var rest []float64
-	for iter, s := range start {
-		for _, st := range steps {
-			if st[0] <= s && end[iter] <= st[1] {
-				rest = append(rest, (st[1]-st[0]-(end[iter]-s))/1e6)
-				break
-			}
-		}
-	}
-	if len(rest) > 0 {
+	if len(rest) == len(paths) {
 		p.Other = math.Max(median(rest), 0)
 	}
-	// With one bucket a pass, its collective ran alone after backward: how much longer it
-	// took than the all-reduce curve says is the wait for the later rank, the skew.
-	var skews []float64
-	for iter := range start {
-		if c := comms[iter]; len(c) == 1 {
-			if b, ok := c[0].Arg("bytes"); ok && b > 0 {
-				skews = append(skews, c[0].Dur/1e6-p.Comm.Seconds(b))
-			}
-		}
-	}
-	if len(skews) > 0 && len(skews) == len(start) {
+	if len(skews) == len(paths) {
 		p.Skew = math.Max(median(skews), 0)
 	}
 	return p.Check()
+}
+
+// traceSamples holds what readyFromTrace takes from one trace's passes, in seconds.
+type traceSamples struct {
+	at    [][]float64 // parameter → its ready times, from the start of backward
+	lens  []float64   // the backward passes' lengths
+	rest  []float64   // each traced step's length less its pass
+	skews []float64   // each one-collective pass's collective beyond the curve
+}
+
+// read adds one trace's passes from iteration from on: those of rank, or with rank -1 those
+// of the last rank to launch each pass's collectives (Note [The pacing rank]).
+func (s *traceSamples) read(p *sim.Profile, path string, rank, from int) error {
+	tf, err := tracefile.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	type key struct {
+		rank int
+		iter int64
+	}
+	passes := map[key]*tracePass{}
+	steps := map[int][][2]float64{} // rank → its step spans, µs
+	for _, e := range tf.TraceEvents {
+		if (rank >= 0 && e.PID != rank) || e.Ph != "X" {
+			continue
+		}
+		if e.Cat == observe.CatStep {
+			steps[e.PID] = append(steps[e.PID], [2]float64{e.TS, e.End()})
+		}
+		if iter, ok := e.Arg("iter"); ok && iter >= int64(from) && e.Cat == observe.CatBackward {
+			passes[key{e.PID, iter}] = &tracePass{start: e.TS, length: e.Dur, end: e.End()}
+		}
+	}
+	if len(passes) == 0 {
+		what := fmt.Sprintf("rank %d", rank)
+		if rank < 0 {
+			what = "any rank"
+		}
+		return fmt.Errorf("%s: no backward passes of %s from iteration %d (a trace written with --trace?)", path, what, from)
+	}
+	for _, e := range tf.TraceEvents {
+		iter, ok := e.Arg("iter")
+		ps := passes[key{e.PID, iter}]
+		if !ok || ps == nil {
+			continue
+		}
+		switch {
+		case e.Ph == "X" && e.Cat == observe.CatWait:
+			ps.end = max(ps.end, e.End())
+		case e.Ph == "X" && e.Cat == observe.CatComm:
+			ps.comms = append(ps.comms, e)
+		case e.Cat == observe.CatGrad:
+			ps.grads = append(ps.grads, e)
+		}
+	}
+	// The passes to read: rank's, or each iteration's pacing rank's.
+	pick := map[int64]key{}
+	for k, ps := range passes {
+		q, ok := pick[k.iter]
+		if !ok || ps.commTime() < passes[q].commTime() || (ps.commTime() == passes[q].commTime() && k.rank < q.rank) {
+			pick[k.iter] = k
+		}
+	}
+	for _, k := range pick {
+		ps := passes[k]
+		for _, e := range ps.grads {
+			i, ok := e.Arg("param")
+			if !ok {
+				continue
+			}
+			if i < 0 || int(i) >= len(p.Params) {
+				return fmt.Errorf("%s: gradient of parameter %d; the profile has %d", path, i, len(p.Params))
+			}
+			s.at[i] = append(s.at[i], (e.TS-ps.start)/1e6)
+		}
+		s.lens = append(s.lens, ps.length/1e6)
+		for _, sp := range steps[k.rank] {
+			if sp[0] <= ps.start && ps.end <= sp[1] {
+				s.rest = append(s.rest, (sp[1]-sp[0]-(ps.end-ps.start))/1e6)
+				break
+			}
+		}
+		// With one bucket a pass, its collective ran alone after backward: how much longer
+		// it took than the all-reduce curve says is the wait for the later rank, the skew.
+		if len(ps.comms) == 1 {
+			if b, ok := ps.comms[0].Arg("bytes"); ok && b > 0 {
+				s.skews = append(s.skews, ps.comms[0].Dur/1e6-p.Comm.Seconds(b))
+			}
+		}
+	}
+	return nil
+}
+
+// tracePass is one rank's backward pass in a trace.
+type tracePass struct {
+	start, length, end float64           // the backward pass's start and length, the end of its Finalize wait (µs)
+	comms, grads       []tracefile.Event // its collectives, its gradients' ready instants
+}
+
+// commTime is the time the pass's collectives took on its rank, from launch to end.
+func (ps *tracePass) commTime() float64 {
+	var t float64
+	for _, e := range ps.comms {
+		t += e.Dur
+	}
+	return t
 }
 
 // readPerf reads allreduce-perf --json's rows (size_bytes, time_us) into a curve.
@@ -444,6 +524,14 @@ func readPerf(path string) (sim.Comm, error) {
 		return sim.Comm{}, fmt.Errorf("%s: %w", path, err)
 	}
 	return c, nil
+}
+
+func mean(xs []float64) float64 {
+	var s float64
+	for _, x := range xs {
+		s += x
+	}
+	return s / float64(len(xs))
 }
 
 func median(xs []float64) float64 {

@@ -206,7 +206,7 @@ func TestReadyFromTrace(t *testing.T) {
 	dir := t.TempDir()
 	prof := profileFile(t, dir, "p.json", 0.090)
 	var tf tracefile.File
-	jitter := []float64{0, 1e3, 10e3}                      // µs: passes 2, 3, 4; the median is +1 ms
+	jitter := []float64{0, 1e3, 10e3}                      // µs: passes 2, 3, 4; the mean is +11/3 ms
 	curve := sim.Comm{Alpha: 1e-4, Beta: 0.01 / (1 << 20)} // profileFile's
 	for rank := range 2 {
 		for iter := 1; iter <= 4; iter++ {
@@ -245,29 +245,146 @@ func TestReadyFromTrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := readyFromTrace(p, trace, 0, 2); err != nil {
+	if err := readyFromTrace(p, []string{trace}, 0, 2); err != nil {
 		t.Fatal(err)
 	}
 	for i := range 8 {
-		if want := (float64(8-i)*5 + 1) / 1e3; math.Abs(p.Ready[i]-want) > 1e-12 {
+		if want := (float64(8-i)*5 + 11.0/3) / 1e3; math.Abs(p.Ready[i]-want) > 1e-12 {
 			t.Errorf("Ready[%d] = %v, want %v", i, p.Ready[i], want)
 		}
 	}
-	if math.Abs(p.Backward-0.051) > 1e-12 {
-		t.Errorf("Backward = %v, want 0.051", p.Backward)
+	if want := 0.050 + 11.0/3/1e3; math.Abs(p.Backward-want) > 1e-12 {
+		t.Errorf("Backward = %v, want %v", p.Backward, want)
 	}
 	if math.Abs(p.Skew-0.003) > 1e-9 {
-		t.Errorf("Skew = %v, want 0.003 (the median wait beyond the curve from pass 2)", p.Skew)
+		t.Errorf("Skew = %v, want 0.003 (the mean wait beyond the curve from pass 2)", p.Skew)
 	}
 	if math.Abs(p.Other-0.033) > 1e-9 {
-		t.Errorf("Other = %v, want 0.033 (the median rest of the steps from pass 2)", p.Other)
+		t.Errorf("Other = %v, want 0.033 (the mean rest of the steps from pass 2)", p.Other)
 	}
-	if err := readyFromTrace(p, trace, 5, 2); err == nil {
+	if err := readyFromTrace(p, []string{trace}, 5, 2); err == nil {
 		t.Error("a rank with no passes: no error")
 	}
+	// Three launches, one of them slower in backward by 20 ms (its clock shifted, as
+	// another launch's is): the median over the launches ignores it; two slow ones are the
+	// median.
+	var slow tracefile.File
+	for _, e := range tf.TraceEvents {
+		e.TS += 7e6
+		switch e.Cat {
+		case "backward", "step":
+			e.Dur += 20e3
+		case "wait", "comm":
+			e.TS += 20e3
+		}
+		slow.TraceEvents = append(slow.TraceEvents, e)
+	}
+	b, err = json.Marshal(slow)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slowTrace := filepath.Join(dir, "slow.json")
+	if err := os.WriteFile(slowTrace, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		paths []string
+		want  float64
+	}{
+		{[]string{trace, slowTrace, trace}, p.Backward},
+		{[]string{slowTrace, trace, slowTrace}, p.Backward + 0.020},
+	} {
+		pooled, err := loadProfiles([]string{prof})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := readyFromTrace(pooled, c.paths, 0, 2); err != nil {
+			t.Fatal(err)
+		}
+		same := math.Abs(pooled.Other-p.Other) < 1e-12
+		for i := range p.Ready {
+			same = same && math.Abs(pooled.Ready[i]-p.Ready[i]) < 1e-12
+		}
+		if math.Abs(pooled.Backward-c.want) > 1e-12 || !same {
+			t.Errorf("%d of 3 launches slow: backward %v ready %v rest %v; want %v %v %v", strings.Count(strings.Join(c.paths, " "), "slow"),
+				pooled.Backward, pooled.Ready, pooled.Other, c.want, p.Ready, p.Other)
+		}
+	}
+	pooled, err := loadProfiles([]string{prof})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := readyFromTrace(pooled, []string{trace, filepath.Join(dir, "missing.json")}, 0, 2); err == nil {
+		t.Error("a missing trace among several: no error")
+	}
 	var out strings.Builder
-	if err := run([]string{"-profile", prof, "-trace", trace, "-trace_from", "2"}, &out, io.Discard); err != nil || !strings.Contains(out.String(), "backward compute 51.00 ms, rest of the step 33.00 ms") {
+	if err := run([]string{"-profile", prof, "-trace", trace, "-trace_from", "2", "-trace_rank", "0"}, &out, io.Discard); err != nil || !strings.Contains(out.String(), "backward compute 53.67 ms, rest of the step 33.00 ms") {
 		t.Errorf("ddpsim -trace: %v\n%s", err, out.String())
+	}
+}
+
+// TestPacingRank: with -trace_rank -1 each pass is read from the rank that launched its
+// collective last (Note [The pacing rank]), which changes from pass to pass; a single rank's
+// passes mix its slow ones with its fast ones.
+func TestPacingRank(t *testing.T) {
+	dir := t.TempDir()
+	prof := profileFile(t, dir, "p.json", 0.090)
+	curve := sim.Comm{Alpha: 1e-4, Beta: 0.01 / (1 << 20)} // profileFile's
+	slowRank := map[int]int{2: 1, 3: 0, 4: 1}              // pass 1 is before -trace_from
+	var tf tracefile.File
+	for iter := 1; iter <= 4; iter++ {
+		for rank := range 2 {
+			base := float64(iter) * 1e6
+			bw, gap, wait := 50e3, 5e3, 10.5e3 // µs: the faster rank waits 10 ms more than the slower
+			if slowRank[iter] == rank {
+				bw, gap, wait = 60e3, 6e3, 0.5e3
+			}
+			args := map[string]any{"iter": float64(iter)}
+			comm := 1e6*curve.Seconds(1e6) + wait
+			tf.TraceEvents = append(tf.TraceEvents,
+				tracefile.Event{Name: "backward pass", Cat: "backward", Ph: "X", TS: base, Dur: bw, PID: rank, Args: args},
+				tracefile.Event{Name: "finalize wait", Cat: "wait", Ph: "X", TS: base + bw, Dur: comm, PID: rank, Args: args},
+				tracefile.Event{Name: "all-reduce 0", Cat: "comm", Ph: "X", TS: base + bw, Dur: comm, PID: rank,
+					Args: map[string]any{"iter": float64(iter), "bucket": 0.0, "bytes": 1e6}})
+			for i := range 8 {
+				tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "w", Cat: "grad", Ph: "i", TS: base + float64(8-i)*gap, PID: rank,
+					Args: map[string]any{"iter": float64(iter), "param": float64(i)}})
+			}
+		}
+	}
+	b, err := json.Marshal(tf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	trace := filepath.Join(dir, "merged.json")
+	if err := os.WriteFile(trace, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		rank                 int
+		backward, skew, last float64 // s; last: Ready[0], the last gradient
+	}{
+		{-1, 0.060, 0.0005, 0.048},            // every pass the slower rank's
+		{0, 0.160 / 3, 0.0215 / 3, 0.128 / 3}, // rank 0: fast, slow, fast (the means)
+		{1, 0.170 / 3, 0.0115 / 3, 0.136 / 3}, // rank 1: slow, fast, slow
+	} {
+		p, err := loadProfiles([]string{prof})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := readyFromTrace(p, []string{trace}, c.rank, 2); err != nil {
+			t.Fatal(err)
+		}
+		if math.Abs(p.Backward-c.backward) > 1e-9 || math.Abs(p.Skew-c.skew) > 1e-9 || math.Abs(p.Ready[0]-c.last) > 1e-9 {
+			t.Errorf("rank %d: backward %v skew %v last ready %v, want %v %v %v", c.rank, p.Backward, p.Skew, p.Ready[0], c.backward, c.skew, c.last)
+		}
+	}
+	var out strings.Builder
+	if err := run([]string{"-profile", prof, "-trace", trace, "-trace_from", "2"}, &out, io.Discard); err != nil || !strings.Contains(out.String(), "backward compute 60.00 ms") {
+		t.Errorf("ddpsim -trace (-trace_rank -1 by default): %v\n%s", err, out.String())
+	}
+	if err := run([]string{"-profile", prof, "-trace", trace, "-trace_rank", "-2"}, io.Discard, io.Discard); err == nil {
+		t.Error("-trace_rank -2: no error")
 	}
 }
 
