@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"go.uber.org/zap"
 
@@ -55,8 +56,22 @@ func TestAutoRebuilds(t *testing.T) {
 			return err
 		}
 		defer r.Close()
+		// Note [Bucket memory]: the buffer of layout k is that of layout k-2 from the
+		// second rebuild on, and no spare is held once no rebuild is owed.
+		mems := []*float32{&r.mem[0].f32[0]}
 		grad := make([]float32, length)
 		for pass := 1; pass <= passes; pass++ {
+			if pass > 1 && pass <= 4 {
+				mems = append(mems, &r.mem[0].f32[0])
+				k := len(mems) - 1
+				unchanged := pass == 4 && r.Generation() == 2 // the plan's layout is pass 3's
+				if same := mems[k] == mems[k-1]; !unchanged && (same || (k >= 2 && mems[k] != mems[k-2])) {
+					return fmt.Errorf("layout %d's bucket memory: the same as layout %d's: %v, as layout %d's: %v; want a new buffer, then the one before", k, k-1, same, k-2, k >= 2 && mems[k] == mems[k-2])
+				}
+				if spare := r.spare[0].f32 != nil; spare != (pass < 4) {
+					return fmt.Errorf("after rebuild %d: a spare buffer held: %v, want %v", pass-1, spare, pass < 4)
+				}
+			}
 			if err := r.BeginBackward(Sync); err != nil {
 				return err
 			}
@@ -400,6 +415,72 @@ func TestLastStarts(t *testing.T) {
 			if d := got[rank][b] - want[b]; d < -time.Microsecond || d > time.Microsecond {
 				t.Errorf("rank %d bucket %d: %v, want %v", rank, b, got[rank][b], want[b])
 			}
+		}
+	}
+}
+
+// TestBucketMemoryOneRebuild: without auto, the one rebuild (Note [Rebuild]) keeps no spare
+// buffer (Note [Bucket memory]), and the new layout's buckets lie in one buffer, each from
+// a 64-byte boundary.
+func TestBucketMemoryOneRebuild(t *testing.T) {
+	const n = 2
+	ctx := testCtx(t)
+	c := pgtest.NewCluster(n)
+	defer c.Close()
+	lens := []int{1000, 3, 70000, 17, 200000}
+	errs := runRanks(n, func(rank int) error {
+		params := make([]Param, len(lens))
+		for i, l := range lens {
+			params[i] = Param{Name: fmt.Sprintf("w%d", i), Grad: make([]float32, l)}
+		}
+		r, err := New(c.Group(rank), params, Options{BucketCapMB: 0.3, FirstBucketCapMB: 0.3})
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		for pass := 1; pass <= 2; pass++ {
+			if err := r.BeginBackward(Sync); err != nil {
+				return err
+			}
+			for _, i := range []int{1, 3, 0, 4, 2} { // not the reverse order: the rebuild changes the layout
+				g := make([]float32, lens[i])
+				for k := range g {
+					g[k] = float32((rank + 1) * (i + 1))
+				}
+				if err := r.GradReady(i, g); err != nil {
+					return err
+				}
+			}
+			if err := r.Finalize(ctx); err != nil {
+				return err
+			}
+			for i, p := range params {
+				for k, v := range p.Grad.([]float32) {
+					if want := float32(3*(i+1)) / 2; v != want {
+						return fmt.Errorf("pass %d: gradient %d [%d] = %v, want %v", pass, i, k, v, want)
+					}
+				}
+			}
+		}
+		if r.Generation() != 1 {
+			return fmt.Errorf("generation %d after the rebuild, want 1", r.Generation())
+		}
+		if r.spare[0].f32 != nil {
+			return errors.New("a spare buffer held with no rebuild owed")
+		}
+		base := uintptr(unsafe.Pointer(&r.mem[0].f32[0]))
+		end := base + 4*uintptr(len(r.mem[0].f32))
+		for b, s := range r.slots {
+			p := uintptr(unsafe.Pointer(&s.f32[0]))
+			if p < base || p+4*uintptr(len(s.f32)) > end || (p-base)%bucketAlign != 0 {
+				return fmt.Errorf("bucket %d at %#x (%d elements): outside the buffer [%#x, %#x) or off a %d-byte boundary", b, p, len(s.f32), base, end, bucketAlign)
+			}
+		}
+		return nil
+	})
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
 		}
 	}
 }

@@ -98,13 +98,12 @@ func mib(mb float64) int64 {
 
 // slot is one bucket's driver state.
 type slot struct {
-	f32    []float32 // the flat buffer, one of the three
-	f64    []float64
-	shared bool                   // f32 or f64 came from the group's BufferAllocator
-	dev    procgroup.DeviceBuffer // with Options.Device, on Options.Stream
-	view   BucketView
-	work   procgroup.Work // the bucket's in-flight reduction, nil when not launched
-	seen   bool           // its completion was recorded in the stats
+	f32  []float32 // the flat buffer, one of the three: a slice of Reducer.mem on the host
+	f64  []float64
+	dev  procgroup.DeviceBuffer // with Options.Device, on Options.Stream
+	view BucketView
+	work procgroup.Work // the bucket's in-flight reduction, nil when not launched
+	seen bool           // its completion was recorded in the stats
 }
 
 // Reducer averages gradients across the ranks of a ProcessGroup: the driver of a Machine.
@@ -147,7 +146,45 @@ type Reducer struct {
 	capBytes int64
 	auto     *autoTuner               // with AutoBucketCap
 	retired  []procgroup.DeviceBuffer // device buckets of the layout before the rebuild, freed at Close
+	mem      [2]hostMem               // the host buckets' memory (float32, float64; Note [Bucket memory])
+	spare    [2]hostMem               // the memory of the layout before, while another rebuild is owed
 }
+
+// Note [Bucket memory]: a layout's host buckets of one element type are slices of one
+// buffer (hostMem), each from a 64-byte boundary, so that the buffer's size is the same for
+// every layout: the type's gradients plus 16 elements per parameter. A rebuild needs the new
+// buffer while it copies from the old one; the one before the old one is free by then, and
+// while the Machine owes another rebuild it is kept and reused (cleared) instead of
+// allocated, so that after the second rebuild no bucket memory is new. Under the auto
+// sizing's three rebuilds (Note [Auto buckets]) fresh buckets meant fresh pages: at L=4
+// h=512, two ranks on one host, three launches each (2026-12-04), steps 2 and 3 took
+// 734–880 ms with new buffers and 507–679 ms reusing them, and the first step with the
+// chosen layout took 37–139 ms longer than the median of the later ones (26–80 ms reusing
+// them). Once no rebuild is owed the spare is dropped, so a job holds one
+// layout's buckets, as before.
+
+// hostMem is one layout's host memory for the buckets of one element type: from the group's
+// BufferAllocator (shared), or an ordinary slice.
+type hostMem struct {
+	f32    []float32
+	f64    []float64
+	shared bool
+}
+
+// release gives shared memory back to the group; an ordinary slice is left to the collector.
+func (m *hostMem) release(alloc procgroup.BufferAllocator) {
+	if m.shared {
+		if m.f32 != nil {
+			alloc.FreeBuffer(m.f32)
+		} else {
+			alloc.FreeBuffer(m.f64)
+		}
+	}
+	*m = hostMem{}
+}
+
+// bucketAlign is the boundary, in bytes, at which Note [Bucket memory] starts each bucket.
+const bucketAlign = 64
 
 // New returns a Reducer for params over pg with the initial bucket layout (Note [Bucket
 // assignment] in package bucket). It issues no collective.
@@ -238,6 +275,20 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 // synchronisation).
 func (r *Reducer) setLayout(lay *bucket.Layout) error {
 	slots := make([]slot, len(lay.Buckets))
+	var mem [2]hostMem
+	var used [2]int // elements of mem handed out
+	if r.dev == nil {
+		var n [2]int
+		for _, p := range r.bparams {
+			t := typeIndex(p.DType)
+			n[t] += p.Len + bucketAlign/p.DType.Size()
+		}
+		for t := range mem {
+			if n[t] > 0 {
+				mem[t] = r.hostMemFor(t, n[t])
+			}
+		}
+	}
 	for b, bk := range lay.Buckets {
 		s := &slots[b]
 		s.view = BucketView{Index: b, DType: procgroup.DType(bk.DType), Params: bk.Params, Offsets: bk.Offsets}
@@ -255,10 +306,14 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 			s.dev = d
 			s.view.Buffer, s.view.Device, s.view.Stream = d, r.dev, r.opts.Stream
 		case bk.DType == bucket.Float32:
-			s.f32, s.shared = hostBuf[float32](r, procgroup.Float32, bk.Len)
+			u := &used[0]
+			s.f32 = mem[0].f32[*u : *u+bk.Len : *u+bk.Len]
+			*u += (bk.Len + bucketAlign/4 - 1) &^ (bucketAlign/4 - 1)
 			s.view.Buffer = s.f32
 		default:
-			s.f64, s.shared = hostBuf[float64](r, procgroup.Float64, bk.Len)
+			u := &used[1]
+			s.f64 = mem[1].f64[*u : *u+bk.Len : *u+bk.Len]
+			*u += (bk.Len + bucketAlign/8 - 1) &^ (bucketAlign/8 - 1)
 			s.view.Buffer = s.f64
 		}
 	}
@@ -282,9 +337,44 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 			}
 		}
 	}
-	r.freeShared() // no collective uses them now; their views expire with the generation
+	// No collective uses the old buffers now; their views expire with the generation.
+	for t := range r.mem {
+		if r.m.rebuilds > 0 {
+			r.spare[t] = r.mem[t]
+		} else {
+			r.mem[t].release(r.alloc)
+		}
+	}
+	r.mem = mem
 	r.lay, r.slots = lay, slots
 	return nil
+}
+
+// typeIndex is a host element type's index in Reducer.mem.
+func typeIndex(dt bucket.DType) int {
+	if dt == bucket.Float32 {
+		return 0
+	}
+	return 1
+}
+
+// hostMemFor returns n elements of type t (0: float32, 1: float64) for a layout's buckets:
+// the spare if it has them (cleared), else new memory (Note [Bucket memory]).
+func (r *Reducer) hostMemFor(t, n int) hostMem {
+	if sp := r.spare[t]; len(sp.f32) == n || len(sp.f64) == n {
+		r.spare[t] = hostMem{}
+		clear(sp.f32)
+		clear(sp.f64)
+		return sp
+	}
+	r.spare[t].release(r.alloc)
+	var m hostMem
+	if t == 0 {
+		m.f32, m.shared = hostBuf[float32](r, procgroup.Float32, n)
+	} else {
+		m.f64, m.shared = hostBuf[float64](r, procgroup.Float64, n)
+	}
+	return m
 }
 
 // hostBuf returns n elements for a host buffer that is all-reduced (a bucket): from the
@@ -303,19 +393,11 @@ func hostBuf[T float32 | float64](r *Reducer, dt procgroup.DType, n int) (buf []
 	return make([]T, n), false
 }
 
-// freeShared gives the current buckets' shared buffers back to the group.
+// freeShared gives the buckets' shared memory back to the group, and the spare's.
 func (r *Reducer) freeShared() {
-	for b := range r.slots {
-		s := &r.slots[b]
-		if !s.shared {
-			continue
-		}
-		if s.f32 != nil {
-			r.alloc.FreeBuffer(s.f32)
-		} else {
-			r.alloc.FreeBuffer(s.f64)
-		}
-		s.shared = false
+	for t := range r.mem {
+		r.mem[t].release(r.alloc)
+		r.spare[t].release(r.alloc)
 	}
 }
 
@@ -804,12 +886,19 @@ func (r *Reducer) rebuild(ctx context.Context) error {
 		return fmt.Errorf("reducer: rebuild from rank 0's order: %w", err)
 	}
 	if sameBuckets(buckets, r.lay.Buckets) {
+		if r.m.rebuilds == 0 {
+			for t := range r.spare {
+				r.spare[t].release(r.alloc)
+			}
+		}
 		return nil
 	}
 	if err := r.m.SetBuckets(buckets); err != nil {
 		return fmt.Errorf("reducer: rebuild: %w", err)
 	}
-	r.setLayout(r.m.Layout())
+	if err := r.setLayout(r.m.Layout()); err != nil {
+		return fmt.Errorf("reducer: rebuild: %w", err)
+	}
 	r.gen++
 	r.log.Info("reducer: buckets rebuilt from the observed grad-ready order", zap.Int("rank", r.pg.Rank()),
 		zap.Int("buckets", len(buckets)), zap.Int("generation", r.gen), zap.Int64("first_cap_bytes", r.firstCap), zap.Int64("cap_bytes", r.capBytes))
