@@ -152,7 +152,7 @@ type Reducer struct {
 
 // Note [Bucket memory]: a layout's host buckets of one element type are slices of one
 // buffer (hostMem), each from a 64-byte boundary, so that the buffer's size is the same for
-// every layout: the type's gradients plus 16 elements per parameter. A rebuild needs the new
+// every layout: the type's gradients plus 64 bytes per parameter. A rebuild needs the new
 // buffer while it copies from the old one; the one before the old one is free by then, and
 // while the Machine owes another rebuild it is kept and reused (cleared) instead of
 // allocated, so that after the second rebuild no bucket memory is new. Under the auto
@@ -160,8 +160,8 @@ type Reducer struct {
 // h=512, two ranks on one host, three launches each (2026-12-04), steps 2 and 3 took
 // 734–880 ms with new buffers and 507–679 ms reusing them, and the first step with the
 // chosen layout took 37–139 ms longer than the median of the later ones (26–80 ms reusing
-// them). Once no rebuild is owed the spare is dropped, so a job holds one
-// layout's buckets, as before.
+// them). Once no rebuild is owed the spare is dropped, so a job holds one layout's buckets,
+// as before.
 
 // hostMem is one layout's host memory for the buckets of one element type: from the group's
 // BufferAllocator (shared), or an ordinary slice.
