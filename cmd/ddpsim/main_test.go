@@ -87,7 +87,13 @@ func profileFile(t *testing.T, dir, name string, backward float64) string {
 	for k, i := range p.Order {
 		p.Ready[i] = 0.01 * float64(k+1)
 	}
-	b, err := json.Marshal(p)
+	return writeJSON(t, dir, name, p)
+}
+
+// writeJSON writes v as JSON to dir/name and returns the path.
+func writeJSON(t *testing.T, dir, name string, v any) string {
+	t.Helper()
+	b, err := json.Marshal(v)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,14 +239,7 @@ func TestReadyFromTrace(t *testing.T) {
 			}
 		}
 	}
-	b, err := json.Marshal(tf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	trace := filepath.Join(dir, "trace.json")
-	if err := os.WriteFile(trace, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	trace := writeJSON(t, dir, "trace.json", tf)
 	p, err := loadProfiles([]string{prof})
 	if err != nil {
 		t.Fatal(err)
@@ -279,14 +278,7 @@ func TestReadyFromTrace(t *testing.T) {
 		}
 		slow.TraceEvents = append(slow.TraceEvents, e)
 	}
-	b, err = json.Marshal(slow)
-	if err != nil {
-		t.Fatal(err)
-	}
-	slowTrace := filepath.Join(dir, "slow.json")
-	if err := os.WriteFile(slowTrace, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	slowTrace := writeJSON(t, dir, "slow.json", slow)
 	for _, c := range []struct {
 		paths []string
 		want  float64
@@ -352,14 +344,7 @@ func TestPacingRank(t *testing.T) {
 			}
 		}
 	}
-	b, err := json.Marshal(tf)
-	if err != nil {
-		t.Fatal(err)
-	}
-	trace := filepath.Join(dir, "merged.json")
-	if err := os.WriteFile(trace, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	trace := writeJSON(t, dir, "merged.json", tf)
 	for _, c := range []struct {
 		rank                 int
 		backward, skew, last float64 // s; last: Ready[0], the last gradient
