@@ -32,6 +32,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"os"
 	"slices"
@@ -454,7 +455,10 @@ func (s *traceSamples) read(p *sim.Profile, path string, rank, from int) error {
 			pick[k.iter] = k
 		}
 	}
-	for _, k := range pick {
+	// In iteration order, so that the means (sums of floats) come out the same every run.
+	iters := slices.Sorted(maps.Keys(pick))
+	for _, it := range iters {
+		k := pick[it]
 		ps := passes[k]
 		for _, e := range ps.grads {
 			i, ok := e.Arg("param")
