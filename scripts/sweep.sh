@@ -6,7 +6,8 @@
 # $OUT/logs (goddp's include the per-step overlap figures and each rank's peak RSS). With
 # auto (AUTO=1), sim.md holds cmd/ddpsim's prediction of every cap against the measured
 # medians, from auto's profiles and from one traced one-bucket launch per repeat
-# (ONEBUCKET=1). The points of a repeat run in a shuffled order (ORDER, SEED; logs/order.txt).
+# (ONEBUCKET=1). The points of a repeat run in a shuffled order (ORDER, SEED; logs/order.txt),
+# each once the machine is quiet (QUIET; logs/probe.csv, Note [Quiet machine]).
 #
 #   make sweep                                   # caps 1 5 10 25 50 100 200, 3 repeats
 #   CAPS="1 25 200" REPEATS=1 STEPS=5 make sweep # quick look
@@ -39,6 +40,9 @@ AUTO=${AUTO:-1}               # also run goddp with --bucket_cap_mb auto (kind a
 ONEBUCKET=${ONEBUCKET:-1}     # also one traced goddp launch with one bucket per repeat (sim.md)
 ONEBUCKET_MB=${ONEBUCKET_MB:-100000} # its cap: above any model's size
 ORDER=${ORDER:-random}        # or fixed: the order of the points within a repeat
+QUIET=${QUIET:-1}             # wait for a quiet machine before each launch (0: do not probe)
+QUIET_TOL=${QUIET_TOL:-0.15}  # quiet: a probe at most this fraction over the fastest one so far
+QUIET_WAIT=${QUIET_WAIT:-60}  # the longest wait for quiet before a launch, in seconds
 SEED=${SEED:-$((RANDOM % 10000))}
 if [ "$TORCH" = auto ]; then
   if [ -f "$TORCH_DIR/ddp_bench.py" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then TORCH=1; else TORCH=0; fi
@@ -180,6 +184,47 @@ onebucket_point() {
     --trace_merge "$OUT/logs/onebucket_r$1_trace.json"
 }
 
+# Note [Quiet machine]: the machine is shared, and another tenant's load comes in spells of
+# tens of seconds that slow every launch in them alike: on the two-host testbed at 10 Gbit/s
+# (2026-12-04, round s30c), consecutive launches of every cap ran at 80-84 ms/step where the
+# same caps ran at 61-66 before and after, with the reducer's copies 3-4x slower. With QUIET=1,
+# before each launch the sweep times a probe (both cores clearing 512 MiB each, as dd does
+# from /dev/zero) and, while it is more than QUIET_TOL slower than the fastest probe of the
+# sweep, waits and probes again, for at most QUIET_WAIT seconds; then it launches anyway. No
+# launch is dropped or repeated. Every probe, and one after each launch, goes to
+# logs/probe.csv (the launch before it, or after it), so that a spell that began during a
+# launch can be seen there.
+probe_base=
+probe_ms() {
+  local s
+  s=$(date +%s%N)
+  dd if=/dev/zero of=/dev/null bs=64M count=8 2>/dev/null &
+  dd if=/dev/zero of=/dev/null bs=64M count=8 2>/dev/null
+  wait
+  echo $((($(date +%s%N) - s) / 1000000))
+}
+# quiet_gate REP ITEM: Note [Quiet machine], before ITEM of repeat REP.
+quiet_gate() {
+  [ "$QUIET" = 1 ] || return 0
+  local t waited=0
+  while :; do
+    t=$(probe_ms)
+    if [ -z "$probe_base" ] || [ "$t" -lt "$probe_base" ]; then probe_base=$t; fi
+    echo "$(date +%s),$1,$2,before,$t,$waited" >> "$OUT/logs/probe.csv"
+    if awk -v t="$t" -v b="$probe_base" -v tol="$QUIET_TOL" 'BEGIN { exit !(t <= b * (1 + tol)) }' || [ "$waited" -ge "$QUIET_WAIT" ]; then
+      return 0
+    fi
+    sleep 3
+    waited=$((waited + 3))
+  done
+}
+# probe_after REP ITEM: one probe after ITEM's launch, logged (Note [Quiet machine]).
+probe_after() {
+  [ "$QUIET" = 1 ] || return 0
+  echo "$(date +%s),$1,$2,after,$(probe_ms),0" >> "$OUT/logs/probe.csv"
+}
+if [ "$QUIET" = 1 ]; then echo "unix_s,repeat,item,when,probe_ms,waited_s" > "$OUT/logs/probe.csv"; fi
+
 # Each repeat runs every point once, in an order shuffled from SEED and the repeat (ORDER=fixed:
 # compute, the caps, auto, one bucket), so that no point always follows the same one or
 # runs at the same place in the repeat while the machine's speed drifts.
@@ -195,12 +240,14 @@ for rep in $(seq 1 "$REPEATS"); do
   fi
   echo "repeat $rep: $order" >> "$OUT/logs/order.txt"
   for item in $order; do
+    quiet_gate "$rep" "$item"
     case $item in
       compute) compute_point "$rep" ;;
       cap:*) cap_point "${item#cap:}" "$rep" ;;
       auto) auto_point "$rep" ;;
       onebucket) onebucket_point "$rep" ;;
     esac
+    probe_after "$rep" "$item"
   done
 done
 ./bin/sweep-report -in "$raw" -out "$OUT"

@@ -170,15 +170,14 @@ func run(args []string, stdout, stderr io.Writer) error {
 		p.Comm = algo(c.world, c.latency.Seconds(), c.gbit*1e9/8)
 		p.World = c.world
 	}
-	var meas map[float64]float64
-	var measAuto, measCompute float64
+	var meas summary
 	if c.measured != "" {
-		if meas, measAuto, measCompute, err = readSummary(c.measured); err != nil {
+		if meas, err = readSummary(c.measured); err != nil {
 			return err
 		}
 	}
 	if c.compute != "" {
-		ms := measCompute
+		ms := meas.compute
 		if c.compute != "sweep" {
 			ms, _ = strconv.ParseFloat(c.compute, 64)
 		} else if ms <= 0 {
@@ -193,13 +192,14 @@ func run(args []string, stdout, stderr io.Writer) error {
 		p.Backward *= k
 		p.Other *= k
 	}
-	return predictTable(stdout, p, c, meas, measAuto)
+	return predictTable(stdout, p, c, meas)
 }
 
 func mib(mb float64) int64 { return max(int64(mb*(1<<20)), 1) }
 
 // predictTable prints the prediction for each cap, with the measurements if any.
-func predictTable(w io.Writer, p *sim.Profile, c config, meas map[float64]float64, measAuto float64) error {
+func predictTable(w io.Writer, p *sim.Profile, c config, sm summary) error {
+	meas, measAuto := sm.caps, sm.auto
 	fmt.Fprintf(w, "profile: %d gradients, %.2f MB; backward compute %.2f ms, rest of the step %.2f ms; slowdown under overlap: compute %.2f, all-reduce %.2f; skew %.2f ms\n",
 		len(p.Params), float64(p.TotalBytes())/(1<<20), p.Backward*1e3, p.Other*1e3, p.Slowdown, p.CommSlowdown, p.Skew*1e3)
 	fmt.Fprintf(w, "all-reduce: %.1f µs + %.3f ns/byte (%.2f ms for all the gradients at once)\n\n",
@@ -248,6 +248,12 @@ func predictTable(w io.Writer, p *sim.Profile, c config, meas map[float64]float6
 		fmt.Fprintf(w, "; best measured: %g MB (%d step(s) apart); largest error %.1f%%", c.caps[bestMeas], max(d, -d), 100*worst)
 		if m, ok := meas[c.caps[bestPred]]; ok {
 			fmt.Fprintf(w, "; the best predicted cap measured %+.1f%% against the best measured", 100*(m/meas[c.caps[bestMeas]]-1))
+		}
+		if sm.pBest != nil {
+			fmt.Fprintf(w, "; P(best) over resampled repeats: %.2f for the best measured", sm.pBest[c.caps[bestMeas]])
+			if pb, ok := sm.pBest[c.caps[bestPred]]; ok {
+				fmt.Fprintf(w, ", %.2f for the best predicted", pb)
+			}
 		}
 	}
 	fmt.Fprintf(w, "\nauto's choice for this profile: first cap %.3g MB, cap %.3g MB, %d buckets, predicted %.1f ms/step",
@@ -547,47 +553,64 @@ func median(xs []float64) float64 {
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
-// readSummary reads, from sweep-report's summary.csv, goddp's median ms/step per cap, with
-// auto, and the compute-only ms/step (0 where missing).
-func readSummary(path string) (caps map[float64]float64, auto, compute float64, err error) {
+// summary is goddp's part of sweep-report's summary.csv: the median ms/step per cap and
+// with auto, the compute-only ms/step (0 where missing), and each cap's P(best) (Note
+// [Resolved best] in cmd/sweep-report; nil in a summary without the column).
+type summary struct {
+	caps          map[float64]float64
+	auto, compute float64
+	pBest         map[float64]float64
+}
+
+// readSummary reads goddp's rows of a summary.csv.
+func readSummary(path string) (summary, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, 0, 0, err
+		return summary{}, err
 	}
 	defer f.Close()
 	recs, err := csv.NewReader(f).ReadAll()
 	if err != nil {
-		return nil, 0, 0, fmt.Errorf("%s: %w", path, err)
+		return summary{}, fmt.Errorf("%s: %w", path, err)
 	}
 	if len(recs) == 0 || len(recs[0]) < 8 || recs[0][0] != "system" || recs[0][1] != "bucket_cap_mb" || recs[0][2] != "median_ms_step" || recs[0][7] != "compute_ms_step" {
-		return nil, 0, 0, fmt.Errorf("%s: not a sweep-report summary.csv (system,bucket_cap_mb,median_ms_step,...,compute_ms_step,...)", path)
+		return summary{}, fmt.Errorf("%s: not a sweep-report summary.csv (system,bucket_cap_mb,median_ms_step,...,compute_ms_step,...)", path)
 	}
-	caps = map[float64]float64{}
+	pcol := slices.Index(recs[0], "p_best")
+	s := summary{caps: map[float64]float64{}}
+	if pcol >= 0 {
+		s.pBest = map[float64]float64{}
+	}
 	for _, r := range recs[1:] {
 		if r[0] != "goddp" {
 			continue
 		}
 		ms, err := strconv.ParseFloat(r[2], 64)
 		if err != nil {
-			return nil, 0, 0, fmt.Errorf("%s: ms/step %q: %w", path, r[2], err)
+			return summary{}, fmt.Errorf("%s: ms/step %q: %w", path, r[2], err)
 		}
 		if v, err := strconv.ParseFloat(r[7], 64); err == nil && v > 0 {
-			compute = v
+			s.compute = v
 		}
 		if r[1] == "auto" {
-			auto = ms
+			s.auto = ms
 			continue
 		}
 		c, err := strconv.ParseFloat(r[1], 64)
 		if err != nil {
-			return nil, 0, 0, fmt.Errorf("%s: bucket_cap_mb %q: %w", path, r[1], err)
+			return summary{}, fmt.Errorf("%s: bucket_cap_mb %q: %w", path, r[1], err)
 		}
-		caps[c] = ms
+		s.caps[c] = ms
+		if pcol >= 0 {
+			if s.pBest[c], err = strconv.ParseFloat(r[pcol], 64); err != nil {
+				return summary{}, fmt.Errorf("%s: p_best %q: %w", path, r[pcol], err)
+			}
+		}
 	}
-	if len(caps) == 0 {
-		return nil, 0, 0, fmt.Errorf("%s: no goddp rows", path)
+	if len(s.caps) == 0 {
+		return summary{}, fmt.Errorf("%s: no goddp rows", path)
 	}
-	return caps, auto, compute, nil
+	return s, nil
 }
 
 // bucketParams is a helper for the seed's models: float32 parameters of the given lengths.

@@ -144,8 +144,28 @@ func TestPredictAgainstMeasured(t *testing.T) {
 	if err := run([]string{"-profile", a, "-caps", "1,8", "-measured", other}, &out, io.Discard); err != nil {
 		t.Fatal(err)
 	}
-	if want := "best measured: 8 MB (1 step(s) apart); largest error 44.6%; the best predicted cap measured +11.1% against the best measured"; !strings.Contains(out.String(), want) {
+	if want := "best measured: 8 MB (1 step(s) apart); largest error 44.6%; the best predicted cap measured +11.1% against the best measured\n"; !strings.Contains(out.String(), want) {
+		t.Errorf("output lacks %q (a summary without p_best prints none):\n%s", want, out.String())
+	}
+	// With sweep-report's p_best column, the line gives both caps' P(best).
+	withP := filepath.Join(dir, "pbest.csv")
+	pcsv := "system,bucket_cap_mb,median_ms_step,min_ms_step,max_ms_step,repeats,relative_to_best,compute_ms_step,exposed_ms,exposed_fraction,p_best\n" +
+		"goddp,1,200,1,1,3,1,55,1,1,0.3125\ngoddp,8,180,1,1,3,1,55,1,1,0.6875\ngoddp,auto,120,1,1,3,1,55,1,1,\n"
+	if err := os.WriteFile(withP, []byte(pcsv), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out.Reset()
+	if err := run([]string{"-profile", a, "-caps", "1,8", "-measured", withP}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	if want := "against the best measured; P(best) over resampled repeats: 0.69 for the best measured, 0.31 for the best predicted\n"; !strings.Contains(out.String(), want) {
 		t.Errorf("output lacks %q:\n%s", want, out.String())
+	}
+	if err := os.WriteFile(withP, []byte(strings.Replace(pcsv, ",0.3125", ",x", 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := run([]string{"-profile", a, "-caps", "1,8", "-measured", withP}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), `p_best "x"`) {
+		t.Errorf("a bad p_best: %v", err)
 	}
 	// Compute rescaled to the summary's compute-only 55 ms (the profile: 90 + 20 ms).
 	out.Reset()

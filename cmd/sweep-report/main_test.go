@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -26,9 +27,10 @@ func TestReport(t *testing.T) {
 	}
 	table := out.String()
 	for _, want := range []string{
-		"| 1 | 130.0 | 120.0..140.0 | 1.24x | 45.0 | 34.6% |", // median 130, best 105, compute 85
-		"| 25 | 105.0 | 100.0..110.0 | 1.00x | 20.0 | 19.0% |",
-		"| 1 | 150.0 | 150.0..150.0 | 1.00x | 50.0 | 33.3% |",
+		"| 1 | 130.0 | 120.0..140.0 | 1.24x | 45.0 | 34.6% | 0.0", // median 130, best 105, compute 85
+		"| 25 | 105.0 | 100.0..110.0 | 1.00x | 20.0 | 19.0% | 0.9",
+		"| 1 | 150.0 | 150.0..150.0 | 1.00x | 50.0 | 33.3% | 0.50 |", // a tie in every draw
+		"| 25 | 150.0 | 150.0..150.0 | 1.00x | 50.0 | 33.3% | 0.50 |",
 		"| 25 | 0.70 |", // 105/150
 		"| compute only | 0.85 |",
 		"| auto | 100.0 | 99.0..101.0 | 0.95x | 15.0 | 15.0% |", // median 100 vs best cap 105
@@ -44,7 +46,8 @@ func TestReport(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(string(sum), "goddp,25,105.000,100.000,110.000,2,1.0000,85.000,20.000,0.1905\n") {
+	if !strings.Contains(string(sum), "goddp,25,105.000,100.000,110.000,2,1.0000,85.000,20.000,0.1905,0.9") ||
+		!strings.Contains(string(sum), "goddp,auto,100.000,99.000,101.000,2,0.9524,85.000,15.000,0.1500,\n") {
 		t.Errorf("summary.csv:\n%s", sum)
 	}
 	for _, f := range []string{"sweep.svg", "sweep.png", "table.md"} {
@@ -52,6 +55,42 @@ func TestReport(t *testing.T) {
 			t.Errorf("%s missing or empty: %v", f, err)
 		}
 	}
+}
+
+// TestPBest checks Note [Resolved best] against fractions known in closed form.
+func TestPBest(t *testing.T) {
+	reps := func(ms ...float64) map[string]float64 {
+		m := map[string]float64{}
+		for i, v := range ms {
+			m[fmt.Sprint(i+1)] = v
+		}
+		return m
+	}
+	near := func(what string, got, want, tol float64) {
+		t.Helper()
+		if math.Abs(got-want) > tol {
+			t.Errorf("%s: P(best) %.4f, want %.4f ± %g", what, got, want, tol)
+		}
+	}
+	// The repeats drift by 2x, but cap 5 is 1% faster than cap 25 in each: resampled
+	// together, cap 5 wins every draw (resampled apart, cap 25 would win about half).
+	p := pBest(map[float64]map[string]float64{5: reps(100, 200, 150, 120, 180), 25: reps(101, 202, 151.5, 121.2, 181.8)}, []float64{5, 25}, 2000)
+	near("drifting repeats, cap 5", p[5], 1, 1e-9)
+	near("drifting repeats, cap 25", p[25], 0, 1e-9)
+	// Equal in every repeat: a tie in every draw, shared.
+	p = pBest(map[float64]map[string]float64{1: reps(60, 61), 10: reps(60, 61)}, []float64{1, 10}, 2000)
+	near("tied, cap 1", p[1], 0.5, 1e-9)
+	near("tied, cap 10", p[10], 0.5, 1e-9)
+	// Cap 1 has a third repeat that cap 25 lacks, and is slower in the others: it wins only
+	// the draws of that repeat alone, 1 in 27.
+	p = pBest(map[float64]map[string]float64{1: reps(120, 140, 130), 25: reps(100, 110)}, []float64{1, 25}, 20000)
+	near("missing repeat, cap 1", p[1], 1.0/27, 0.005)
+	near("missing repeat, cap 25", p[25], 26.0/27, 0.005)
+	// One repeat in seven is slow for cap 10; cap 50 is a little slower in the others. Cap 10
+	// loses the draws in which the slow repeat is at least four of the seven (the median of
+	// seven): P(Bin(7, 1/7) ≥ 4) = 0.01015.
+	p = pBest(map[float64]map[string]float64{10: reps(60, 60, 200, 60, 60, 60, 60), 50: reps(61, 61, 61, 61, 61, 61, 61)}, []float64{10, 50}, 20000)
+	near("one slow repeat, cap 10", p[10], 1-0.01015, 0.004)
 }
 
 func TestReportBadInput(t *testing.T) {
