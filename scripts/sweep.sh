@@ -193,10 +193,16 @@ onebucket_point() {
 # sweep, waits and probes again, for at most QUIET_WAIT seconds; then it launches anyway. No
 # launch is dropped or repeated. Every probe, and one after each launch, goes to
 # logs/probe.csv (the launch before it, or after it), so that a spell that began during a
-# launch can be seen there.
+# launch can be seen there. Each probe first runs half of it untimed: on an Intel Xeon VM
+# (2026-12-04) the first probe after a second or more of idle took 68-70 ms and the next ones
+# 53-57, so an unwarmed probe measured the gate's own sleep, and the gate waited its whole
+# QUIET_WAIT before most launches.
 probe_base=
 probe_ms() {
   local s
+  dd if=/dev/zero of=/dev/null bs=64M count=4 2>/dev/null &
+  dd if=/dev/zero of=/dev/null bs=64M count=4 2>/dev/null
+  wait
   s=$(date +%s%N)
   dd if=/dev/zero of=/dev/null bs=64M count=8 2>/dev/null &
   dd if=/dev/zero of=/dev/null bs=64M count=8 2>/dev/null
