@@ -41,7 +41,7 @@ ONEBUCKET=${ONEBUCKET:-1}     # also one traced goddp launch with one bucket per
 ONEBUCKET_MB=${ONEBUCKET_MB:-100000} # its cap: above any model's size
 ORDER=${ORDER:-random}        # or fixed: the order of the points within a repeat
 QUIET=${QUIET:-1}             # wait for a quiet machine before each launch (0: do not probe)
-QUIET_TOL=${QUIET_TOL:-0.15}  # quiet: a probe at most this fraction over the fastest one so far
+QUIET_TOL=${QUIET_TOL:-0.15}  # quiet: a probe at most this fraction over the median of the probes so far
 QUIET_WAIT=${QUIET_WAIT:-60}  # the longest wait for quiet before a launch, in seconds
 SEED=${SEED:-$((RANDOM % 10000))}
 if [ "$TORCH" = auto ]; then
@@ -189,15 +189,19 @@ onebucket_point() {
 # (2026-12-04, round s30c), consecutive launches of every cap ran at 80-84 ms/step where the
 # same caps ran at 61-66 before and after, with the reducer's copies 3-4x slower. With QUIET=1,
 # before each launch the sweep times a probe (both cores clearing 512 MiB each, as dd does
-# from /dev/zero) and, while it is more than QUIET_TOL slower than the fastest probe of the
-# sweep, waits and probes again, for at most QUIET_WAIT seconds; then it launches anyway. No
-# launch is dropped or repeated. Every probe, and one after each launch, goes to
+# from /dev/zero) and, while it is more than QUIET_TOL slower than the median of the sweep's
+# probes so far, waits and probes again, for at most QUIET_WAIT seconds; then it launches
+# anyway. No launch is dropped or repeated. Every probe, and one after each launch, goes to
 # logs/probe.csv (the launch before it, or after it), so that a spell that began during a
 # launch can be seen there. Each probe first runs half of it untimed: on an Intel Xeon VM
 # (2026-12-04) the first probe after a second or more of idle took 68-70 ms and the next ones
-# 53-57, so an unwarmed probe measured the gate's own sleep, and the gate waited its whole
-# QUIET_WAIT before most launches.
-probe_base=
+# 53-57, so an unwarmed probe measured the gate's own sleep. The median, not the fastest
+# probe: on an AMD EPYC VM (2026-12-04) probes ranged 56-98 ms, and against the fastest one
+# (56) the gate waited before 8 of the first 20 launches, 2 of them its whole QUIET_WAIT,
+# while the caps' launches ran 81-111 ms/step, the two slowest (98.7 and 110.8) after probes
+# of 57 and 63 ms. A spell still shows against the median as long as most of the sweep is
+# quiet.
+probes=()
 probe_ms() {
   local s
   dd if=/dev/zero of=/dev/null bs=64M count=4 2>/dev/null &
@@ -209,15 +213,20 @@ probe_ms() {
   wait
   echo $((($(date +%s%N) - s) / 1000000))
 }
+# probe_median: the median of the sweep's probes so far (Note [Quiet machine]).
+probe_median() {
+  printf '%s\n' "${probes[@]}" | sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
 # quiet_gate REP ITEM: Note [Quiet machine], before ITEM of repeat REP.
 quiet_gate() {
   [ "$QUIET" = 1 ] || return 0
-  local t waited=0
+  local t base waited=0
   while :; do
     t=$(probe_ms)
-    if [ -z "$probe_base" ] || [ "$t" -lt "$probe_base" ]; then probe_base=$t; fi
+    probes+=("$t")
+    base=$(probe_median)
     echo "$(date +%s),$1,$2,before,$t,$waited" >> "$OUT/logs/probe.csv"
-    if awk -v t="$t" -v b="$probe_base" -v tol="$QUIET_TOL" 'BEGIN { exit !(t <= b * (1 + tol)) }' || [ "$waited" -ge "$QUIET_WAIT" ]; then
+    if awk -v t="$t" -v b="$base" -v tol="$QUIET_TOL" 'BEGIN { exit !(t <= b * (1 + tol)) }' || [ "$waited" -ge "$QUIET_WAIT" ]; then
       return 0
     fi
     sleep 3
@@ -227,7 +236,10 @@ quiet_gate() {
 # probe_after REP ITEM: one probe after ITEM's launch, logged (Note [Quiet machine]).
 probe_after() {
   [ "$QUIET" = 1 ] || return 0
-  echo "$(date +%s),$1,$2,after,$(probe_ms),0" >> "$OUT/logs/probe.csv"
+  local t
+  t=$(probe_ms)
+  probes+=("$t")
+  echo "$(date +%s),$1,$2,after,$t,0" >> "$OUT/logs/probe.csv"
 }
 if [ "$QUIET" = 1 ]; then echo "unix_s,repeat,item,when,probe_ms,waited_s" > "$OUT/logs/probe.csv"; fi
 
