@@ -201,7 +201,6 @@ onebucket_point() {
 # while the caps' launches ran 81-111 ms/step, the two slowest (98.7 and 110.8) after probes
 # of 57 and 63 ms. A spell still shows against the median as long as most of the sweep is
 # quiet.
-probes=()
 probe_ms() {
   local s
   dd if=/dev/zero of=/dev/null bs=64M count=4 2>/dev/null &
@@ -213,9 +212,10 @@ probe_ms() {
   wait
   echo $((($(date +%s%N) - s) / 1000000))
 }
-# probe_median: the median of the sweep's probes so far (Note [Quiet machine]).
+# probe_median: the median of the sweep's probes so far, all of them in logs/probe.csv (Note
+# [Quiet machine]).
 probe_median() {
-  printf '%s\n' "${probes[@]}" | sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+  tail -n +2 "$OUT/logs/probe.csv" | cut -d, -f5 | sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 # quiet_gate REP ITEM: Note [Quiet machine], before ITEM of repeat REP.
 quiet_gate() {
@@ -223,9 +223,8 @@ quiet_gate() {
   local t base waited=0
   while :; do
     t=$(probe_ms)
-    probes+=("$t")
-    base=$(probe_median)
     echo "$(date +%s),$1,$2,before,$t,$waited" >> "$OUT/logs/probe.csv"
+    base=$(probe_median)
     if awk -v t="$t" -v b="$base" -v tol="$QUIET_TOL" 'BEGIN { exit !(t <= b * (1 + tol)) }' || [ "$waited" -ge "$QUIET_WAIT" ]; then
       return 0
     fi
@@ -236,10 +235,7 @@ quiet_gate() {
 # probe_after REP ITEM: one probe after ITEM's launch, logged (Note [Quiet machine]).
 probe_after() {
   [ "$QUIET" = 1 ] || return 0
-  local t
-  t=$(probe_ms)
-  probes+=("$t")
-  echo "$(date +%s),$1,$2,after,$t,0" >> "$OUT/logs/probe.csv"
+  echo "$(date +%s),$1,$2,after,$(probe_ms),0" >> "$OUT/logs/probe.csv"
 }
 if [ "$QUIET" = 1 ]; then echo "unix_s,repeat,item,when,probe_ms,waited_s" > "$OUT/logs/probe.csv"; fi
 
