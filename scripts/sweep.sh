@@ -62,7 +62,7 @@ fi
 "$GO" build -o bin/ddpsim ./cmd/ddpsim
 echo "# transformer built with tags '${TAGS}'; logs in $OUT/logs; order seed $SEED" >&2
 raw="$OUT/raw.csv"
-echo "system,kind,bucket_cap_mb,repeat,ms_step" > "$raw"
+echo "system,kind,bucket_cap_mb,repeat,ms_step,layout" > "$raw"
 # torch's --hidden/--batch/--seq are goddp's --hidden_size/--batch_size/--seq_len
 torch_config=$(echo " $CONFIG " | sed -e 's/--hidden_size/--hidden/; s/--batch_size/--batch/; s/--seq_len/--seq/')
 if [ "$TORCH" = 1 ]; then
@@ -94,7 +94,8 @@ goddp_testbed() {
 
 # goddp_point CAP LOG [DDPRUN_FLAGS...]: one goddp launch with --bucket_cap_mb CAP (CAP may
 # carry more of the trainer's flags, as "auto --auto_profile F"): on a fresh two-host testbed
-# with TESTBED_RATE, else 2 ranks on this host. Sets m to rank 0's ms/step, or fails the sweep.
+# with TESTBED_RATE, else 2 ranks on this host. Sets m to rank 0's ms/step, or fails the sweep,
+# and lay to the bucket layout it ran (empty if its log has none).
 goddp_point() {
   local cap=$1 log=$2
   shift 2
@@ -108,6 +109,8 @@ goddp_point() {
     m=$(grep '^\[rank0\]' "$log" | msstep)
   fi
   [ -n "$m" ] || fail "$log" "goddp bucket_cap_mb=$cap"
+  # the bucket sizes in MB rank 0 ran after its last rebuild (sweep-report's Note [Same layout])
+  lay=$(sed -n 's/.*\[rank0\]: ddp: .* rebuilt \[\([0-9. ]*\)\]MB.*/\1/p' "$log" | tail -1)
 }
 
 # compute_point REP: compute only, two --no_ddp processes at once (the step time is the slower
@@ -123,14 +126,14 @@ compute_point() {
   ma=$(msstep < "$a"); mb=$(msstep < "$b")
   [ -n "$ma" ] || fail "$a" "goddp compute-only"
   [ -n "$mb" ] || fail "$b" "goddp compute-only"
-  echo "goddp,compute,,$rep,$(printf '%s\n%s\n' "$ma" "$mb" | sort -g | tail -1)" >> "$raw"
+  echo "goddp,compute,,$rep,$(printf '%s\n%s\n' "$ma" "$mb" | sort -g | tail -1)," >> "$raw"
   if [ "$TORCH" = 1 ]; then
     echo "# repeat $rep: torch compute-only" >&2
     log="$OUT/logs/torch_compute_r${rep}.log"
     /usr/bin/python3 "$TORCH_DIR/ddp_bench.py" --no_ddp --nproc 2 --warmup "$WARMUP" --steps "$STEPS" $torch_config > "$log" 2>&1 \
       || fail "$log" "torch compute-only"
     m=$(torchms "$log") || fail "$log" "torch compute-only"
-    echo "torch,compute,,$rep,$m" >> "$raw"
+    echo "torch,compute,,$rep,$m," >> "$raw"
   fi
 }
 
@@ -148,7 +151,7 @@ cap_point() {
         function bps(r) { r = tolower(r); if (r ~ /gbit$/) return r * 1e9; if (r ~ /mbit$/) return r * 1e6; return r }
         { printf "goddp,%s,%s,%s,%s,%.3f\n", cap, rep, $1, $2, ($2 * 1048576 * 8) / ($1 / 1000) / bps(rate) }' >> "$OUT/util.csv"
   fi
-  echo "goddp,ddp,$cap,$rep,$m" >> "$raw"
+  echo "goddp,ddp,$cap,$rep,$m,$lay" >> "$raw"
   if [ "$TORCH" = 1 ]; then
     echo "# repeat $rep: torch bucket_cap_mb=$cap" >&2
     log="$OUT/logs/torch_cap${cap}_r${rep}.log"
@@ -163,7 +166,7 @@ cap_point() {
         > "$log" 2>&1 || fail "$log" "torch bucket_cap_mb=$cap"
     fi
     m=$(torchms "$log") || fail "$log" "torch bucket_cap_mb=$cap"
-    echo "torch,ddp,$cap,$rep,$m" >> "$raw"
+    echo "torch,ddp,$cap,$rep,$m," >> "$raw"
   fi
 }
 
@@ -172,7 +175,7 @@ cap_point() {
 auto_point() {
   echo "# repeat $1: goddp bucket_cap_mb=auto" >&2
   goddp_point "auto --auto_profile $OUT/logs/auto_profile_r$1.json" "$OUT/logs/goddp_auto_r$1.log"
-  echo "goddp,auto,,$1,$m" >> "$raw"
+  echo "goddp,auto,,$1,$m,$lay" >> "$raw"
 }
 
 # onebucket_point REP: goddp with one bucket, traced and not timed: no collective runs during
@@ -270,15 +273,18 @@ if [ "$AUTO" = 1 ]; then
   # saw its first steps, and with the compute timeline of the one-bucket launches' steady
   # passes (after the warm-up) in their place.
   profiles=$(ls "$OUT"/logs/auto_profile_r*.json | paste -sd,)
+  # sweep-report writes layouts.csv only where two caps ran one layout.
+  measured=(-measured "$OUT/summary.csv")
+  [ -f "$OUT/layouts.csv" ] && measured+=(-layouts "$OUT/layouts.csv")
   {
     echo "## The step model from auto's profiles ($REPEATS, combined by the median)"
     echo
-    ./bin/ddpsim -profile "$profiles" -measured "$OUT/summary.csv"
+    ./bin/ddpsim -profile "$profiles" "${measured[@]}"
     if [ "$ONEBUCKET" = 1 ]; then
       echo
       echo "## The same, with the compute timeline of the one-bucket launches (their passes after the warm-up, each from the rank that paced it)"
       echo
-      ./bin/ddpsim -profile "$profiles" -measured "$OUT/summary.csv" -trace_from $((WARMUP + 1)) \
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" -trace_from $((WARMUP + 1)) \
         -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)"
     fi
   } > "$OUT/sim.md" || { echo "sweep: ddpsim failed" >&2; exit 1; }

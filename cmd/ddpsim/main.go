@@ -62,6 +62,7 @@ type config struct {
 	firstMB  float64
 	minGain  float64 // -min_gain
 	measured string
+	layouts  string // -layouts: a sweep's layouts.csv
 	world    int
 	algo     string
 	latency  time.Duration
@@ -83,6 +84,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.Float64Var(&c.firstMB, "first_cap_mb", 1, "first bucket's cap in MB for the caps of -caps")
 	fs.Float64Var(&c.minGain, "min_gain", sim.DefaultMinGain, "auto's margin: its choice keeps the caps -first_cap_mb and 25 MB unless another layout is predicted at least this fraction faster (0: the least predicted)")
 	fs.StringVar(&c.measured, "measured", "", "a sweep's summary.csv (sweep-report) to compare with, point by point (system goddp)")
+	fs.StringVar(&c.layouts, "layouts", "", "with -measured: the sweep's layouts.csv (sweep-report; the caps that ran one layout, pooled), to compare the best predicted cap's layout with the best measured layout")
 	fs.IntVar(&c.world, "world", 0, "with -gbit: ranks of the all-reduce to model instead of the measured curve")
 	fs.StringVar(&c.algo, "algo", "ring", "with -gbit: ring or tree")
 	fs.DurationVar(&c.latency, "latency", 5*time.Microsecond, "with -gbit: latency of one hop")
@@ -124,6 +126,9 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	}
 	if c.gbit < 0 || (c.gbit > 0 && c.world < 2) {
 		return c, fmt.Errorf("-gbit %v needs -world of 2 or more (got %d)", c.gbit, c.world)
+	}
+	if c.layouts != "" && c.measured == "" {
+		return c, errors.New("-layouts needs -measured")
 	}
 	if c.compute == "sweep" && c.measured == "" {
 		return c, errors.New("-compute_ms sweep needs -measured")
@@ -176,6 +181,11 @@ func run(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
+	if c.layouts != "" {
+		if meas.layouts, err = readLayouts(c.layouts); err != nil {
+			return err
+		}
+	}
 	if c.compute != "" {
 		ms := meas.compute
 		if c.compute != "sweep" {
@@ -193,6 +203,43 @@ func run(args []string, stdout, stderr io.Writer) error {
 		p.Other *= k
 	}
 	return predictTable(stdout, p, c, meas)
+}
+
+// layoutLine prints where the best predicted cap stands among the measured layouts: the caps
+// of one layout are one job, so a best cap among them is the noise's pick, but the best
+// layout can be told apart (Note [Same layout] in cmd/sweep-report). Steps apart counts from
+// the predicted cap to the nearest cap of the best measured layout, in caps.
+func layoutLine(w io.Writer, caps []float64, pred float64, ls []measuredLayout) {
+	best := 0
+	for i, l := range ls {
+		if l.ms < ls[best].ms {
+			best = i
+		}
+	}
+	b := ls[best]
+	text := make([]string, len(b.caps))
+	for i, c := range b.caps {
+		text[i] = strconv.FormatFloat(c, 'g', -1, 64)
+	}
+	fmt.Fprintf(w, "\nby layout (-layouts): best measured: caps %s, P(best) %.2f", strings.Join(text, ", "), b.pBest)
+	if slices.Contains(b.caps, pred) {
+		fmt.Fprintf(w, "; the best predicted cap, %g MB, is one of them (0 steps apart)", pred)
+		return
+	}
+	at := slices.Index(caps, pred)
+	steps := len(caps)
+	for _, c := range b.caps {
+		if k := slices.Index(caps, c); k >= 0 {
+			steps = min(steps, max(k-at, at-k))
+		}
+	}
+	for _, l := range ls {
+		if slices.Contains(l.caps, pred) {
+			fmt.Fprintf(w, "; the best predicted cap, %g MB, ran a layout that measured %+.1f%% against it, P(best) %.2f (%d step(s) apart)", pred, 100*(l.ms/b.ms-1), l.pBest, steps)
+			return
+		}
+	}
+	fmt.Fprintf(w, "; the best predicted cap, %g MB, is in no measured layout (%d step(s) apart)", pred, steps)
 }
 
 func mib(mb float64) int64 { return max(int64(mb*(1<<20)), 1) }
@@ -255,6 +302,9 @@ func predictTable(w io.Writer, p *sim.Profile, c config, sm summary) error {
 				fmt.Fprintf(w, ", %.2f for the best predicted", pb)
 			}
 		}
+	}
+	if len(sm.layouts) > 0 {
+		layoutLine(w, c.caps, c.caps[bestPred], sm.layouts)
 	}
 	fmt.Fprintf(w, "\nauto's choice for this profile: first cap %.3g MB, cap %.3g MB, %d buckets, predicted %.1f ms/step",
 		float64(plan.FirstCapBytes)/(1<<20), float64(plan.CapBytes)/(1<<20), plan.Predicted.Buckets, plan.Predicted.Step*1e3)
@@ -560,6 +610,59 @@ type summary struct {
 	caps          map[float64]float64
 	auto, compute float64
 	pBest         map[float64]float64
+	layouts       []measuredLayout // from -layouts
+}
+
+// measuredLayout is one row of a sweep's layouts.csv: the caps that ran one bucket layout,
+// their pooled median and its P(best) (Note [Same layout] in cmd/sweep-report).
+type measuredLayout struct {
+	caps  []float64
+	ms    float64
+	pBest float64
+}
+
+// readLayouts reads goddp's rows of a layouts.csv.
+func readLayouts(path string) ([]measuredLayout, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	recs, err := csv.NewReader(f).ReadAll()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if len(recs) == 0 || strings.Join(recs[0], ",") != "system,caps,buckets,median_ms_step,relative_to_best,p_best" {
+		return nil, fmt.Errorf("%s: not a sweep-report layouts.csv (system,caps,buckets,median_ms_step,relative_to_best,p_best)", path)
+	}
+	var ls []measuredLayout
+	for _, r := range recs[1:] {
+		if r[0] != "goddp" {
+			continue
+		}
+		var l measuredLayout
+		for _, f := range strings.Fields(r[1]) {
+			c, err := strconv.ParseFloat(f, 64)
+			if err != nil {
+				return nil, fmt.Errorf("%s: caps %q: %w", path, r[1], err)
+			}
+			l.caps = append(l.caps, c)
+		}
+		if l.ms, err = strconv.ParseFloat(r[3], 64); err != nil {
+			return nil, fmt.Errorf("%s: ms/step %q: %w", path, r[3], err)
+		}
+		if l.pBest, err = strconv.ParseFloat(r[5], 64); err != nil {
+			return nil, fmt.Errorf("%s: p_best %q: %w", path, r[5], err)
+		}
+		if len(l.caps) == 0 {
+			return nil, fmt.Errorf("%s: a row with no caps", path)
+		}
+		ls = append(ls, l)
+	}
+	if len(ls) == 0 {
+		return nil, fmt.Errorf("%s: no goddp rows", path)
+	}
+	return ls, nil
 }
 
 // readSummary reads goddp's rows of a summary.csv.

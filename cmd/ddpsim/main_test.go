@@ -167,6 +167,37 @@ func TestPredictAgainstMeasured(t *testing.T) {
 	if err := run([]string{"-profile", a, "-caps", "1,8", "-measured", withP}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), `p_best "x"`) {
 		t.Errorf("a bad p_best: %v", err)
 	}
+	// With a layouts.csv: where the best predicted cap, 1 MB, stands among the pooled layouts.
+	lays := filepath.Join(dir, "layouts.csv")
+	const layHead = "system,caps,buckets,median_ms_step,relative_to_best,p_best\n"
+	for rows, want := range map[string]string{
+		"goddp,8 16,2,150.000,1.0000,0.7000\ngoddp,1,8,160.000,1.0667,0.3000\ntorch,1,1,1,1,1\n": "by layout (-layouts): best measured: caps 8, 16, P(best) 0.70; the best predicted cap, 1 MB, ran a layout that measured +6.7% against it, P(best) 0.30 (1 step(s) apart)\n",
+		"goddp,8,2,170.000,1.1333,0.0100\ngoddp,1 16,3,150.000,1.0000,0.9900\n":                  "by layout (-layouts): best measured: caps 1, 16, P(best) 0.99; the best predicted cap, 1 MB, is one of them (0 steps apart)\n",
+		"goddp,8 16,2,150.000,1.0000,1.0000\n":                                                   "by layout (-layouts): best measured: caps 8, 16, P(best) 1.00; the best predicted cap, 1 MB, is in no measured layout (1 step(s) apart)\n",
+	} {
+		if err := os.WriteFile(lays, []byte(layHead+rows), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		out.Reset()
+		if err := run([]string{"-profile", a, "-caps", "1,8", "-measured", sum, "-layouts", lays}, &out, io.Discard); err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	for rows, want := range map[string]string{
+		"goddp,8,2,150.000,1.0000,x\n": `p_best "x"`,
+		"goddp,,2,150.000,1.0000,1\n":  "a row with no caps",
+		"torch,8,2,150.000,1.0000,1\n": "no goddp rows",
+	} {
+		if err := os.WriteFile(lays, []byte(layHead+rows), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := run([]string{"-profile", a, "-caps", "1,8", "-measured", sum, "-layouts", lays}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("layouts %q: %v, want an error with %q", rows, err, want)
+		}
+	}
 	// Compute rescaled to the summary's compute-only 55 ms (the profile: 90 + 20 ms).
 	out.Reset()
 	if err := run([]string{"-profile", b, "-caps", "8", "-measured", sum, "-compute_ms", "sweep"}, &out, io.Discard); err != nil {
@@ -206,6 +237,10 @@ func TestBadInput(t *testing.T) {
 	if err := os.WriteFile(other, []byte(`{"params":[{"Name":"x","DType":1,"Len":3}],"order":[0],"ready_s":[0]}`), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	sum := filepath.Join(dir, "sum.csv")
+	if err := os.WriteFile(sum, []byte("system,bucket_cap_mb,median_ms_step,min_ms_step,max_ms_step,repeats,relative_to_best,compute_ms_step,exposed_ms,exposed_fraction\ngoddp,1,125,1,1,3,1,55,1,1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	for name, args := range map[string][]string{
 		"nothing":       {},
 		"bad cap":       {"-profile", good, "-caps", "1,x"},
@@ -219,6 +254,8 @@ func TestBadInput(t *testing.T) {
 		"compute":       {"-profile", good, "-compute_ms", "-3"},
 		"compute sweep": {"-profile", good, "-compute_ms", "sweep"},
 		"allreduce":     {"-profile", good, "-allreduce", good},
+		"layouts alone": {"-profile", good, "-layouts", good},
+		"not layouts":   {"-profile", good, "-measured", sum, "-layouts", sum},
 	} {
 		if err := run(args, io.Discard, io.Discard); err == nil {
 			t.Errorf("%s: no error", name)

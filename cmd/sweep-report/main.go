@@ -8,8 +8,10 @@
 //	sweep-report -trace merged.json -rate 1gbit -from_step 5   # link use of one traced run
 //
 // The input CSV has the header system,kind,bucket_cap_mb,repeat,ms_step where kind is "ddp"
-// (bucket_cap_mb set) or "compute" (compute-only: --no_ddp processes, bucket_cap_mb empty).
-// Every system (goddp, torch) gets its own columns; medians are over repeats.
+// (bucket_cap_mb set), "auto" (--bucket_cap_mb auto) or "compute" (compute-only: --no_ddp
+// processes, bucket_cap_mb empty), and optionally a last column, layout: the bucket sizes in
+// MB that the launch ran, space-separated (Note [Same layout]). Every system (goddp, torch)
+// gets its own columns; medians are over repeats.
 //
 // With -trace, it reads instead a merged trace of a run with one rank per host (ddprun
 // --trace_merge) and prints the link's use while the buckets were in flight: the bytes each
@@ -84,6 +86,10 @@ type series struct {
 	// the same by repeat: ms/step per cap and repeat, and auto's per repeat
 	ddpRep  map[float64]map[string]float64
 	autoRep map[string]float64
+	// the bucket layout each launch ran (the raw CSV's layout column, where it has one), per
+	// cap and repeat, and auto's per repeat (Note [Same layout])
+	layoutRep map[float64]map[string]string
+	autoLay   map[string]string
 }
 
 func read(path string) (map[string]*series, error) {
@@ -98,8 +104,9 @@ func read(path string) (map[string]*series, error) {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	want := []string{"system", "kind", "bucket_cap_mb", "repeat", "ms_step"}
-	if strings.Join(header, ",") != strings.Join(want, ",") {
-		return nil, fmt.Errorf("%s: header %q, want %q", path, strings.Join(header, ","), strings.Join(want, ","))
+	withLayout := strings.Join(header, ",") == strings.Join(append(want, "layout"), ",")
+	if !withLayout && strings.Join(header, ",") != strings.Join(want, ",") {
+		return nil, fmt.Errorf("%s: header %q, want %q (and an optional layout column)", path, strings.Join(header, ","), strings.Join(want, ","))
 	}
 	all := map[string]*series{}
 	for line := 2; ; line++ {
@@ -116,8 +123,13 @@ func read(path string) (map[string]*series, error) {
 		}
 		s := all[rec[0]]
 		if s == nil {
-			s = &series{ddp: map[float64][]float64{}, ddpRep: map[float64]map[string]float64{}, autoRep: map[string]float64{}}
+			s = &series{ddp: map[float64][]float64{}, ddpRep: map[float64]map[string]float64{}, autoRep: map[string]float64{},
+				layoutRep: map[float64]map[string]string{}, autoLay: map[string]string{}}
 			all[rec[0]] = s
+		}
+		lay := ""
+		if withLayout {
+			lay = strings.Join(strings.Fields(rec[5]), " ")
 		}
 		switch rec[1] {
 		case "ddp":
@@ -130,11 +142,20 @@ func read(path string) (map[string]*series, error) {
 				s.ddpRep[c] = map[string]float64{}
 			}
 			s.ddpRep[c][rec[3]] = ms
+			if lay != "" {
+				if s.layoutRep[c] == nil {
+					s.layoutRep[c] = map[string]string{}
+				}
+				s.layoutRep[c][rec[3]] = lay
+			}
 		case "compute":
 			s.compute = append(s.compute, ms)
 		case "auto":
 			s.auto = append(s.auto, ms)
 			s.autoRep[rec[3]] = ms
+			if lay != "" {
+				s.autoLay[rec[3]] = lay
+			}
 		default:
 			return nil, fmt.Errorf("%s:%d: kind %q, want ddp, auto or compute", path, line, rec[1])
 		}
@@ -232,6 +253,161 @@ func pBest(rep map[float64]map[string]float64, caps []float64, draws int) map[fl
 // pBestDraws is the number of resamples behind P(best).
 const pBestDraws = 4000
 
+// Note [Same layout]: several caps can give the same buckets. At a model of 6.5 MB every cap
+// from 10 MB up puts all the gradients after the first bucket in one bucket. Launches of those
+// caps run one and the same job, so how far apart their medians lie is this sweep's noise,
+// measured directly, and which of them measures best is decided by that noise alone. The
+// least median of several runs of one job is also below what that job typically takes, so a
+// best cap among them flatters the best. With the raw CSV's layout column (rank 0's bucket
+// sizes, as the trainer's end-of-run summary prints them after "rebuilt"), the report groups
+// the caps whose every launch ran one layout and pools each group: in each repeat, the median
+// of the group's launches in that repeat, so that a layout counts once per repeat, as a single
+// cap does. It then ranks the layouts as it ranks the caps, with P(best) over the same
+// resampling (Note [Resolved best]), and pairs auto with the best layout.
+
+// layoutsHeader is the header of layouts.csv: one row per layout of Note [Same layout], its
+// caps space-separated, buckets empty where unknown (cmd/ddpsim -layouts reads it).
+const layoutsHeader = "system,caps,buckets,median_ms_step,relative_to_best,p_best\n"
+
+// layoutGroup is one bucket layout of a sweep and the caps that ran it.
+type layoutGroup struct {
+	layout string             // the bucket sizes in MB; empty for a cap whose launches did not all report one layout
+	caps   []float64          // ascending
+	rep    map[string]float64 // by repeat: the median of the caps' ms/step in that repeat
+}
+
+// buckets is the number of buckets of g's layout (0 if unknown).
+func (g layoutGroup) buckets() int { return len(strings.Fields(g.layout)) }
+
+// capsText lists g's caps.
+func (g layoutGroup) capsText() string {
+	parts := make([]string, len(g.caps))
+	for i, c := range g.caps {
+		parts[i] = strconv.FormatFloat(c, 'g', -1, 64)
+	}
+	return strings.Join(parts, ", ")
+}
+
+// capLayout is the layout that every launch of cap c ran, or "" if one of them reported none
+// or two differ.
+func capLayout(s *series, c float64) string {
+	lay := ""
+	for k := range s.ddpRep[c] {
+		l := s.layoutRep[c][k]
+		if l == "" || (lay != "" && l != lay) {
+			return ""
+		}
+		lay = l
+	}
+	return lay
+}
+
+// layoutGroups groups caps by the layout their launches ran (Note [Same layout]), in the
+// order of each group's least cap; a cap of unknown layout is a group of its own.
+func layoutGroups(s *series, caps []float64) []layoutGroup {
+	var gs []layoutGroup
+	at := map[string]int{}
+	for _, c := range caps {
+		if len(s.ddpRep[c]) == 0 {
+			continue
+		}
+		lay := capLayout(s, c)
+		if i, ok := at[lay]; ok && lay != "" {
+			gs[i].caps = append(gs[i].caps, c)
+			continue
+		}
+		at[lay] = len(gs)
+		gs = append(gs, layoutGroup{layout: lay, caps: []float64{c}})
+	}
+	for i := range gs {
+		byRep := map[string][]float64{}
+		for _, c := range gs[i].caps {
+			for k, v := range s.ddpRep[c] {
+				byRep[k] = append(byRep[k], v)
+			}
+		}
+		gs[i].rep = map[string]float64{}
+		for k, xs := range byRep {
+			gs[i].rep[k] = median(xs)
+		}
+	}
+	return gs
+}
+
+// repValues are the values of a by-repeat map.
+func repValues(m map[string]float64) []float64 {
+	xs := make([]float64, 0, len(m))
+	for _, v := range m {
+		xs = append(xs, v)
+	}
+	return xs
+}
+
+// writeLayouts appends Note [Same layout]'s lines to md, and system's layouts to csv (the
+// rows of layouts.csv), if two caps or more ran one layout.
+func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []float64) {
+	gs := layoutGroups(s, caps)
+	shared := false
+	for _, g := range gs {
+		if len(g.caps) > 1 {
+			shared = true
+			lo, hi := math.Inf(1), math.Inf(-1)
+			for _, c := range g.caps {
+				m := median(s.ddp[c])
+				lo, hi = math.Min(lo, m), math.Max(hi, m)
+			}
+			fmt.Fprintf(md, "\nsame layout (Note [Same layout] in cmd/sweep-report): caps %s ran the same %d buckets (%s MB); their medians lie %.1f..%.1f ms/step, %.1f%% apart, a difference between runs of one job\n",
+				g.capsText(), g.buckets(), g.layout, lo, hi, 100*(hi/lo-1))
+		}
+	}
+	if !shared {
+		return
+	}
+	rep := map[float64]map[string]float64{}
+	keys := make([]float64, len(gs))
+	best, bestAt := math.Inf(1), -1
+	for i, g := range gs {
+		keys[i] = g.caps[0]
+		rep[keys[i]] = g.rep
+		if m := median(repValues(g.rep)); m < best {
+			best, bestAt = m, i
+		}
+	}
+	pb := pBest(rep, keys, pBestDraws)
+	fmt.Fprintf(md, "\nby layout (the caps of one layout pooled: in each repeat, the median of their launches):\n\n")
+	fmt.Fprintf(md, "| caps | buckets | ms/step | relative to best | P(best) |\n|---|---:|---:|---:|---:|\n")
+	for i, g := range gs {
+		m := median(repValues(g.rep))
+		nb := "?"
+		if g.layout != "" {
+			nb = strconv.Itoa(g.buckets())
+		}
+		fmt.Fprintf(md, "| %s | %s | %.1f | %.2fx | %.2f |\n", g.capsText(), nb, m, m/best, pb[keys[i]])
+		fmt.Fprintf(csv, "%s,%s,%s,%.3f,%.4f,%.4f\n", system, strings.ReplaceAll(g.capsText(), ", ", " "), strings.ReplaceAll(nb, "?", ""), m, m/best, pb[keys[i]])
+	}
+	if len(s.auto) == 0 {
+		return
+	}
+	g := gs[bestAt]
+	fmt.Fprintf(md, "\nauto against the best layout (caps %s): %.2fx by the medians, paired %.3fx", g.capsText(), median(s.auto)/best, paired(s.autoRep, g.rep))
+	// the layout of the caps that most auto launches ran, and those launches against them
+	for _, o := range gs {
+		if o.layout == "" {
+			continue
+		}
+		same := map[string]float64{}
+		for k, v := range s.autoRep {
+			if s.autoLay[k] == o.layout {
+				same[k] = v
+			}
+		}
+		if 2*len(same) > len(s.autoRep) {
+			fmt.Fprintf(md, "; %d of %d auto launches ran the layout of caps %s: paired %.3fx against them", len(same), len(s.autoRep), o.capsText(), paired(same, o.rep))
+		}
+	}
+	md.WriteString("\n")
+}
+
 func minMax(xs []float64) (float64, float64) {
 	lo, hi := math.Inf(1), math.Inf(-1)
 	for _, x := range xs {
@@ -266,7 +442,7 @@ func run(in, out string, stdout io.Writer) error {
 	sort.Float64s(caps)
 
 	var md strings.Builder
-	var sum strings.Builder
+	var sum, lays strings.Builder
 	sum.WriteString("system,bucket_cap_mb,median_ms_step,min_ms_step,max_ms_step,repeats,relative_to_best,compute_ms_step,exposed_ms,exposed_fraction,p_best\n")
 	for _, name := range systems {
 		s := all[name]
@@ -316,6 +492,7 @@ func run(in, out string, stdout io.Writer) error {
 			}
 			fmt.Fprintf(&md, " %.3f..%.3fx over all the caps\n", rlo, rhi)
 		}
+		writeLayouts(&md, &lays, name, s, caps)
 		if len(s.compute) > 0 {
 			lo, hi := minMax(s.compute)
 			fmt.Fprintf(&md, "\ncompute only (--no_ddp, two processes at once): %.1f ms/step (%.1f..%.1f, %d repeats)\n", comp, lo, hi, len(s.compute))
@@ -339,6 +516,13 @@ func run(in, out string, stdout io.Writer) error {
 	}
 	if err := os.WriteFile(filepath.Join(out, "summary.csv"), []byte(sum.String()), 0o644); err != nil {
 		return err
+	}
+	if lays.Len() > 0 {
+		if err := os.WriteFile(filepath.Join(out, "layouts.csv"), []byte(layoutsHeader+lays.String()), 0o644); err != nil {
+			return err
+		}
+	} else if err := os.Remove(filepath.Join(out, "layouts.csv")); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err // a layouts.csv of an earlier report, which this one's caps do not bear out
 	}
 	if err := drawPlot(all, systems, caps, out); err != nil {
 		return err

@@ -5,6 +5,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -91,6 +92,81 @@ func TestPBest(t *testing.T) {
 	// seven): P(Bin(7, 1/7) ≥ 4) = 0.01015.
 	p = pBest(map[float64]map[string]float64{10: reps(60, 60, 200, 60, 60, 60, 60), 50: reps(61, 61, 61, 61, 61, 61, 61)}, []float64{10, 50}, 20000)
 	near("one slow repeat, cap 10", p[10], 1-0.01015, 0.004)
+}
+
+// TestSameLayout checks Note [Same layout]: caps 10, 25 and 50 ran one layout (B), cap 1
+// another (A), and cap 100 ran B in two repeats and A in one, so it stands alone.
+func TestSameLayout(t *testing.T) {
+	dir := t.TempDir()
+	raw := filepath.Join(dir, "raw.csv")
+	const a, b = "1.25 1.00 4.27", "1.25  5.27" // the extra space is not part of the layout
+	data := "system,kind,bucket_cap_mb,repeat,ms_step,layout\n"
+	for _, r := range []struct {
+		kind, cap     string
+		ms1, ms2, ms3 float64
+		l1, l2, l3    string
+	}{
+		{"ddp", "1", 100, 104, 102, a, a, a},
+		{"ddp", "10", 98, 110, 101, b, b, b},
+		{"ddp", "25", 99, 103, 109, b, b, b},
+		{"ddp", "50", 97, 105, 100, b, b, b},
+		{"ddp", "100", 106, 108, 104, b, a, b},
+		{"auto", "", 99, 104, 100, b, a, b},
+	} {
+		for k, ms := range []float64{r.ms1, r.ms2, r.ms3} {
+			data += fmt.Sprintf("goddp,%s,%s,%d,%g,%s\n", r.kind, r.cap, k+1, ms, []string{r.l1, r.l2, r.l3}[k])
+		}
+	}
+	data += "torch,ddp,10,1,120,\ntorch,ddp,25,1,121,\n"
+	if err := os.WriteFile(raw, []byte(data), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	if err := run(raw, dir, &out); err != nil {
+		t.Fatal(err)
+	}
+	table := out.String()
+	for _, want := range []string{
+		// the medians of caps 10, 25 and 50: 101, 103, 100
+		"caps 10, 25, 50 ran the same 2 buckets (1.25 5.27 MB); their medians lie 100.0..103.0 ms/step, 3.0% apart",
+		// B by repeat: the medians of 98 99 97, 110 103 105, 101 109 100: 98, 105, 101
+		"| 10, 25, 50 | 2 | 101.0 | 1.00x |",
+		"| 1 | 3 | 102.0 | 1.01x |",
+		"| 100 | ? | 106.0 | 1.05x |",
+		// auto's median 100; by repeat 99/98, 104/105, 100/101; in the repeats where it ran B,
+		// 99/98 and 100/101
+		"auto against the best layout (caps 10, 25, 50): 0.99x by the medians, paired 0.990x; 2 of 3 auto launches ran the layout of caps 10, 25, 50: paired 1.000x against them",
+	} {
+		if !strings.Contains(table, want) {
+			t.Errorf("table lacks %q:\n%s", want, table)
+		}
+	}
+	if n := strings.Count(table, "same layout ("); n != 1 {
+		t.Errorf("%d same-layout lines, want 1 (goddp's; torch's rows have no layout):\n%s", n, table)
+	}
+	// the layouts' P(best) add up to 1
+	sum := 0.0
+	for _, line := range strings.Split(table[strings.Index(table, "by layout"):], "\n") {
+		if f := strings.Split(line, "|"); len(f) == 7 && strings.HasSuffix(strings.TrimSpace(f[4]), "x") {
+			p, err := strconv.ParseFloat(strings.TrimSpace(f[5]), 64)
+			if err != nil {
+				t.Fatalf("P(best) in %q: %v", line, err)
+			}
+			sum += p
+		}
+	}
+	if math.Abs(sum-1) > 0.02 {
+		t.Errorf("the layouts' P(best) add up to %.3f:\n%s", sum, table)
+	}
+	lays, err := os.ReadFile(filepath.Join(dir, "layouts.csv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"system,caps,buckets,median_ms_step,relative_to_best,p_best\n", "\ngoddp,10 25 50,2,101.000,1.0000,", "\ngoddp,100,,106.000,1.0495,"} {
+		if !strings.Contains(string(lays), want) {
+			t.Errorf("layouts.csv lacks %q:\n%s", want, lays)
+		}
+	}
 }
 
 func TestReportBadInput(t *testing.T) {
