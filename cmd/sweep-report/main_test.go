@@ -10,15 +10,12 @@ import (
 	"testing"
 )
 
-func TestReport(t *testing.T) {
-	dir := t.TempDir()
+// report writes data as a raw CSV in a fresh folder and runs the report into that folder,
+// returning the folder and the table printed.
+func report(t *testing.T, data string) (dir, table string) {
+	t.Helper()
+	dir = t.TempDir()
 	raw := filepath.Join(dir, "raw.csv")
-	data := "system,kind,bucket_cap_mb,repeat,ms_step\n" +
-		"goddp,ddp,1,1,120\ngoddp,ddp,1,2,140\ngoddp,ddp,1,3,130\n" +
-		"goddp,ddp,25,1,100\ngoddp,ddp,25,2,110\n" +
-		"goddp,compute,,1,80\ngoddp,compute,,2,90\n" +
-		"goddp,auto,,1,99\ngoddp,auto,,2,101\n" +
-		"torch,ddp,1,1,150\ntorch,ddp,25,1,150\ntorch,compute,,1,100\n"
 	if err := os.WriteFile(raw, []byte(data), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -26,7 +23,17 @@ func TestReport(t *testing.T) {
 	if err := run(raw, dir, &out); err != nil {
 		t.Fatal(err)
 	}
-	table := out.String()
+	return dir, out.String()
+}
+
+func TestReport(t *testing.T) {
+	data := "system,kind,bucket_cap_mb,repeat,ms_step\n" +
+		"goddp,ddp,1,1,120\ngoddp,ddp,1,2,140\ngoddp,ddp,1,3,130\n" +
+		"goddp,ddp,25,1,100\ngoddp,ddp,25,2,110\n" +
+		"goddp,compute,,1,80\ngoddp,compute,,2,90\n" +
+		"goddp,auto,,1,99\ngoddp,auto,,2,101\n" +
+		"torch,ddp,1,1,150\ntorch,ddp,25,1,150\ntorch,compute,,1,100\n"
+	dir, table := report(t, data)
 	for _, want := range []string{
 		"| 1 | 130.0 | 120.0..140.0 | 1.24x | 45.0 | 34.6% | 0.0", // median 130, best 105, compute 85
 		"| 25 | 105.0 | 100.0..110.0 | 1.00x | 20.0 | 19.0% | 0.9",
@@ -97,8 +104,6 @@ func TestPBest(t *testing.T) {
 // TestSameLayout checks Note [Same layout]: caps 10, 25 and 50 ran one layout (B), cap 1
 // another (A), and cap 100 ran B in two repeats and A in one, so it stands alone.
 func TestSameLayout(t *testing.T) {
-	dir := t.TempDir()
-	raw := filepath.Join(dir, "raw.csv")
 	const a, b = "1.25 1.00 4.27", "1.25  5.27" // the extra space is not part of the layout
 	data := "system,kind,bucket_cap_mb,repeat,ms_step,layout\n"
 	for _, r := range []struct {
@@ -118,14 +123,7 @@ func TestSameLayout(t *testing.T) {
 		}
 	}
 	data += "torch,ddp,10,1,120,\ntorch,ddp,25,1,121,\n"
-	if err := os.WriteFile(raw, []byte(data), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	var out strings.Builder
-	if err := run(raw, dir, &out); err != nil {
-		t.Fatal(err)
-	}
-	table := out.String()
+	dir, table := report(t, data)
 	for _, want := range []string{
 		// the medians of caps 10, 25 and 50: 101, 103, 100
 		"caps 10, 25, 50 ran the same 2 buckets (1.25 5.27 MB); their medians lie 100.0..103.0 ms/step, 3.0% apart",
