@@ -510,7 +510,7 @@ func (p *peer) writeLoop() {
 			}
 			p.mu.Unlock()
 			if err != nil {
-				p.g.abort(p.g.lostErr(p, err))
+				p.g.abort(p.g.lostErr(p, p.lostOnWrite(err)))
 			}
 			select {
 			case p.progress <- struct{}{}:
@@ -533,6 +533,29 @@ func (p *peer) writeFrame(hdr, data []byte) error {
 	p.bufs = p.iov[:]
 	_, err := p.bufs.WriteTo(p.conn)
 	p.iov[0], p.iov[1], p.bufs = nil, nil, nil
+	return err
+}
+
+// Note [Lost on write]: a write to a peer fails once the peer has closed its end, and a peer
+// closes its end when it aborts, just after its abort frame, which names the rank that was
+// lost (group.abort). That frame then waits in this rank's receive buffer for the goroutine
+// that reads the peer (the worker, or the crossWorker of Note [Hierarchical pipeline]). Had
+// the writer aborted the group at once, the group would have named the peer as the lost
+// rank: a 2+2-rank group whose rank 3 died reported rank 2 lost on rank 0 in about 1 run
+// of 20 (TestHierPipelinePeerLost, 2026-12-05). So the writer first gives the reading side
+// one PollInterval to abort the group with the cause the peer sent, and names the peer only
+// if it has not: a peer that truly died is named at most that much later.
+
+// lostOnWrite waits, after a failed write to p, for Note [Lost on write]: until the group
+// aborts or stops, or one PollInterval has passed. It returns err.
+func (p *peer) lostOnWrite(err error) error {
+	t := time.NewTimer(p.g.cfg.PollInterval)
+	defer t.Stop()
+	select {
+	case <-p.g.aborted:
+	case <-p.g.stop:
+	case <-t.C:
+	}
 	return err
 }
 
