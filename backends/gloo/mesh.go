@@ -510,7 +510,8 @@ func (p *peer) writeLoop() {
 			}
 			p.mu.Unlock()
 			if err != nil {
-				p.g.abort(p.g.lostErr(p, p.lostOnWrite(err)))
+				p.lostOnWrite()
+				p.g.abort(p.g.lostErr(p, err))
 			}
 			select {
 			case p.progress <- struct{}{}:
@@ -547,8 +548,8 @@ func (p *peer) writeFrame(hdr, data []byte) error {
 // if it has not: a peer that truly died is named at most that much later.
 
 // lostOnWrite waits, after a failed write to p, for Note [Lost on write]: until the group
-// aborts or stops, or one PollInterval has passed. It returns err.
-func (p *peer) lostOnWrite(err error) error {
+// aborts or stops, or one PollInterval has passed.
+func (p *peer) lostOnWrite() {
 	t := time.NewTimer(p.g.cfg.PollInterval)
 	defer t.Stop()
 	select {
@@ -556,7 +557,6 @@ func (p *peer) lostOnWrite(err error) error {
 	case <-p.g.stop:
 	case <-t.C:
 	}
-	return err
 }
 
 // enqueue hands one data frame to the peer's writer goroutine; it is request number

@@ -632,8 +632,9 @@ func readLayouts(path string) ([]measuredLayout, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	if len(recs) == 0 || strings.Join(recs[0], ",") != "system,caps,buckets,median_ms_step,relative_to_best,p_best" {
-		return nil, fmt.Errorf("%s: not a sweep-report layouts.csv (system,caps,buckets,median_ms_step,relative_to_best,p_best)", path)
+	const header = "system,caps,buckets,median_ms_step,relative_to_best,p_best"
+	if len(recs) == 0 || strings.Join(recs[0], ",") != header {
+		return nil, fmt.Errorf("%s: not a sweep-report layouts.csv (%s)", path, header)
 	}
 	var ls []measuredLayout
 	for _, r := range recs[1:] {

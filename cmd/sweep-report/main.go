@@ -21,6 +21,7 @@
 package main
 
 import (
+	"cmp"
 	"encoding/csv"
 	"errors"
 	"flag"
@@ -279,13 +280,13 @@ type layoutGroup struct {
 // buckets is the number of buckets of g's layout (0 if unknown).
 func (g layoutGroup) buckets() int { return len(strings.Fields(g.layout)) }
 
-// capsText lists g's caps.
-func (g layoutGroup) capsText() string {
+// capsText lists g's caps, separated by sep.
+func (g layoutGroup) capsText(sep string) string {
 	parts := make([]string, len(g.caps))
 	for i, c := range g.caps {
 		parts[i] = strconv.FormatFloat(c, 'g', -1, 64)
 	}
-	return strings.Join(parts, ", ")
+	return strings.Join(parts, sep)
 }
 
 // capLayout is the layout that every launch of cap c ran, or "" if one of them reported none
@@ -351,13 +352,13 @@ func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []flo
 	for _, g := range gs {
 		if len(g.caps) > 1 {
 			shared = true
-			lo, hi := math.Inf(1), math.Inf(-1)
-			for _, c := range g.caps {
-				m := median(s.ddp[c])
-				lo, hi = math.Min(lo, m), math.Max(hi, m)
+			meds := make([]float64, len(g.caps))
+			for i, c := range g.caps {
+				meds[i] = median(s.ddp[c])
 			}
+			lo, hi := minMax(meds)
 			fmt.Fprintf(md, "\nsame layout (Note [Same layout] in cmd/sweep-report): caps %s ran the same %d buckets (%s MB); their medians lie %.1f..%.1f ms/step, %.1f%% apart, a difference between runs of one job\n",
-				g.capsText(), g.buckets(), g.layout, lo, hi, 100*(hi/lo-1))
+				g.capsText(", "), g.buckets(), g.layout, lo, hi, 100*(hi/lo-1))
 		}
 	}
 	if !shared {
@@ -365,31 +366,32 @@ func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []flo
 	}
 	rep := map[float64]map[string]float64{}
 	keys := make([]float64, len(gs))
-	best, bestAt := math.Inf(1), -1
+	ms := make([]float64, len(gs)) // each layout's median over repeats
+	bestAt := 0
 	for i, g := range gs {
 		keys[i] = g.caps[0]
 		rep[keys[i]] = g.rep
-		if m := median(repValues(g.rep)); m < best {
-			best, bestAt = m, i
+		if ms[i] = median(repValues(g.rep)); ms[i] < ms[bestAt] {
+			bestAt = i
 		}
 	}
+	best := ms[bestAt]
 	pb := pBest(rep, keys, pBestDraws)
 	fmt.Fprintf(md, "\nby layout (the caps of one layout pooled: in each repeat, the median of their launches):\n\n")
 	fmt.Fprintf(md, "| caps | buckets | ms/step | relative to best | P(best) |\n|---|---:|---:|---:|---:|\n")
 	for i, g := range gs {
-		m := median(repValues(g.rep))
-		nb := "?"
+		nb := "" // unknown: "?" in the table, empty in the CSV
 		if g.layout != "" {
 			nb = strconv.Itoa(g.buckets())
 		}
-		fmt.Fprintf(md, "| %s | %s | %.1f | %.2fx | %.2f |\n", g.capsText(), nb, m, m/best, pb[keys[i]])
-		fmt.Fprintf(csv, "%s,%s,%s,%.3f,%.4f,%.4f\n", system, strings.ReplaceAll(g.capsText(), ", ", " "), strings.ReplaceAll(nb, "?", ""), m, m/best, pb[keys[i]])
+		fmt.Fprintf(md, "| %s | %s | %.1f | %.2fx | %.2f |\n", g.capsText(", "), cmp.Or(nb, "?"), ms[i], ms[i]/best, pb[keys[i]])
+		fmt.Fprintf(csv, "%s,%s,%s,%.3f,%.4f,%.4f\n", system, g.capsText(" "), nb, ms[i], ms[i]/best, pb[keys[i]])
 	}
 	if len(s.auto) == 0 {
 		return
 	}
 	g := gs[bestAt]
-	fmt.Fprintf(md, "\nauto against the best layout (caps %s): %.2fx by the medians, paired %.3fx", g.capsText(), median(s.auto)/best, paired(s.autoRep, g.rep))
+	fmt.Fprintf(md, "\nauto against the best layout (caps %s): %.2fx by the medians, paired %.3fx", g.capsText(", "), median(s.auto)/best, paired(s.autoRep, g.rep))
 	// the layout of the caps that most auto launches ran, and those launches against them
 	for _, o := range gs {
 		if o.layout == "" {
@@ -402,7 +404,7 @@ func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []flo
 			}
 		}
 		if 2*len(same) > len(s.autoRep) {
-			fmt.Fprintf(md, "; %d of %d auto launches ran the layout of caps %s: paired %.3fx against them", len(same), len(s.autoRep), o.capsText(), paired(same, o.rep))
+			fmt.Fprintf(md, "; %d of %d auto launches ran the layout of caps %s: paired %.3fx against them", len(same), len(s.autoRep), o.capsText(", "), paired(same, o.rep))
 		}
 	}
 	md.WriteString("\n")
