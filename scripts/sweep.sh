@@ -6,7 +6,8 @@
 # $OUT/logs (goddp's include the per-step overlap figures and each rank's peak RSS). With
 # auto (AUTO=1), sim.md holds cmd/ddpsim's prediction of every cap against the measured
 # medians, from auto's profiles and from one traced one-bucket launch per repeat
-# (ONEBUCKET=1). The points of a repeat run in a shuffled order (ORDER, SEED; logs/order.txt),
+# (ONEBUCKET=1), with the slowdowns under overlap from one more traced launch per repeat
+# whose buckets all have the sweep's smallest cap (OVERLAP_MB). The points of a repeat run in a shuffled order (ORDER, SEED; logs/order.txt),
 # each once the machine is quiet (QUIET; logs/probe.csv, Note [Quiet machine]).
 #
 #   make sweep                                   # caps 1 5 10 25 50 100 200, 3 repeats
@@ -39,6 +40,7 @@ LINK=${LINK:-1}               # on the testbed: one more traced goddp launch per
 AUTO=${AUTO:-1}               # also run goddp with --bucket_cap_mb auto (kind auto in raw.csv)
 ONEBUCKET=${ONEBUCKET:-1}     # also one traced goddp launch with one bucket per repeat (sim.md)
 ONEBUCKET_MB=${ONEBUCKET_MB:-100000} # its cap: above any model's size
+OVERLAP_MB=${OVERLAP_MB:-$(printf '%s\n' $CAPS | sort -g | head -1)} # with ONEBUCKET=1: one traced launch per repeat with every bucket this cap (sim.md)
 ORDER=${ORDER:-random}        # or fixed: the order of the points within a repeat
 QUIET=${QUIET:-1}             # wait for a quiet machine before each launch (0: do not probe)
 QUIET_TOL=${QUIET_TOL:-0.15}  # quiet: a probe at most this fraction over the median of the probes so far
@@ -187,6 +189,15 @@ onebucket_point() {
     --trace_merge "$OUT/logs/onebucket_r$1_trace.json"
 }
 
+# overlap_point REP: goddp with every bucket OVERLAP_MB, traced and not timed: its
+# collectives run during backward, and its trace against the one-bucket launches' gives the
+# slowdowns under overlap (cmd/ddpsim -overlap_trace, Note [Overlap from traces]).
+overlap_point() {
+  echo "# repeat $1: goddp with every bucket $OVERLAP_MB MB, traced" >&2
+  goddp_point "$OVERLAP_MB --first_bucket_cap_mb $OVERLAP_MB" "$OUT/logs/goddp_overlap_r$1.log" \
+    --trace_merge "$OUT/logs/overlap_r$1_trace.json"
+}
+
 # Note [Quiet machine]: the machine is shared, and another tenant's load comes in spells of
 # tens of seconds that slow every launch in them alike: on the two-host testbed at 10 Gbit/s
 # (2026-12-04, round s30c), consecutive launches of every cap ran at 80-84 ms/step where the
@@ -248,7 +259,7 @@ if [ "$QUIET" = 1 ]; then echo "unix_s,repeat,item,when,probe_ms,waited_s" > "$O
 items="compute"
 for cap in $CAPS; do items="$items cap:$cap"; done
 [ "$AUTO" = 1 ] && items="$items auto"
-[ "$ONEBUCKET" = 1 ] && items="$items onebucket"
+[ "$ONEBUCKET" = 1 ] && items="$items onebucket overlap"
 : > "$OUT/logs/order.txt"
 for rep in $(seq 1 "$REPEATS"); do
   order=$items
@@ -263,6 +274,7 @@ for rep in $(seq 1 "$REPEATS"); do
       cap:*) cap_point "${item#cap:}" "$rep" ;;
       auto) auto_point "$rep" ;;
       onebucket) onebucket_point "$rep" ;;
+      overlap) overlap_point "$rep" ;;
     esac
     probe_after "$rep" "$item"
   done
@@ -286,6 +298,12 @@ if [ "$AUTO" = 1 ]; then
       echo
       ./bin/ddpsim -profile "$profiles" "${measured[@]}" -trace_from $((WARMUP + 1)) \
         -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)"
+      echo
+      echo "## The same, with the slowdowns under overlap of the traced launches with every bucket $OVERLAP_MB MB against the one-bucket launches (Note [Overlap from traces] in cmd/ddpsim)"
+      echo
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" -trace_from $((WARMUP + 1)) \
+        -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)" \
+        -overlap_trace "$(ls "$OUT"/logs/overlap_r*_trace.json | paste -sd,)"
     fi
   } > "$OUT/sim.md" || { echo "sweep: ddpsim failed" >&2; exit 1; }
   cat "$OUT/sim.md"

@@ -8,6 +8,7 @@
 //	ddpsim -profile p.json -world 16 -algo tree -latency 5us -gbit 100
 //	ddpsim -profile p.json -allreduce perf.jsonl                # allreduce-perf --json's curve
 //	ddpsim -profile p.json -trace trace.rank0.json              # a trace's grad-ready times
+//	ddpsim -profile p.json -trace one.json -overlap_trace many.json # and its slowdowns under overlap
 //	ddpsim -seed                                            # the seed article's cluster
 //
 // A profile is what a run with --bucket_cap_mb auto --auto_profile F measured on rank 0: the
@@ -16,7 +17,9 @@
 // field, by the median. -measured compares the prediction with a sweep's summary.csv
 // (sweep-report), point by point. -world, -algo, -latency and -gbit replace the measured
 // all-reduce curve with a ring or tree over that many ranks and that link, keeping the
-// rest: what the same ranks would see elsewhere.
+// rest: what the same ranks would see elsewhere. -trace takes the compute timeline from
+// traced launches with one bucket, and -overlap_trace the slowdowns under overlap from
+// traced launches whose collectives run during backward (Note [Overlap from traces]).
 //
 // -seed prints the extrapolation to the seed article's experiment (8 MI300X, PyTorch's
 // ddp_bench.py): the model shapes its script builds and the sizes it states, with compute
@@ -71,6 +74,7 @@ type config struct {
 	compute  string   // -compute_ms: "", a number, or "sweep"
 	perf     string   // -allreduce: allreduce-perf --json output
 	traces   []string // -trace: goddp traces whose grad-ready times replace the profile's
+	overlap  []string // -overlap_trace: goddp traces whose slowdowns under overlap replace the profile's
 	rank     int      // -trace_rank
 	from     int      // -trace_from
 }
@@ -93,6 +97,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 		"sweep: the compute-only ms/step of -measured (two --no_ddp processes, steady state, where the profile's first steps may be slower)")
 	fs.StringVar(&c.perf, "allreduce", "", "replace the profile's all-reduce curve with allreduce-perf --json output (one JSON object per size)")
 	traces := fs.String("trace", "", "take the grad-ready times, backward compute, the rest of the step and the skew from these goddp traces (--trace; comma-separated) instead: the mean over the passes of each trace, then the median over the traces; trace a run with one bucket (--bucket_cap_mb and --first_bucket_cap_mb above the model's size), so that no collective runs during backward")
+	overlap := fs.String("overlap_trace", "", "with -trace: take the slowdowns under overlap from these goddp traces of launches whose collectives run during backward (a small cap for every bucket; comma-separated), against -trace's one-bucket compute (Note [Overlap from traces])")
 	fs.IntVar(&c.rank, "trace_rank", -1, "with -trace: the rank whose passes to read; -1: each pass from whichever rank in the trace launched its collectives last (with every rank's: ddprun --trace_merge)")
 	fs.IntVar(&c.from, "trace_from", 3, "with -trace: the first backward pass (counted from 1) to read; the first ones warm up")
 	fs.BoolVar(&c.seed, "seed", false, "print the extrapolation to the seed article's 8-GPU experiment and the multi-node what-if")
@@ -110,6 +115,12 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	}
 	if *traces != "" {
 		c.traces = strings.Split(*traces, ",")
+	}
+	if *overlap != "" {
+		if c.traces == nil {
+			return c, errors.New("-overlap_trace needs -trace (the one-bucket launches' compute to measure the slowdown against)")
+		}
+		c.overlap = strings.Split(*overlap, ",")
 	}
 	for _, s := range strings.Split(*caps, ",") {
 		v, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
@@ -166,6 +177,15 @@ func run(args []string, stdout, stderr io.Writer) error {
 		if err := readyFromTrace(p, c.traces, c.rank, c.from); err != nil {
 			return err
 		}
+	}
+	if c.overlap != nil {
+		o, err := overlapFromTrace(p, c.overlap, c.rank, c.from)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "overlap (-overlap_trace, %d launches): backward %.2f ms with %.1f buckets, %.2f ms with one (less the reducer's copies); "+
+			"collectives in flight for %.2f ms of it, doing %.2f ms of their work alone\n",
+			len(c.overlap), o.backward*1e3, o.buckets, p.Backward*1e3, o.inflight*1e3, o.work*1e3)
 	}
 	if c.gbit > 0 {
 		algo := sim.Ring
@@ -449,12 +469,66 @@ func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
 	return p.Check()
 }
 
+// Note [Overlap from traces]: the auto sizing measures the slowdowns under overlap in one
+// pass with eight buckets (Note [Auto buckets] in package reducer), and on this 2-core
+// machine one pass is at the mercy of the other rank and of the machine: the two ranks'
+// backward differs by up to 10 ms from step to step, and the profiles of one sweep (the
+// two-host testbed at 10 Gbit/s, round s37, 2026-12-05) measured the compute slowdown
+// anywhere from 0.22 to 1.00 and the all-reduce's from 0 to 3.4. Their median made the
+// overlap look cheap (0.46 and 0.25), and the model ranked the layout with the most
+// buckets best where it measured 4% slower than two buckets. A traced launch whose
+// collectives run during backward gives the same figures as means over its steady passes,
+// each from its pacing rank, and a sweep's launches their median: with B its backward,
+// T the time with a collective in flight inside it and W the collectives' work done there
+// (their time alone), against the one-bucket launches' backward B1 (both less the reducer's
+// copies and launches), compute did T − (B − B1) of its work in T, and the collectives W:
+// s = (B − B1) / (T − (B − B1)) and c = T/W − 1, each at most 9. They are not bounded as one
+// resource shared (Note [Shared speed] in package bucket/sim): these are steady means, not
+// one pass's, and where the two ranks' collectives cost the cores more than they take (a
+// kernel's network stack on the same two cores as both ranks' compute), s·c > 1 is what
+// happens.
+
+// overlapStats is what overlapFromTrace measured: the median over the traces of each
+// trace's mean over its passes, in seconds.
+type overlapStats struct {
+	backward, inflight, work, buckets float64
+}
+
+// overlapFromTrace sets p.Slowdown and p.CommSlowdown from traces of launches whose
+// collectives ran during backward, against p.Backward (Note [Overlap from traces]), read as
+// readyFromTrace reads: passes from iteration from on, of rank or each pass's pacing rank.
+func overlapFromTrace(p *sim.Profile, paths []string, rank, from int) (overlapStats, error) {
+	var bw, in, work, nb []float64
+	for _, path := range paths {
+		s := traceSamples{at: make([][]float64, len(p.Params))}
+		if err := s.read(p, path, rank, from); err != nil {
+			return overlapStats{}, err
+		}
+		bw, in, work, nb = append(bw, mean(s.lens)), append(in, mean(s.inflight)), append(work, mean(s.work)), append(nb, mean(s.buckets))
+	}
+	o := overlapStats{inflight: median(in), work: median(work), buckets: median(nb)}
+	o.backward = math.Max(median(bw)-p.CopyPerByte*float64(p.TotalBytes())-p.Launch*o.buckets, 0)
+	if !(o.inflight > 0 && o.work > 0) {
+		return o, fmt.Errorf("-overlap_trace: no collective ran during backward in the passes read (from iteration %d); trace a launch with a small cap", from)
+	}
+	lost := math.Max(o.backward-p.Backward, 0)
+	p.Slowdown = 9
+	if lost < o.inflight {
+		p.Slowdown = min(lost/(o.inflight-lost), 9)
+	}
+	p.CommSlowdown = min(math.Max(o.inflight/o.work-1, 0), 9)
+	return o, p.Check()
+}
+
 // traceSamples holds what readyFromTrace takes from one trace's passes, in seconds.
 type traceSamples struct {
 	at    [][]float64 // parameter → its ready times, from the start of backward
 	lens  []float64   // the backward passes' lengths
 	rest  []float64   // each traced step's length less its pass
 	skews []float64   // each one-collective pass's collective beyond the curve
+	// Each pass's time with a collective in flight during backward, the part of the
+	// collectives' work (their time alone, by the curve) done in it, and its collectives.
+	inflight, work, buckets []float64
 }
 
 // read adds one trace's passes from iteration from on: those of rank, or with rank -1 those
@@ -527,6 +601,10 @@ func (s *traceSamples) read(p *sim.Profile, path string, rank, from int) error {
 			s.at[i] = append(s.at[i], (e.TS-ps.start)/1e6)
 		}
 		s.lens = append(s.lens, ps.length/1e6)
+		in, work := ps.overlap(p.Comm)
+		s.inflight = append(s.inflight, in)
+		s.work = append(s.work, work)
+		s.buckets = append(s.buckets, float64(len(ps.comms)))
 		for _, sp := range steps[k.rank] {
 			if sp[0] <= ps.start && ps.end <= sp[1] {
 				s.rest = append(s.rest, (sp[1]-sp[0]-(ps.end-ps.start))/1e6)
@@ -557,6 +635,23 @@ func (ps *tracePass) commTime() float64 {
 		t += e.Dur
 	}
 	return t
+}
+
+// overlap returns the time, in seconds, with a collective in flight during the backward
+// pass, and the part of the collectives' work done in it: each collective's time alone (by
+// curve) times the fraction of its span inside backward. A collective's span starts at its
+// launch or its predecessor's end, whichever is later (package observe); on the pacing rank
+// (Note [The pacing rank]) it runs from there.
+func (ps *tracePass) overlap(curve sim.Comm) (inflight, work float64) {
+	lo, hi := ps.start, ps.start+ps.length
+	for _, e := range ps.comms {
+		in := max(min(e.End(), hi)-max(e.TS, lo), 0)
+		inflight += in / 1e6
+		if b, ok := e.Arg("bytes"); ok && b > 0 && e.Dur > 0 {
+			work += curve.Seconds(b) * in / e.Dur
+		}
+	}
+	return inflight, work
 }
 
 // readPerf reads allreduce-perf --json's rows (size_bytes, time_us) into a curve.

@@ -2,6 +2,7 @@ package main
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"math"
 	"os"
@@ -462,5 +463,76 @@ func TestAutoChoiceKeepsTheDefault(t *testing.T) {
 		if err := run([]string{"-profile", a, "-min_gain", bad}, io.Discard, io.Discard); err == nil {
 			t.Errorf("-min_gain %s: no error", bad)
 		}
+	}
+}
+
+// TestOverlapFromTrace: the slowdowns under overlap from a launch whose collectives ran
+// during backward, against the one-bucket launches' backward (Note [Overlap from traces]).
+func TestOverlapFromTrace(t *testing.T) {
+	dir := t.TempDir()
+	prof := profileFile(t, dir, "p.json", 0.090)
+	const mib = 1 << 20
+	alone := 1e3 * (sim.Comm{Alpha: 1e-4, Beta: 0.01 / mib}).Seconds(mib) // ms, profileFile's curve
+	// trace writes rank 0's passes 1-4: backward of bwd ms, 8 gradients, and collectives of
+	// 1 MiB at the given [start, end] ms from the pass's start. Pass 1 is before -trace_from.
+	trace := func(name string, bwd float64, comms [][2]float64) string {
+		var tf tracefile.File
+		for iter := 1; iter <= 4; iter++ {
+			base, b := float64(iter)*1e6, bwd
+			if iter == 1 {
+				b += 100 // warming up: not read
+			}
+			args := map[string]any{"iter": float64(iter)}
+			tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "backward pass", Cat: "backward", Ph: "X", TS: base, Dur: b * 1e3, PID: 0, Args: args})
+			for k, c := range comms {
+				tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "all-reduce", Cat: "comm", Ph: "X", TS: base + c[0]*1e3, Dur: (c[1] - c[0]) * 1e3, PID: 0,
+					Args: map[string]any{"iter": float64(iter), "bucket": float64(k), "bytes": float64(mib)}})
+			}
+			for i := range 8 {
+				tf.TraceEvents = append(tf.TraceEvents, tracefile.Event{Name: "w", Cat: "grad", Ph: "i", TS: base + float64(8-i)*5e3, PID: 0,
+					Args: map[string]any{"iter": float64(iter), "param": float64(i)}})
+			}
+		}
+		return writeJSON(t, dir, name, tf)
+	}
+	one := trace("one.json", 50, [][2]float64{{50, 50 + alone}})
+	// Two collectives: 20 ms in flight inside backward, then 20 of 30 ms inside it.
+	over := trace("over.json", 60, [][2]float64{{5, 25}, {40, 70}})
+	slow := trace("slow.json", 90, [][2]float64{{5, 25}, {40, 70}}) // one launch of three off: the median ignores it
+	inflight, work, lost := 40.0, alone+alone*20/30, 10.0
+	wantS, wantC := lost/(inflight-lost), inflight/work-1
+	p, err := loadProfiles([]string{prof})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := readyFromTrace(p, []string{one}, 0, 2); err != nil {
+		t.Fatal(err)
+	}
+	o, err := overlapFromTrace(p, []string{over, slow, over}, 0, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if math.Abs(p.Slowdown-wantS) > 1e-9 || math.Abs(p.CommSlowdown-wantC) > 1e-9 {
+		t.Errorf("slowdowns %v, %v; want %v, %v", p.Slowdown, p.CommSlowdown, wantS, wantC)
+	}
+	if math.Abs(o.backward-0.060) > 1e-12 || math.Abs(o.inflight-inflight/1e3) > 1e-12 || math.Abs(o.work-work/1e3) > 1e-12 || o.buckets != 2 {
+		t.Errorf("measured %+v; want backward 0.060, in flight %v, work %v, 2 buckets", o, inflight/1e3, work/1e3)
+	}
+	// Compute slower than the collectives' time in flight can explain: the bound.
+	stalled := trace("stalled.json", 100, [][2]float64{{5, 25}, {40, 70}})
+	if _, err := overlapFromTrace(p, []string{stalled}, 0, 2); err != nil || p.Slowdown != 9 {
+		t.Errorf("50 ms lost in 50 ms in flight: slowdown %v (%v), want 9", p.Slowdown, err)
+	}
+	if _, err := overlapFromTrace(p, []string{one}, 0, 2); err == nil {
+		t.Error("no collective during backward: no error")
+	}
+	var out strings.Builder
+	err = run([]string{"-profile", prof, "-trace", one, "-trace_from", "2", "-trace_rank", "0", "-overlap_trace", over}, &out, io.Discard)
+	if err != nil || !strings.Contains(out.String(), fmt.Sprintf("slowdown under overlap: compute %.2f, all-reduce %.2f", wantS, wantC)) ||
+		!strings.Contains(out.String(), "backward 60.00 ms with 2.0 buckets, 50.00 ms with one") {
+		t.Errorf("ddpsim -overlap_trace: %v\n%s", err, out.String())
+	}
+	if err := run([]string{"-profile", prof, "-overlap_trace", over}, io.Discard, io.Discard); err == nil {
+		t.Error("-overlap_trace without -trace: no error")
 	}
 }
