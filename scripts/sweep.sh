@@ -6,8 +6,10 @@
 # $OUT/logs (goddp's include the per-step overlap figures and each rank's peak RSS). With
 # auto (AUTO=1), sim.md holds cmd/ddpsim's prediction of every cap against the measured
 # medians, from auto's profiles and from one traced one-bucket launch per repeat
-# (ONEBUCKET=1), with the slowdowns under overlap from one more traced launch per repeat
-# whose buckets all have the sweep's smallest cap (OVERLAP_MB). The points of a repeat run in a shuffled order (ORDER, SEED; logs/order.txt),
+# (ONEBUCKET=1), with the all-reduce curve of allreduce-perf run once before the repeats, as
+# the ranks run (on the testbed or this host, on buffers from the group's arena as the
+# buckets are), and the slowdowns under overlap from one more traced launch per repeat whose
+# buckets all have the sweep's smallest cap (OVERLAP_MB). The points of a repeat run in a shuffled order (ORDER, SEED; logs/order.txt),
 # each once the machine is quiet (QUIET; logs/probe.csv, Note [Quiet machine]).
 #
 #   make sweep                                   # caps 1 5 10 25 50 100 200, 3 repeats
@@ -41,6 +43,7 @@ AUTO=${AUTO:-1}               # also run goddp with --bucket_cap_mb auto (kind a
 ONEBUCKET=${ONEBUCKET:-1}     # also one traced goddp launch with one bucket per repeat (sim.md)
 ONEBUCKET_MB=${ONEBUCKET_MB:-100000} # its cap: above any model's size
 OVERLAP_MB=${OVERLAP_MB:-$(printf '%s\n' $CAPS | sort -g | head -1)} # with ONEBUCKET=1: one traced launch per repeat with every bucket this cap (sim.md)
+PERF_MAX=${PERF_MAX:-64M}     # with ONEBUCKET=1: allreduce-perf from 64K to this size, once (logs/allreduce.jsonl, sim.md)
 ORDER=${ORDER:-random}        # or fixed: the order of the points within a repeat
 QUIET=${QUIET:-1}             # wait for a quiet machine before each launch (0: do not probe)
 QUIET_TOL=${QUIET_TOL:-0.15}  # quiet: a probe at most this fraction over the median of the probes so far
@@ -62,6 +65,7 @@ fi
 "$GO" build -tags "$TAGS" -o bin/transformer ./examples/transformer
 "$GO" build -o bin/sweep-report ./cmd/sweep-report
 "$GO" build -o bin/ddpsim ./cmd/ddpsim
+"$GO" build -o bin/allreduce-perf ./cmd/allreduce-perf
 echo "# transformer built with tags '${TAGS}'; logs in $OUT/logs; order seed $SEED" >&2
 raw="$OUT/raw.csv"
 echo "system,kind,bucket_cap_mb,repeat,ms_step,layout" > "$raw"
@@ -198,6 +202,24 @@ overlap_point() {
     --trace_merge "$OUT/logs/overlap_r$1_trace.json"
 }
 
+# perf_point: allreduce-perf from 64K to PERF_MAX, placed as the ranks are; its JSON rows go
+# to logs/allreduce.jsonl (cmd/ddpsim -allreduce).
+perf_point() {
+  local log="$OUT/logs/allreduce.log"
+  local perf="./bin/allreduce-perf -b 64K -e $PERF_MAX -f 2 -n 20 -w 5 -c 0 --shared --json"
+  echo "# allreduce-perf, 64K to $PERF_MAX" >&2
+  if [ -n "$TESTBED_RATE" ]; then
+    env -u GLOO_SOCKET_IFNAME ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
+      "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 $perf" \
+      > "$log" 2>&1 || fail "$log" "allreduce-perf on the testbed"
+  else
+    # shellcheck disable=SC2086 # $perf is a command line
+    ./bin/ddprun --nproc_per_node 2 $perf > "$log" 2>&1 || fail "$log" "allreduce-perf"
+  fi
+  sed -n 's/^\(\[host0\] \)\{0,1\}\[rank0\]: \({.*}\)$/\2/p' "$log" > "$OUT/logs/allreduce.jsonl"
+  [ -s "$OUT/logs/allreduce.jsonl" ] || fail "$log" "allreduce-perf"
+}
+
 # Note [Quiet machine]: the machine is shared, and another tenant's load comes in spells of
 # tens of seconds that slow every launch in them alike: on the two-host testbed at 10 Gbit/s
 # (2026-12-04, round s30c), consecutive launches of every cap ran at 80-84 ms/step where the
@@ -261,6 +283,11 @@ for cap in $CAPS; do items="$items cap:$cap"; done
 [ "$AUTO" = 1 ] && items="$items auto"
 [ "$ONEBUCKET" = 1 ] && items="$items onebucket overlap"
 : > "$OUT/logs/order.txt"
+if [ "$ONEBUCKET" = 1 ] && [ "$AUTO" = 1 ]; then
+  quiet_gate 0 allreduce-perf
+  perf_point
+  probe_after 0 allreduce-perf
+fi
 for rep in $(seq 1 "$REPEATS"); do
   order=$items
   if [ "$ORDER" != fixed ]; then
@@ -294,15 +321,18 @@ if [ "$AUTO" = 1 ]; then
     ./bin/ddpsim -profile "$profiles" "${measured[@]}"
     if [ "$ONEBUCKET" = 1 ]; then
       echo
+      traced=(-trace_from $((WARMUP + 1)) -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)")
       echo "## The same, with the compute timeline of the one-bucket launches (their passes after the warm-up, each from the rank that paced it)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" -trace_from $((WARMUP + 1)) \
-        -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)"
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
+      echo
+      echo "## The same, with allreduce-perf's all-reduce curve (logs/allreduce.jsonl)"
+      echo
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" -allreduce "$OUT/logs/allreduce.jsonl"
       echo
       echo "## The same, with the slowdowns under overlap of the traced launches with every bucket $OVERLAP_MB MB against the one-bucket launches (Note [Overlap from traces] in cmd/ddpsim)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" -trace_from $((WARMUP + 1)) \
-        -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)" \
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" -allreduce "$OUT/logs/allreduce.jsonl" \
         -overlap_trace "$(ls "$OUT"/logs/overlap_r*_trace.json | paste -sd,)"
     fi
   } > "$OUT/sim.md" || { echo "sweep: ddpsim failed" >&2; exit 1; }
