@@ -86,16 +86,23 @@ fail() {
   exit 1
 }
 
-# goddp_testbed CAP LOG [DDPRUN_FLAGS...]: one goddp launch on a fresh two-host testbed, one
-# rank per host, as on two machines; fails the sweep if it fails.
-goddp_testbed() {
-  local cap=$1 log=$2
+# ddprun_testbed LOG WHAT ARGS...: ddprun ARGS on a fresh two-host testbed, one rank per
+# host, as on two machines, into LOG; fails the sweep (naming WHAT) if it fails.
+ddprun_testbed() {
+  local log=$1 what=$2
   shift 2
   # env.sh points GLOO_SOCKET_IFNAME at lo for torch on one host; goddp honours it too
   env -u GLOO_SOCKET_IFNAME OPENBLAS_NUM_THREADS=1 ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
-    "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 \
-     $* ./bin/transformer -- --bucket_cap_mb $cap --warmup_steps $WARMUP --bench_steps $STEPS $CONFIG" \
-    > "$log" 2>&1 || fail "$log" "goddp bucket_cap_mb=$cap on the testbed${*:+ ($*)}"
+    "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 $*" \
+    > "$log" 2>&1 || fail "$log" "$what on the testbed"
+}
+
+# goddp_testbed CAP LOG [DDPRUN_FLAGS...]: one goddp launch on the testbed (ddprun_testbed).
+goddp_testbed() {
+  local cap=$1 log=$2
+  shift 2
+  ddprun_testbed "$log" "goddp bucket_cap_mb=$cap${*:+ ($*)}" \
+    "$* ./bin/transformer -- --bucket_cap_mb $cap --warmup_steps $WARMUP --bench_steps $STEPS $CONFIG"
 }
 
 # goddp_point CAP LOG [DDPRUN_FLAGS...]: one goddp launch with --bucket_cap_mb CAP (CAP may
@@ -209,9 +216,7 @@ perf_point() {
   local perf="./bin/allreduce-perf -b 64K -e $PERF_MAX -f 2 -n 20 -w 5 -c 0 --shared --json"
   echo "# allreduce-perf, 64K to $PERF_MAX" >&2
   if [ -n "$TESTBED_RATE" ]; then
-    env -u GLOO_SOCKET_IFNAME ./bin/testbed --hosts 2 --rate "$TESTBED_RATE" -- \
-      "./bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node 1 --master_addr \$TESTBED_MASTER --master_port 29500 $perf" \
-      > "$log" 2>&1 || fail "$log" "allreduce-perf on the testbed"
+    ddprun_testbed "$log" allreduce-perf "$perf"
   else
     # shellcheck disable=SC2086 # $perf is a command line
     ./bin/ddprun --nproc_per_node 2 $perf > "$log" 2>&1 || fail "$log" "allreduce-perf"
