@@ -42,7 +42,8 @@ func TestReport(t *testing.T) {
 		"| 25 | 0.70 |", // 105/150
 		"| compute only | 0.85 |",
 		"| auto | 100.0 | 99.0..101.0 | 0.95x | 15.0 | 15.0% |", // median 100 vs best cap 105
-		"auto: 0.95x the best cap's ms/step, 4.8% faster than the default 25 MB",
+		// 5/105 of the default's time saved; it takes 105/100 of auto's
+		"auto: 0.95x the best cap's ms/step; 4.8% less time per step than the default 25 MB, which takes 1.05x auto's",
 		// by repeat: 99/100 and 101/110 against cap 25, 99/120 and 101/140 against cap 1
 		"(the median over repeats of auto's ms/step over the cap's in the same repeat): 0.954x the best cap (25 MB); 0.954x the default 25 MB; 0.773..0.954x over all the caps",
 	} {
@@ -66,6 +67,19 @@ func TestReport(t *testing.T) {
 }
 
 // TestPBest checks Note [Resolved best] against fractions known in closed form.
+// TestReportAutoSlower: where auto measured slower than the default, the report says "more
+// time", not a negative "less".
+func TestReportAutoSlower(t *testing.T) {
+	data := "system,kind,bucket_cap_mb,repeat,ms_step\n" +
+		"goddp,ddp,1,1,90\ngoddp,ddp,25,1,100\ngoddp,auto,,1,104\n"
+	_, table := report(t, data)
+	// 104/90 against the best; 4/100 more than the default, which takes 100/104 of it
+	want := "auto: 1.16x the best cap's ms/step; 4.0% more time per step than the default 25 MB, which takes 0.96x auto's"
+	if !strings.Contains(table, want) {
+		t.Errorf("table lacks %q:\n%s", want, table)
+	}
+}
+
 func TestPBest(t *testing.T) {
 	reps := func(ms ...float64) map[string]float64 {
 		m := map[string]float64{}
