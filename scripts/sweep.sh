@@ -9,8 +9,9 @@
 # (ONEBUCKET=1), with the all-reduce curve of allreduce-perf run once before the repeats, as
 # the ranks run (on the testbed or this host, on buffers from the group's arena as the
 # buckets are), and the slowdowns under overlap from one more traced launch per repeat whose
-# buckets all have the sweep's smallest cap (OVERLAP_MB). The points of a repeat run in a shuffled order (ORDER, SEED; logs/order.txt),
-# each once the machine is quiet (QUIET; logs/probe.csv, Note [Quiet machine]).
+# buckets all have the sweep's smallest cap (OVERLAP_MB). The points of a repeat run in a
+# shuffled order (ORDER, SEED; logs/order.txt), each once the machine is quiet (QUIET;
+# logs/probe.csv, Note [Quiet machine]).
 #
 #   make sweep                                   # caps 1 5 10 25 50 100 200, 3 repeats
 #   CAPS="1 25 200" REPEATS=1 STEPS=5 make sweep # quick look
@@ -331,13 +332,14 @@ if [ "$AUTO" = 1 ]; then
       echo
       ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
       echo
+      traced+=(-allreduce "$OUT/logs/allreduce.jsonl")
       echo "## The same, with allreduce-perf's all-reduce curve (logs/allreduce.jsonl)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" -allreduce "$OUT/logs/allreduce.jsonl"
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
       echo
       echo "## The same, with the slowdowns under overlap of the traced launches with every bucket $OVERLAP_MB MB against the one-bucket launches (Note [Overlap from traces] in cmd/ddpsim)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" -allreduce "$OUT/logs/allreduce.jsonl" \
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" \
         -overlap_trace "$(ls "$OUT"/logs/overlap_r*_trace.json | paste -sd,)"
     fi
   } > "$OUT/sim.md" || { echo "sweep: ddpsim failed" >&2; exit 1; }

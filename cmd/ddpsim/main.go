@@ -430,7 +430,7 @@ func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
 	ready := make([][]float64, n)
 	var lens, rest, skews []float64
 	for _, path := range paths {
-		s := traceSamples{at: make([][]float64, n)}
+		var s traceSamples
 		if err := s.read(p, path, rank, from); err != nil {
 			return err
 		}
@@ -500,7 +500,7 @@ type overlapStats struct {
 func overlapFromTrace(p *sim.Profile, paths []string, rank, from int) (overlapStats, error) {
 	var bw, in, work, nb []float64
 	for _, path := range paths {
-		s := traceSamples{at: make([][]float64, len(p.Params))}
+		var s traceSamples
 		if err := s.read(p, path, rank, from); err != nil {
 			return overlapStats{}, err
 		}
@@ -534,6 +534,9 @@ type traceSamples struct {
 // read adds one trace's passes from iteration from on: those of rank, or with rank -1 those
 // of the last rank to launch each pass's collectives (Note [The pacing rank]).
 func (s *traceSamples) read(p *sim.Profile, path string, rank, from int) error {
+	if s.at == nil {
+		s.at = make([][]float64, len(p.Params))
+	}
 	tf, err := tracefile.ReadFile(path)
 	if err != nil {
 		return err
