@@ -6,6 +6,7 @@
 //
 //	sweep-report -in out/sweep/raw.csv -out out/sweep
 //	sweep-report -trace merged.json -rate 1gbit -from_step 5   # link use of one traced run
+//	sweep-report -rounds out/a/raw.csv,out/b/raw.csv,out/c/raw.csv  # sweeps of one configuration pooled
 //
 // The input CSV has the header system,kind,bucket_cap_mb,repeat,ms_step where kind is "ddp"
 // (bucket_cap_mb set), "auto" (--bucket_cap_mb auto) or "compute" (compute-only: --no_ddp
@@ -18,6 +19,10 @@
 // rank must send each way, 2(n−1)/n of each bucket as in a bus-bandwidth figure, over the
 // time the buckets were on the wire, counted from the last rank's start of each collective
 // (tracefile.LinkUse), as a fraction of -rate.
+//
+// With -rounds, it reads several raw CSVs of one configuration, swept at different times,
+// and prints one table of the layouts they ran, pooled (Note [Rounds pooled]): each launch
+// over its round's median, and auto against the best layout with a resampled interval.
 package main
 
 import (
@@ -50,7 +55,19 @@ func main() {
 	trace := flag.String("trace", "", "instead: a merged trace (ddprun --trace_merge) whose link use to print")
 	rate := flag.String("rate", "", "with -trace: the link's rate, tc style (1gbit, 10gbit, 100mbit)")
 	fromStep := flag.Int("from_step", 0, "with -trace: the first step counted (skip the warm-up)")
+	rounds := flag.String("rounds", "", "instead: raw sweep CSVs of one configuration swept at different times, comma-separated, to pool by layout (Note [Rounds pooled])")
 	flag.Parse()
+	if *rounds != "" {
+		if *in != "" || *trace != "" || flag.NArg() > 0 {
+			fmt.Fprintln(os.Stderr, "usage: sweep-report -rounds A/raw.csv,B/raw.csv[,...]")
+			os.Exit(2)
+		}
+		if err := roundsPooled(strings.Split(*rounds, ","), os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, "sweep-report:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if *trace != "" {
 		if *in != "" || flag.NArg() > 0 {
 			fmt.Fprintln(os.Stderr, "usage: sweep-report -trace MERGED.json -rate RATE [-from_step N]")

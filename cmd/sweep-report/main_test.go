@@ -234,3 +234,86 @@ func TestLinkUse(t *testing.T) {
 		t.Errorf("parseRate(10Gbit) = %v, %v", v, err)
 	}
 }
+
+// TestRoundsPooled: two rounds of one configuration, the second three times slower (the
+// machine's drift), pool into the figures of either round alone (Note [Rounds pooled]).
+func TestRoundsPooled(t *testing.T) {
+	dir := t.TempDir()
+	round := func(name string, k float64) string {
+		var b strings.Builder
+		b.WriteString("system,kind,bucket_cap_mb,repeat,ms_step,layout\n")
+		for _, r := range []struct {
+			kind, cap, rep string
+			ms             float64
+			layout         string
+		}{
+			{"ddp", "1", "1", 90, "1.00 1.00 1.00"}, {"ddp", "1", "2", 92, "1.00 1.00 1.00"},
+			{"ddp", "25", "1", 100, "1.00 2.00"}, {"ddp", "25", "2", 104, "1.00 2.00"},
+			{"ddp", "50", "1", 102, "1.00 2.00"}, {"ddp", "50", "2", 100, "1.00 2.00"},
+			{"auto", "", "1", 91, "1.00 1.00 1.00"}, {"auto", "", "2", 95, "1.00 1.00 1.00"},
+			{"compute", "", "1", 50, ""},
+		} {
+			fmt.Fprintf(&b, "goddp,%s,%s,%s,%g,%s\n", r.kind, r.cap, r.rep, k*r.ms, r.layout)
+		}
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(b.String()), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	a, b := round("a.csv", 1), round("b.csv", 3)
+	var out strings.Builder
+	if err := roundsPooled([]string{a, b}, &out); err != nil {
+		t.Fatal(err)
+	}
+	// Each round's median is 97.5 (times k). Three buckets: per repeat the median of cap 1
+	// and auto, 90.5 and 93.5, so 92/97.5; two buckets: 101 and 102, so 101.5/97.5.
+	for _, want := range []string{
+		"goddp, 2 rounds pooled",
+		"| 2 | 1.00 2.00 | 25, 50 | 8 | 1.041 | 1.103x | 0.00 |",
+		"| 3 | 1.00 1.00 1.00 | auto, 1 | 8 | 0.944 | 1.000x | 1.00 |",
+		// auto's 91 and 95: 93 against 92
+		"auto (4 launches): 1.011x the best layout's ms/step",
+		"it ran 3 buckets (1.00 1.00 1.00) 4 times\n",
+		// the default's 100 and 104: 102 against auto's 93
+		"auto against the default 25 MB: 8.8% less time per step; the default takes 1.097x auto's",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("report lacks %q:\n%s", want, out.String())
+		}
+	}
+	// The interval lies between the ratios of the fast repeats (91/90.5) and of the slow
+	// ones (95/93.5), and holds the point figure.
+	var lo, hi float64
+	if _, err := fmt.Sscanf(out.String()[strings.Index(out.String(), "within ")+len("within "):], "%f..%fx", &lo, &hi); err != nil {
+		t.Fatalf("no interval: %v\n%s", err, out.String())
+	}
+	if lo < 91/90.5-1e-3 || hi > 95/93.5+1e-3 || lo > 93.0/92 || hi < 93.0/92 {
+		t.Errorf("interval %.4f..%.4f, want within %.4f..%.4f around %.4f", lo, hi, 91/90.5, 95/93.5, 93.0/92)
+	}
+
+	if err := roundsPooled([]string{a}, &out); err == nil || !strings.Contains(err.Error(), "want two or more") {
+		t.Errorf("one round: err = %v", err)
+	}
+	bare := filepath.Join(dir, "bare.csv")
+	if err := os.WriteFile(bare, []byte("system,kind,bucket_cap_mb,repeat,ms_step\ngoddp,ddp,25,1,100\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := roundsPooled([]string{a, bare}, &out); err == nil || !strings.Contains(err.Error(), "without a layout") {
+		t.Errorf("a round without layouts: err = %v", err)
+	}
+}
+
+// TestRatioInterval: where auto takes 1.02x the only layout's time in every repeat, every
+// resample's ratio is 1.02, whatever the drift between repeats.
+func TestRatioInterval(t *testing.T) {
+	auto, lay := map[string]float64{}, map[string]float64{}
+	for i, v := range []float64{0.9, 1.3, 1.0, 0.95, 1.1} {
+		k := strconv.Itoa(i)
+		lay[k], auto[k] = v, 1.02*v
+	}
+	lo, hi := ratioInterval(auto, map[float64]map[string]float64{0: lay}, []float64{0})
+	if math.Abs(lo-1.02) > 1e-12 || math.Abs(hi-1.02) > 1e-12 {
+		t.Errorf("interval %v..%v, want 1.02..1.02", lo, hi)
+	}
+}
