@@ -9,7 +9,9 @@
 # (ONEBUCKET=1), with the all-reduce curve of allreduce-perf run once before the repeats, as
 # the ranks run (on the testbed or this host, on buffers from the group's arena as the
 # buckets are), and the slowdowns under overlap from one more traced launch per repeat whose
-# buckets all have the sweep's smallest cap (OVERLAP_MB). The points of a repeat run in a
+# buckets all have the sweep's smallest cap (OVERLAP_MB), and last with each collective's own
+# CPU time, from rank 0's CPU per step against the buckets of the sweep's launches (cpu.csv,
+# Note [A collective's CPU] in package bucket/sim). The points of a repeat run in a
 # shuffled order (ORDER, SEED; logs/order.txt), each once the machine is quiet (QUIET;
 # logs/probe.csv, Note [Quiet machine]).
 #
@@ -70,6 +72,7 @@ fi
 echo "# transformer built with tags '${TAGS}'; logs in $OUT/logs; order seed $SEED" >&2
 raw="$OUT/raw.csv"
 echo "system,kind,bucket_cap_mb,repeat,ms_step,layout" > "$raw"
+echo "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step" > "$OUT/cpu.csv"
 # torch's --hidden/--batch/--seq are goddp's --hidden_size/--batch_size/--seq_len
 torch_config=$(echo " $CONFIG " | sed -e 's/--hidden_size/--hidden/; s/--batch_size/--batch/; s/--seq_len/--seq/')
 if [ "$TORCH" = 1 ]; then
@@ -125,6 +128,14 @@ goddp_point() {
   [ -n "$m" ] || fail "$log" "goddp bucket_cap_mb=$cap"
   # the bucket sizes in MB rank 0 ran after its last rebuild (sweep-report's Note [Same layout])
   lay=$(sed -n 's/.*\[rank0\]: ddp: .* rebuilt \[\([0-9. ]*\)\]MB.*/\1/p' "$log" | tail -1)
+  # rank 0's own CPU time per timed step (cpu.csv, cmd/ddpsim -collective_cpu_csv)
+  cpu=$(sed -n 's/.*\[rank0\]: process CPU: \([0-9.]*\) ms per timed step.*/\1/p' "$log" | tail -1)
+}
+
+# cpu_row KIND CAP REP: the last goddp_point's CPU per step and bucket count, to cpu.csv.
+cpu_row() {
+  [ -n "$cpu" ] && [ -n "$lay" ] && echo "goddp,$1,$2,$3,$(wc -w <<< "$lay"),$cpu" >> "$OUT/cpu.csv"
+  return 0
 }
 
 # compute_point REP: compute only, two --no_ddp processes at once (the step time is the slower
@@ -166,6 +177,7 @@ cap_point() {
         { printf "goddp,%s,%s,%s,%s,%.3f\n", cap, rep, $1, $2, ($2 * 1048576 * 8) / ($1 / 1000) / bps(rate) }' >> "$OUT/util.csv"
   fi
   echo "goddp,ddp,$cap,$rep,$m,$lay" >> "$raw"
+  cpu_row ddp "$cap" "$rep"
   if [ "$TORCH" = 1 ]; then
     echo "# repeat $rep: torch bucket_cap_mb=$cap" >&2
     log="$OUT/logs/torch_cap${cap}_r${rep}.log"
@@ -190,6 +202,7 @@ auto_point() {
   echo "# repeat $1: goddp bucket_cap_mb=auto" >&2
   goddp_point "auto --auto_profile $OUT/logs/auto_profile_r$1.json" "$OUT/logs/goddp_auto_r$1.log"
   echo "goddp,auto,,$1,$m,$lay" >> "$raw"
+  cpu_row auto "" "$1"
 }
 
 # onebucket_point REP: goddp with one bucket, traced and not timed: no collective runs during
@@ -339,8 +352,12 @@ if [ "$AUTO" = 1 ]; then
       echo
       echo "## The same, with the slowdowns under overlap of the traced launches with every bucket $OVERLAP_MB MB against the one-bucket launches (Note [Overlap from traces] in cmd/ddpsim)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" \
-        -overlap_trace "$(ls "$OUT"/logs/overlap_r*_trace.json | paste -sd,)"
+      traced+=(-overlap_trace "$(ls "$OUT"/logs/overlap_r*_trace.json | paste -sd,)")
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
+      echo
+      echo "## The same, with each collective's own CPU time from the sweep's launches (cpu.csv; Note [A collective's CPU] in package bucket/sim)"
+      echo
+      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" -collective_cpu_csv "$OUT/cpu.csv"
     fi
   } > "$OUT/sim.md" || { echo "sweep: ddpsim failed" >&2; exit 1; }
   cat "$OUT/sim.md"

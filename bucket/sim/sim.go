@@ -14,14 +14,16 @@
 // Note [Step model]: backward is a sequence of compute segments, one per gradient in the
 // order they become ready: the pure compute up to that gradient (Ready), then the reducer's
 // copy of it into its bucket (CopyPerByte), then, for every bucket this completes (in index
-// order, Note [Bucket order] in package reducer), a launch (Launch). Collectives run one
-// at a time in bucket order, each taking Comm.Seconds(bytes) when alone. While a collective
-// is in flight during backward, compute runs at 1/(1+Slowdown) of its speed and the
-// collective at 1/(1+CommSlowdown) of its own: on a CPU backend both want the same cores and
-// memory bandwidth. A collective starts at the earliest Skew after its launch, when the
-// slowest rank launches it too; waiting for it costs no compute. After backward, Finalize waits for each bucket in order and copies it
-// back (UnpackPerByte) while later ones are still reducing. The step is Other (forward,
-// optimizer, data: what no layout changes) plus that backward-and-Finalize time.
+// order, Note [Bucket order] in package reducer), a launch (Launch) and the collective's
+// own CPU time (CollectiveCPU, Note [A collective's CPU]). Collectives run one at a time in
+// bucket order, each taking Comm.Seconds(bytes) when alone. While a collective is in flight
+// during backward, compute runs at 1/(1+Slowdown) of its speed and the collective at
+// 1/(1+CommSlowdown) of its own: on a CPU backend both want the same cores and memory
+// bandwidth. A collective starts at the earliest Skew after its launch, when the slowest
+// rank launches it too; waiting for it costs no compute. After backward, Finalize waits for
+// each bucket in order and copies it back (UnpackPerByte) while later ones are still
+// reducing. The step is Other (forward, optimizer, data: what no layout changes) plus that
+// backward-and-Finalize time.
 package sim
 
 import (
@@ -173,6 +175,10 @@ type Profile struct {
 	CopyPerByte float64 `json:"copy_s_per_byte"`
 	// Launch: a bucket's launch, on the backward's thread.
 	Launch float64 `json:"launch_s"`
+	// CollectiveCPU: the compute time each collective costs beyond what its bytes do, for
+	// the CPU its own goroutines and the kernel spend on it where they share the cores with
+	// compute (Note [A collective's CPU]).
+	CollectiveCPU float64 `json:"collective_cpu_s,omitempty"`
 	// UnpackPerByte: Finalize's copy of a reduced bucket back to the gradients, per byte
 	// (0 with gradient-as-bucket-view).
 	UnpackPerByte float64 `json:"unpack_s_per_byte"`
@@ -201,6 +207,20 @@ type Profile struct {
 // while the sweep measured every cap within 5% of the others. SharedSpeed brings such a pair
 // back to s·c = 1, dividing both by the same factor, since nothing tells which of the two
 // was inflated.
+
+// Note [A collective's CPU]: on a CPU backend a collective costs CPU time of its own beyond
+// the bytes it moves: waking goroutines, system calls, a shared-memory waiter's polls, the
+// ring's steps. Where the ranks' compute already takes every core (two ranks on this VM's
+// two cores), that time comes out of compute, whether the collective overlaps backward or
+// not, so each extra bucket lengthens the step. On one host at L=2 h=256, two ranks used
+// 127 ms of CPU per step with seven buckets and 120 ms with two (the slope between 10 and
+// 50 timed steps, three launches each, 2026-12-06): 0.77 ms per collective and rank, about
+// what the seven buckets measured slower than two in the sweeps (6%, rounds s38-s40). The
+// slowdown under overlap does not hold it: it scales with the time a collective is in
+// flight, which on one host is tens of microseconds. The model charges CollectiveCPU as
+// compute at each launch. The auto sizing leaves it at zero: its passes are too few to
+// measure it (Note [CPU per collective from a sweep] in cmd/ddpsim, which fits it from a
+// sweep's launches).
 
 // SharedSpeed returns the slowdowns s and c (Profile.Slowdown, CommSlowdown) bounded so that
 // s·c ≤ 1 (Note [Shared speed]).
@@ -234,7 +254,7 @@ func (p *Profile) Check() error {
 		}
 		seen[i] = true
 	}
-	for _, v := range []float64{p.Backward, p.Other, p.CopyPerByte, p.Launch, p.UnpackPerByte, p.Slowdown, p.CommSlowdown, p.Skew, p.Comm.Alpha, p.Comm.Beta} {
+	for _, v := range []float64{p.Backward, p.Other, p.CopyPerByte, p.Launch, p.CollectiveCPU, p.UnpackPerByte, p.Slowdown, p.CommSlowdown, p.Skew, p.Comm.Alpha, p.Comm.Beta} {
 		if v < 0 || math.IsNaN(v) || math.IsInf(v, 0) {
 			return fmt.Errorf("%w: negative or non-finite time or factor %v", ErrInvalid, v)
 		}
@@ -305,7 +325,7 @@ func (p *Profile) Simulate(buckets []bucket.Bucket) (Result, error) {
 		s.compute(work)
 		pending[lay.Where[i].Bucket]--
 		for next < nb && pending[next] == 0 {
-			s.compute(p.Launch)
+			s.compute(p.Launch + p.CollectiveCPU)
 			s.earliest[next] = s.t + p.Skew
 			s.queue = append(s.queue, next)
 			if len(s.queue) == 1 {

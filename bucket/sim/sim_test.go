@@ -156,6 +156,43 @@ func TestSimulateByHand(t *testing.T) {
 	}
 }
 
+// TestCollectiveCPU: each collective's own CPU time is compute at its launch (Note [A
+// collective's CPU]): with free collectives, four buckets take 3 CollectiveCPU longer than
+// one, and a collective that overlaps compute still costs it.
+func TestCollectiveCPU(t *testing.T) {
+	p := &Profile{Other: 0.01, Backward: 0.04, CollectiveCPU: 0.001}
+	for i := range 4 {
+		p.Params = append(p.Params, bucket.Param{Name: "p", DType: bucket.Float32, Len: 250})
+		p.Order = append(p.Order, 3-i)
+		p.Ready = append(p.Ready, 0)
+	}
+	for k, i := range p.Order {
+		p.Ready[i] = 0.01 * float64(k+1)
+	}
+	one, err := p.SimulateCaps(4000, 4000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	four, err := p.SimulateCaps(1000, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// one bucket: 40 ms of compute, then its collective's 1 ms; four: 40 + 4 ms
+	if !closeTo(one, Result{Step: 0.051, Backward: 0.041, Buckets: 1}) || !closeTo(four, Result{Step: 0.054, Backward: 0.044, Buckets: 4}) {
+		t.Errorf("one bucket %+v, four %+v", one, four)
+	}
+	// Collectives of 5 ms each, with compute at half speed beside them: the CPU term is
+	// compute, slowed like the rest where it overlaps, so the four cost at least 4 ms more
+	// than without it.
+	p.Comm, p.Slowdown = Comm{Alpha: 0.005}, 1
+	withCPU, _ := p.SimulateCaps(1000, 1000)
+	p.CollectiveCPU = 0
+	without, _ := p.SimulateCaps(1000, 1000)
+	if d := withCPU.Step - without.Step; d < 0.004-1e-9 {
+		t.Errorf("four overlapped collectives: %.4f s with their CPU, %.4f s without: want at least 4 ms more", withCPU.Step, without.Step)
+	}
+}
+
 func closeTo(a, b Result) bool {
 	near := func(x, y float64) bool { return math.Abs(x-y) <= 1e-9*math.Max(1, math.Abs(y)) }
 	return near(a.Step, b.Step) && near(a.Backward, b.Backward) && near(a.Exposed, b.Exposed) && near(a.Comm, b.Comm) && a.Buckets == b.Buckets
@@ -211,7 +248,7 @@ func tickSim(p *Profile, bs []bucket.Bucket, dt float64) float64 {
 			for w > 1e-15 && bwdEnd < 0 {
 				if launched < complete { // a launch's work comes first
 					if launchLeft <= 0 {
-						launchLeft = p.Launch
+						launchLeft = p.Launch + p.CollectiveCPU
 					}
 					d := math.Min(w, launchLeft)
 					launchLeft -= d
@@ -268,6 +305,7 @@ func randomProfile(rng *rand.Rand, n int) *Profile {
 	p.CopyPerByte = rng.Float64() * 1e-10
 	p.UnpackPerByte = rng.Float64() * 1e-10
 	p.Launch = rng.Float64() * 1e-4
+	p.CollectiveCPU = rng.Float64() * 1e-3
 	p.Slowdown = rng.Float64()
 	p.CommSlowdown = rng.Float64() * 2
 	p.Comm = Comm{Alpha: rng.Float64() * 1e-3, Beta: rng.Float64() * 2e-8}

@@ -71,12 +71,14 @@ type config struct {
 	latency  time.Duration
 	gbit     float64
 	seed     bool
-	compute  string   // -compute_ms: "", a number, or "sweep"
-	perf     string   // -allreduce: allreduce-perf --json output
-	traces   []string // -trace: goddp traces whose grad-ready times replace the profile's
-	overlap  []string // -overlap_trace: goddp traces whose slowdowns under overlap replace the profile's
-	rank     int      // -trace_rank
-	from     int      // -trace_from
+	compute  string        // -compute_ms: "", a number, or "sweep"
+	perf     string        // -allreduce: allreduce-perf --json output
+	traces   []string      // -trace: goddp traces whose grad-ready times replace the profile's
+	overlap  []string      // -overlap_trace: goddp traces whose slowdowns under overlap replace the profile's
+	rank     int           // -trace_rank
+	from     int           // -trace_from
+	collCPU  time.Duration // -collective_cpu; negative: the profiles'
+	cpuCSV   string        // -collective_cpu_csv: a sweep's cpu.csv to fit it from
 }
 
 func parse(args []string, stderr io.Writer) (config, error) {
@@ -100,6 +102,8 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	overlap := fs.String("overlap_trace", "", "with -trace: take the slowdowns under overlap from these goddp traces of launches whose collectives run during backward (a small cap for every bucket; comma-separated), against -trace's one-bucket compute (Note [Overlap from traces])")
 	fs.IntVar(&c.rank, "trace_rank", -1, "with -trace: the rank whose passes to read; -1: each pass from whichever rank in the trace launched its collectives last (with every rank's: ddprun --trace_merge)")
 	fs.IntVar(&c.from, "trace_from", 3, "with -trace: the first backward pass (counted from 1) to read; the first ones warm up")
+	fs.DurationVar(&c.collCPU, "collective_cpu", -1, "each collective's own CPU time, charged as compute at its launch (Note [A collective's CPU] in package bucket/sim), instead of the profiles' (negative: theirs)")
+	fs.StringVar(&c.cpuCSV, "collective_cpu_csv", "", "instead of -collective_cpu: fit it from a sweep's cpu.csv (rank 0's CPU per step against the buckets of each launch, Note [CPU per collective from a sweep])")
 	fs.BoolVar(&c.seed, "seed", false, "print the extrapolation to the seed article's 8-GPU experiment and the multi-node what-if")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -121,6 +125,9 @@ func parse(args []string, stderr io.Writer) (config, error) {
 			return c, errors.New("-overlap_trace needs -trace (the one-bucket launches' compute to measure the slowdown against)")
 		}
 		c.overlap = strings.Split(*overlap, ",")
+	}
+	if c.collCPU >= 0 && c.cpuCSV != "" {
+		return c, errors.New("give -collective_cpu or -collective_cpu_csv, not both")
 	}
 	for _, s := range strings.Split(*caps, ",") {
 		v, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
@@ -167,6 +174,18 @@ func run(args []string, stdout, stderr io.Writer) error {
 	p, err := loadProfiles(c.profiles)
 	if err != nil {
 		return err
+	}
+	if c.collCPU >= 0 {
+		p.CollectiveCPU = c.collCPU.Seconds()
+	}
+	if c.cpuCSV != "" {
+		fit, err := collectiveCPUFromSweep(c.cpuCSV)
+		if err != nil {
+			return err
+		}
+		p.CollectiveCPU = fit.perBucket
+		fmt.Fprintf(stdout, "CPU per collective (-collective_cpu_csv): %.3f ms, the slope of rank 0's CPU per step against the buckets within each repeat, over %d launches of %d to %d buckets\n",
+			fit.perBucket*1e3, fit.launches, fit.minBuckets, fit.maxBuckets)
 	}
 	if c.perf != "" {
 		if p.Comm, err = readPerf(c.perf); err != nil {
@@ -267,8 +286,8 @@ func mib(mb float64) int64 { return max(int64(mb*(1<<20)), 1) }
 // predictTable prints the prediction for each cap, with the measurements if any.
 func predictTable(w io.Writer, p *sim.Profile, c config, sm summary) error {
 	meas, measAuto := sm.caps, sm.auto
-	fmt.Fprintf(w, "profile: %d gradients, %.2f MB; backward compute %.2f ms, rest of the step %.2f ms; slowdown under overlap: compute %.2f, all-reduce %.2f; skew %.2f ms\n",
-		len(p.Params), float64(p.TotalBytes())/(1<<20), p.Backward*1e3, p.Other*1e3, p.Slowdown, p.CommSlowdown, p.Skew*1e3)
+	fmt.Fprintf(w, "profile: %d gradients, %.2f MB; backward compute %.2f ms, rest of the step %.2f ms; slowdown under overlap: compute %.2f, all-reduce %.2f; skew %.2f ms; CPU per collective %.2f ms\n",
+		len(p.Params), float64(p.TotalBytes())/(1<<20), p.Backward*1e3, p.Other*1e3, p.Slowdown, p.CommSlowdown, p.Skew*1e3, p.CollectiveCPU*1e3)
 	fmt.Fprintf(w, "all-reduce: %.1f µs + %.3f ns/byte (%.2f ms for all the gradients at once)\n\n",
 		p.Comm.Alpha*1e6, p.Comm.Beta*1e9, p.Comm.Seconds(p.TotalBytes())*1e3)
 	head, rule := "| bucket_cap_mb | buckets | predicted ms/step | exposed ms |", "|---:|---:|---:|---:|"
@@ -379,6 +398,7 @@ func loadProfiles(paths []string) (*sim.Profile, error) {
 	out.CopyPerByte = med(func(p *sim.Profile) float64 { return p.CopyPerByte })
 	out.UnpackPerByte = med(func(p *sim.Profile) float64 { return p.UnpackPerByte })
 	out.Launch = med(func(p *sim.Profile) float64 { return p.Launch })
+	out.CollectiveCPU = med(func(p *sim.Profile) float64 { return p.CollectiveCPU })
 	out.Slowdown = med(func(p *sim.Profile) float64 { return p.Slowdown })
 	out.CommSlowdown = med(func(p *sim.Profile) float64 { return p.CommSlowdown })
 	out.Skew = med(func(p *sim.Profile) float64 { return p.Skew })
@@ -507,7 +527,7 @@ func overlapFromTrace(p *sim.Profile, paths []string, rank, from int) (overlapSt
 		bw, in, work, nb = append(bw, mean(s.lens)), append(in, mean(s.inflight)), append(work, mean(s.work)), append(nb, mean(s.buckets))
 	}
 	o := overlapStats{inflight: median(in), work: median(work), buckets: median(nb)}
-	o.backward = math.Max(median(bw)-p.CopyPerByte*float64(p.TotalBytes())-p.Launch*o.buckets, 0)
+	o.backward = math.Max(median(bw)-p.CopyPerByte*float64(p.TotalBytes())-(p.Launch+p.CollectiveCPU)*o.buckets, 0)
 	if !(o.inflight > 0 && o.work > 0) {
 		return o, fmt.Errorf("-overlap_trace: no collective ran during backward in the passes read (from iteration %d); trace a launch with a small cap", from)
 	}

@@ -536,3 +536,58 @@ func TestOverlapFromTrace(t *testing.T) {
 		t.Error("-overlap_trace without -trace: no error")
 	}
 }
+
+// TestCollectiveCPUFromSweep: rank 0's CPU per step rises 0.5 ms a bucket within each repeat,
+// over repeats on machines 10 ms apart (Note [CPU per collective from a sweep]); the model
+// charges it at every launch.
+func TestCollectiveCPUFromSweep(t *testing.T) {
+	dir := t.TempDir()
+	rows := "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step\n"
+	// The repeat on the slowest machine ran the most buckets: a slope over all the rows
+	// would take its 10 ms for the buckets' (2.2 ms a bucket, not 0.5).
+	for rep, r := range []struct {
+		base float64
+		nbs  []int
+	}{{60, []int{2, 3, 7}}, {70, []int{3, 7}}, {50, []int{2, 3}}} {
+		for _, nb := range r.nbs {
+			rows += fmt.Sprintf("goddp,ddp,1,%d,%d,%g\n", rep+1, nb, r.base+0.5*float64(nb))
+		}
+	}
+	rows += "torch,ddp,1,1,1,999\n" // not goddp's: ignored
+	cpu := filepath.Join(dir, "cpu.csv")
+	if err := os.WriteFile(cpu, []byte(rows), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	fit, err := collectiveCPUFromSweep(cpu)
+	if err != nil || math.Abs(fit.perBucket-0.5e-3) > 1e-12 || fit.launches != 7 || fit.minBuckets != 2 || fit.maxBuckets != 7 {
+		t.Fatalf("fit %+v, err %v; want 0.5 ms over 7 launches of 2 to 7 buckets", fit, err)
+	}
+	a := profileFile(t, dir, "a.json", 0.090)
+	var out strings.Builder
+	if err := run([]string{"-profile", a, "-caps", "1,8", "-collective_cpu_csv", cpu}, &out, io.Discard); err != nil {
+		t.Fatal(err)
+	}
+	// Cap 1 MiB: every launch 0.5 ms of compute, so bucket k launches at 10.5k ms and its
+	// 10.1 ms all-reduce ends before the next: the last at 94.1 ms, backward's end at 94.0.
+	// Cap 8 MiB: the second bucket launches at 81 ms and ends 70.1 ms later.
+	for _, want := range []string{
+		"CPU per collective (-collective_cpu_csv): 0.500 ms",
+		"CPU per collective 0.50 ms",
+		"| 1 | 8 | 114.1 | 0.1 |",
+		"| 8 | 2 | 171.1 | 60.1 |",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out.String())
+		}
+	}
+	if err := run([]string{"-profile", a, "-collective_cpu", "1ms", "-collective_cpu_csv", cpu}, io.Discard, io.Discard); err == nil {
+		t.Error("-collective_cpu and -collective_cpu_csv together: no error")
+	}
+	flat := filepath.Join(dir, "flat.csv")
+	if err := os.WriteFile(flat, []byte("system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step\ngoddp,ddp,1,1,2,60\ngoddp,ddp,5,2,3,61\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := collectiveCPUFromSweep(flat); err == nil || !strings.Contains(err.Error(), "no repeat with launches of different bucket counts") {
+		t.Errorf("one launch per repeat: err %v", err)
+	}
+}

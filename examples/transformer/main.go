@@ -432,7 +432,9 @@ type trainer struct {
 
 	timed  time.Duration // the total time of the timed steps (after --warmup_steps)
 	nTimed int
-	ov     overlap
+	// timedCPU: the process's CPU time (user and system) over the timed steps
+	timedCPU time.Duration
+	ov       overlap
 }
 
 // initSync sets t.sync: a localSync alone, otherwise a DDP over every parameter.
@@ -499,6 +501,7 @@ func (t *trainer) banner(start int) {
 func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	f := t.f
 	t0 := time.Now()
+	cpu0, cpuOK := processCPU()
 	loss, err := t.step(ctx, step)
 	if err != nil {
 		return err
@@ -507,6 +510,9 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	if step >= f.warmup {
 		t.timed += dur
 		t.nTimed++
+		if cpu1, ok := processCPU(); ok && cpuOK {
+			t.timedCPU += cpu1 - cpu0
+		}
 		if t.d != nil {
 			t.ov.add(t.d.Stats())
 		}
@@ -613,6 +619,9 @@ func (t *trainer) finish(ctx context.Context) error {
 	}
 	if t.w.rank == 0 && t.nTimed > 0 {
 		fmt.Fprintf(t.stdout, "bucket_cap_mb=%v  ms/step=%.2f\n", t.f.bucketCapMB, float64(t.timed.Microseconds())/1e3/float64(t.nTimed))
+		if t.timedCPU > 0 {
+			fmt.Fprintf(t.stdout, "process CPU: %.2f ms per timed step (user and system, all of this rank's threads)\n", float64(t.timedCPU.Microseconds())/1e3/float64(t.nTimed))
+		}
 		if t.ov.n > 0 {
 			fmt.Fprintln(t.stdout, t.ov.String())
 		}

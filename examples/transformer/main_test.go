@@ -7,6 +7,8 @@ import (
 	"math"
 	"os"
 	"regexp"
+	"runtime"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -52,6 +54,18 @@ func TestOutputAndDeterminism(t *testing.T) {
 	}
 	if !regexp.MustCompile(`(?m)^bucket_cap_mb=25  ms/step=[0-9.]+$`).MatchString(out) {
 		t.Errorf("no ms/step line:\n%s", out)
+	}
+	if _, ok := processCPU(); ok {
+		m := regexp.MustCompile(`(?m)^bucket_cap_mb=25  ms/step=([0-9.]+)\nprocess CPU: ([0-9.]+) ms per timed step \(user and system, all of this rank's threads\)$`).FindStringSubmatch(out)
+		if m == nil {
+			t.Fatalf("no process CPU line after the ms/step line:\n%s", out)
+		}
+		// the CPU time of the timed steps: some, and no more than every core for their time
+		ms, _ := strconv.ParseFloat(m[1], 64)
+		cpu, _ := strconv.ParseFloat(m[2], 64)
+		if !(cpu > 0) || cpu > ms*float64(runtime.NumCPU())+0.01 {
+			t.Errorf("process CPU %v ms per step, at %v ms/step on %d CPUs", cpu, ms, runtime.NumCPU())
+		}
 	}
 	if !regexp.MustCompile(`^rank 0 peak_rss_mb=[0-9.]+$`).MatchString(lines[len(lines)-2]) {
 		t.Errorf("second last line %q", lines[len(lines)-2])

@@ -1,0 +1,89 @@
+package main
+
+import (
+	"encoding/csv"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"strconv"
+	"strings"
+)
+
+// Note [CPU per collective from a sweep]: the step model's CollectiveCPU (Note [A
+// collective's CPU] in package bucket/sim) is the CPU time one collective costs beyond its
+// bytes. One pass's CPU time cannot show it on this VM: in the auto sizing's passes 2 and
+// 3 (one bucket, then eight), pass 3's CPU less pass 2's came out between −26 and +8 ms
+// over three launches of two ranks at L=2 h=256, where the seven extra collectives account
+// for about 5 ms (one host, 2026-12-06, each pass's getrusage). A sweep has many launches of each layout: the trainer prints its own CPU per
+// timed step, and scripts/sweep.sh writes it beside the buckets each launch ran (cpu.csv).
+// The slope of CPU per step against buckets, fitted within each repeat (each repeat's means
+// taken out first, so that a repeat on a slower or busier machine does not tilt it), is
+// the CPU per collective. Negative slopes are read as zero.
+
+// cpuFit is Note [CPU per collective from a sweep]'s fit.
+type cpuFit struct {
+	perBucket              float64 // seconds
+	launches               int
+	minBuckets, maxBuckets int
+}
+
+// collectiveCPUFromSweep fits the CPU per collective from a sweep's cpu.csv (system,kind,
+// bucket_cap_mb,repeat,buckets,cpu_ms_step; goddp's rows).
+func collectiveCPUFromSweep(path string) (cpuFit, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return cpuFit{}, err
+	}
+	defer f.Close()
+	r := csv.NewReader(f)
+	header, err := r.Read()
+	if err != nil {
+		return cpuFit{}, fmt.Errorf("%s: %w", path, err)
+	}
+	const want = "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step"
+	if strings.Join(header, ",") != want {
+		return cpuFit{}, fmt.Errorf("%s: header %q, want %q", path, strings.Join(header, ","), want)
+	}
+	type point struct{ x, y float64 }
+	byRep := map[string][]point{}
+	fit := cpuFit{minBuckets: math.MaxInt}
+	for line := 2; ; line++ {
+		rec, err := r.Read()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return cpuFit{}, fmt.Errorf("%s:%d: %w", path, line, err)
+		}
+		if rec[0] != "goddp" {
+			continue
+		}
+		nb, err1 := strconv.Atoi(rec[4])
+		ms, err2 := strconv.ParseFloat(rec[5], 64)
+		if err1 != nil || err2 != nil || nb < 1 || !(ms > 0) || math.IsInf(ms, 0) {
+			return cpuFit{}, fmt.Errorf("%s:%d: bad buckets %q or cpu_ms_step %q", path, line, rec[4], rec[5])
+		}
+		byRep[rec[3]] = append(byRep[rec[3]], point{float64(nb), ms})
+		fit.launches++
+		fit.minBuckets, fit.maxBuckets = min(fit.minBuckets, nb), max(fit.maxBuckets, nb)
+	}
+	var sxy, sxx float64
+	for _, ps := range byRep {
+		var mx, my float64
+		for _, p := range ps {
+			mx, my = mx+p.x, my+p.y
+		}
+		mx, my = mx/float64(len(ps)), my/float64(len(ps))
+		for _, p := range ps {
+			sxy += (p.x - mx) * (p.y - my)
+			sxx += (p.x - mx) * (p.x - mx)
+		}
+	}
+	if !(sxx > 0) {
+		return cpuFit{}, fmt.Errorf("%s: no repeat with launches of different bucket counts to fit the CPU per collective from", path)
+	}
+	fit.perBucket = math.Max(sxy/sxx, 0) / 1e3
+	return fit, nil
+}
