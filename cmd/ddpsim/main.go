@@ -501,7 +501,8 @@ func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
 // each from its pacing rank, and a sweep's launches their median: with B its backward,
 // T the time with a collective in flight inside it and W the collectives' work done there
 // (their time alone), against the one-bucket launches' backward B1 (both less the reducer's
-// copies and launches), compute did T − (B − B1) of its work in T, and the collectives W:
+// copies, launches and the collectives' own CPU, Note [A collective's CPU] in package
+// bucket/sim), compute did T − (B − B1) of its work in T, and the collectives W:
 // s = (B − B1) / (T − (B − B1)) and c = T/W − 1, each at most 9. They are not bounded as one
 // resource shared (Note [Shared speed] in package bucket/sim): these are steady means, not
 // one pass's, and where the two ranks' collectives cost the cores more than they take (a
