@@ -221,40 +221,15 @@ func paired(a, b map[string]float64) float64 {
 // pBest is Note [Resolved best]'s fraction of draws won by each of caps, with rep[c] the
 // ms/step of cap c by repeat. Repeats missing for a cap are skipped in its medians.
 func pBest(rep map[float64]map[string]float64, caps []float64, draws int) map[float64]float64 {
-	var keys []string
-	seen := map[string]bool{}
-	for _, c := range caps {
-		for k := range rep[c] {
-			if !seen[k] {
-				seen[k] = true
-				keys = append(keys, k)
-			}
-		}
+	ms := make([]map[string]float64, len(caps))
+	for i, c := range caps {
+		ms[i] = rep[c]
 	}
-	sort.Strings(keys)
 	won := map[float64]float64{}
-	if len(keys) == 0 {
-		return won
-	}
-	rng := rand.New(rand.NewPCG(1, 2))
-	drawn := make([]string, len(keys))
-	var xs []float64
-	for range draws {
-		for i := range drawn {
-			drawn[i] = keys[rng.IntN(len(keys))]
-		}
+	resample(ms, draws, rand.New(rand.NewPCG(1, 2)), func(med func(map[string]float64) float64) {
 		least, winners := math.Inf(1), []float64(nil)
 		for _, c := range caps {
-			xs = xs[:0]
-			for _, k := range drawn {
-				if v, ok := rep[c][k]; ok {
-					xs = append(xs, v)
-				}
-			}
-			if len(xs) == 0 {
-				continue
-			}
-			switch m := median(xs); {
+			switch m := med(rep[c]); { // NaN, for a cap none of whose repeats was drawn, is neither
 			case m < least:
 				least, winners = m, append(winners[:0], c)
 			case m == least:
@@ -264,8 +239,46 @@ func pBest(rep map[float64]map[string]float64, caps []float64, draws int) map[fl
 		for _, c := range winners {
 			won[c] += 1 / float64(len(winners)*draws)
 		}
-	}
+	})
 	return won
+}
+
+// resample draws the repeats, the union of the keys of ms, with replacement (as many as
+// there are), draws times from rng (after sorting them, so that a seed gives the same draws
+// on every run), and calls f with each draw's median: a map's median over the drawn repeats
+// it has, NaN if it has none of them.
+func resample(ms []map[string]float64, draws int, rng *rand.Rand, f func(med func(map[string]float64) float64)) {
+	var keys []string
+	seen := map[string]bool{}
+	for _, m := range ms {
+		for k := range m {
+			if !seen[k] {
+				seen[k] = true
+				keys = append(keys, k)
+			}
+		}
+	}
+	if len(keys) == 0 {
+		return
+	}
+	sort.Strings(keys)
+	drawn := make([]string, len(keys))
+	var xs []float64
+	med := func(m map[string]float64) float64 {
+		xs = xs[:0]
+		for _, k := range drawn {
+			if v, ok := m[k]; ok {
+				xs = append(xs, v)
+			}
+		}
+		return median(xs)
+	}
+	for range draws {
+		for i := range drawn {
+			drawn[i] = keys[rng.IntN(len(keys))]
+		}
+		f(med)
+	}
 }
 
 // pBestDraws is the number of resamples behind P(best).

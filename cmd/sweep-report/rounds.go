@@ -98,38 +98,38 @@ func roundsPooled(paths []string, w io.Writer) error {
 // pooledLayout is one layout of Note [Rounds pooled], over all the rounds.
 type pooledLayout struct {
 	layout   string
-	caps     map[float64]bool   // the caps whose launches ran it (0: auto)
-	rep      map[string]float64 // by round/repeat: the median of its launches there
+	caps     map[float64]bool     // the caps whose launches ran it (0: auto)
+	byKey    map[string][]float64 // by round/repeat: its launches there
+	rep      map[string]float64   // by round/repeat: the median of byKey's
 	launches int
 }
 
 // writeRounds writes one system's pooled table.
 func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	at := map[string]*pooledLayout{}
-	byKey := map[string]map[string][]float64{} // layout → key → values
-	autoRep, defRep := map[string]float64{}, map[string][]float64{}
+	autoRep, defRep := map[string]float64{}, map[string]float64{} // a launch of each per round/repeat
 	autoLays := map[string]int{}
 	for _, l := range ls {
 		g := at[l.layout]
 		if g == nil {
-			g = &pooledLayout{layout: l.layout, caps: map[float64]bool{}}
-			at[l.layout], byKey[l.layout] = g, map[string][]float64{}
+			g = &pooledLayout{layout: l.layout, caps: map[float64]bool{}, byKey: map[string][]float64{}}
+			at[l.layout] = g
 		}
 		g.caps[l.cap] = true
 		g.launches++
-		byKey[l.layout][l.key] = append(byKey[l.layout][l.key], l.v)
+		g.byKey[l.key] = append(g.byKey[l.key], l.v)
 		switch l.cap {
 		case 0:
 			autoRep[l.key] = l.v
 			autoLays[l.layout]++
 		case 25:
-			defRep[l.key] = append(defRep[l.key], l.v)
+			defRep[l.key] = l.v
 		}
 	}
 	gs := make([]*pooledLayout, 0, len(at))
-	for lay, g := range at {
+	for _, g := range at {
 		g.rep = map[string]float64{}
-		for k, xs := range byKey[lay] {
+		for k, xs := range g.byKey {
 			g.rep[k] = median(xs)
 		}
 		gs = append(gs, g)
@@ -200,11 +200,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 		fmt.Fprintf(w, " %d buckets (%s) %s%s", len(strings.Fields(lay)), lay, times, sep)
 	}
 	if len(defRep) > 0 {
-		dr := map[string]float64{}
-		for k, xs := range defRep {
-			dr[k] = median(xs)
-		}
-		d := median(repValues(dr))
+		d := median(repValues(defRep))
 		less := "less"
 		if a > d {
 			less = "more"
@@ -217,48 +213,22 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 // (the same draw for all, Note [Resolved best]), of auto's median over the least of the
 // layouts' medians.
 func ratioInterval(auto map[string]float64, rep map[float64]map[string]float64, layouts []float64) (lo, hi float64) {
-	seen := map[string]bool{}
-	var keys []string
-	for k := range auto {
-		seen[k] = true
-		keys = append(keys, k)
+	ms := []map[string]float64{auto}
+	for _, l := range layouts {
+		ms = append(ms, rep[l])
 	}
-	for _, g := range rep {
-		for k := range g {
-			if !seen[k] {
-				seen[k] = true
-				keys = append(keys, k)
-			}
-		}
-	}
-	sort.Strings(keys)
-	rng := rand.New(rand.NewPCG(3, 4))
-	drawn := make([]string, len(keys))
 	rs := make([]float64, 0, pBestDraws)
-	var xs []float64
-	for range pBestDraws {
-		for i := range drawn {
-			drawn[i] = keys[rng.IntN(len(keys))]
-		}
-		pick := func(m map[string]float64) float64 {
-			xs = xs[:0]
-			for _, k := range drawn {
-				if v, ok := m[k]; ok {
-					xs = append(xs, v)
-				}
-			}
-			return median(xs) // NaN if none drawn
-		}
-		a, least := pick(auto), math.Inf(1)
+	resample(ms, pBestDraws, rand.New(rand.NewPCG(3, 4)), func(med func(map[string]float64) float64) {
+		a, least := med(auto), math.Inf(1)
 		for _, l := range layouts {
-			if m := pick(rep[l]); m < least {
+			if m := med(rep[l]); m < least {
 				least = m
 			}
 		}
 		if r := a / least; !math.IsNaN(r) && !math.IsInf(least, 1) {
 			rs = append(rs, r)
 		}
-	}
+	})
 	if len(rs) == 0 {
 		return math.NaN(), math.NaN()
 	}
