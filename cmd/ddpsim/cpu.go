@@ -1,14 +1,9 @@
 package main
 
 import (
-	"encoding/csv"
-	"errors"
 	"fmt"
-	"io"
 	"math"
-	"os"
 	"strconv"
-	"strings"
 )
 
 // Note [CPU per collective from a sweep]: the step model's CollectiveCPU (Note [A
@@ -38,38 +33,18 @@ type cpuFit struct {
 // collectiveCPUFromSweep fits the CPU per collective from a sweep's cpu.csv (system,kind,
 // bucket_cap_mb,repeat,buckets,cpu_ms_step; goddp's rows).
 func collectiveCPUFromSweep(path string) (cpuFit, error) {
-	f, err := os.Open(path)
+	rows, lines, err := goddpRows(path, "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step", "sweep.sh cpu.csv")
 	if err != nil {
 		return cpuFit{}, err
-	}
-	defer f.Close()
-	r := csv.NewReader(f)
-	header, err := r.Read()
-	if err != nil {
-		return cpuFit{}, fmt.Errorf("%s: %w", path, err)
-	}
-	const want = "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step"
-	if strings.Join(header, ",") != want {
-		return cpuFit{}, fmt.Errorf("%s: header %q, want %q", path, strings.Join(header, ","), want)
 	}
 	type point struct{ x, y float64 }
 	byRep := map[string][]point{}
 	fit := cpuFit{minBuckets: math.MaxInt}
-	for line := 2; ; line++ {
-		rec, err := r.Read()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return cpuFit{}, fmt.Errorf("%s:%d: %w", path, line, err)
-		}
-		if rec[0] != "goddp" {
-			continue
-		}
+	for i, rec := range rows {
 		nb, err1 := strconv.Atoi(rec[4])
 		ms, err2 := strconv.ParseFloat(rec[5], 64)
 		if err1 != nil || err2 != nil || nb < 1 || !(ms > 0) || math.IsInf(ms, 0) {
-			return cpuFit{}, fmt.Errorf("%s:%d: bad buckets %q or cpu_ms_step %q", path, line, rec[4], rec[5])
+			return cpuFit{}, fmt.Errorf("%s:%d: bad buckets %q or cpu_ms_step %q", path, lines[i], rec[4], rec[5])
 		}
 		byRep[rec[3]] = append(byRep[rec[3]], point{float64(nb), ms})
 		fit.launches++

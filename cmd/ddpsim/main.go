@@ -740,26 +740,37 @@ type measuredLayout struct {
 	pBest float64
 }
 
-// readLayouts reads goddp's rows of a layouts.csv.
-func readLayouts(path string) ([]measuredLayout, error) {
+// goddpRows reads the CSV at path, whose first row must be header (what names the kind of
+// file in the error), and returns goddp's rows and their line numbers.
+func goddpRows(path, header, what string) (rows [][]string, lines []int, err error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	defer f.Close()
 	recs, err := csv.NewReader(f).ReadAll()
 	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return nil, nil, fmt.Errorf("%s: %w", path, err)
 	}
-	const header = "system,caps,buckets,median_ms_step,relative_to_best,p_best"
 	if len(recs) == 0 || strings.Join(recs[0], ",") != header {
-		return nil, fmt.Errorf("%s: not a sweep-report layouts.csv (%s)", path, header)
+		return nil, nil, fmt.Errorf("%s: not a %s (%s)", path, what, header)
+	}
+	for i, r := range recs[1:] {
+		if r[0] == "goddp" {
+			rows, lines = append(rows, r), append(lines, i+2)
+		}
+	}
+	return rows, lines, nil
+}
+
+// readLayouts reads goddp's rows of a layouts.csv.
+func readLayouts(path string) ([]measuredLayout, error) {
+	rows, _, err := goddpRows(path, "system,caps,buckets,median_ms_step,relative_to_best,p_best", "sweep-report layouts.csv")
+	if err != nil {
+		return nil, err
 	}
 	var ls []measuredLayout
-	for _, r := range recs[1:] {
-		if r[0] != "goddp" {
-			continue
-		}
+	for _, r := range rows {
 		var l measuredLayout
 		for _, f := range strings.Fields(r[1]) {
 			c, err := strconv.ParseFloat(f, 64)
