@@ -38,8 +38,8 @@ const autoMeasured = 5
 //     grad-ready order, as without auto (Note [Rebuild]). At its end every rank agrees on
 //     rank 0's order and times a few all-reduces alone (the probe: 64 KiB and every 8× up
 //     to the size of all the gradients, at most 256 MiB, twice each, the faster kept): the
-//     cost curve. The probe holds the reducer's lock, as the rebuild's broadcast does, and a
-//     buffer of its largest size until it ends. The next layout is one bucket, launched when
+//     cost curve. The probe holds the reducer's lock, as the rebuild's broadcast does, and runs on
+//     the memory that the next layout's buckets then take (Note [Bucket memory]). The next layout is one bucket, launched when
 //     the last gradient is ready.
 //  2. Pass 2, with that one bucket, runs backward with no collective in flight: it gives the
 //     pure compute timeline (each gradient's ready time less the reducer's own time before
@@ -155,21 +155,30 @@ func (a *autoTuner) rebuild(ctx context.Context, r *Reducer, agreed []int) error
 const probeMax = 256 << 20
 
 // runProbe times all-reduces of 64 KiB and every 8× up to total bytes, and total (at most
-// probeMax), twice each, on every rank alike.
+// probeMax, and at most the bucket memory of one element type), twice each, on every rank
+// alike. It probes where the buckets live, on the memory that the next layout's buckets
+// take: it holds that memory as the spare, which setLayout then hands out cleared (Note
+// [Bucket memory]), so the probe allocates nothing of its own.
 func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error {
-	top := min(max(total, 4), probeMax) &^ 3
+	n := r.hostElems()
+	t := 0 // float32, unless every gradient is a float64
+	if n[0] == 0 {
+		t = 1
+	}
+	r.spare[t] = r.hostMemFor(t, n[t])
+	m := r.spare[t]
+	size := int64(4 << t) // bytes per element
+	top := min(max(total, size), probeMax, size*int64(n[t])) / size * size
 	var sizes []int64
 	for s := int64(64 << 10); s < top; s *= 8 {
 		sizes = append(sizes, s)
 	}
 	sizes = append(sizes, top)
-	// Probed where the buckets live: the group's shared memory, if it offers it.
-	buf, shared := hostBuf[float32](r, procgroup.Float32, int(sizes[len(sizes)-1]/4))
-	if shared {
-		defer r.alloc.FreeBuffer(buf)
-	}
 	for _, s := range sizes {
-		b := buf[:s/4]
+		var b any = m.f32[:s/4]
+		if t == 1 {
+			b = m.f64[:s/8]
+		}
 		best := math.Inf(1)
 		for range 2 {
 			t0 := time.Now()
@@ -178,7 +187,7 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 			}
 			best = math.Min(best, time.Since(t0).Seconds())
 		}
-		a.probe = append(a.probe, sim.Point{Bytes: 4 * int64(len(b)), Seconds: best})
+		a.probe = append(a.probe, sim.Point{Bytes: s, Seconds: best})
 	}
 	return nil
 }

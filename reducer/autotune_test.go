@@ -41,21 +41,30 @@ func TestAutoEquivalence(t *testing.T) {
 // TestAutoRebuilds follows Note [Auto buckets] pass by pass on 2 ranks and 16 gradients of
 // 256 KiB: one bucket after pass 1, eight after pass 2, the plan's layout after pass 3, the
 // measured step after pass 9; every average exact, every collective the same on both ranks.
+// The buckets come from the group's allocator (allocGroup): two buffers in all, since the
+// probe runs on the one the next layout takes and later layouts reuse them (Note [Bucket
+// memory]).
 func TestAutoRebuilds(t *testing.T) {
 	const n, nParams, length, passes = 2, 16, 1 << 16, 9
 	ctx := testCtx(t)
 	c := pgtest.NewCluster(n)
 	defer c.Close()
-	errs := runRanks(n, func(rank int) error {
+	errs := runRanks(n, func(rank int) (err error) {
 		params := make([]Param, nParams)
 		for i := range params {
 			params[i] = Param{Name: fmt.Sprintf("w%d", i), Grad: make([]float32, length)}
 		}
-		r, err := New(c.Group(rank), params, Options{BucketCapMB: AutoBucketCap})
+		pg := &allocGroup{ProcessGroup: c.Group(rank), live: map[*byte]int{}}
+		r, err := New(pg, params, Options{BucketCapMB: AutoBucketCap})
 		if err != nil {
 			return err
 		}
 		defer r.Close()
+		defer func() {
+			if pg.allocs != 2 {
+				err = errors.Join(err, fmt.Errorf("%d buffers allocated, want 2 (layouts 0 and 1; the probe and the later layouts reuse them)", pg.allocs))
+			}
+		}()
 		// Note [Bucket memory]: the buffer of layout k is that of layout k-2 from the
 		// second rebuild on, and no spare is held once no rebuild is owed.
 		mems := []*float32{&r.mem[0].f32[0]}

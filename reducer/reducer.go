@@ -161,7 +161,9 @@ type Reducer struct {
 // 734–880 ms with new buffers and 507–679 ms reusing them, and the first step with the
 // chosen layout took 37–139 ms longer than the median of the later ones (26–80 ms reusing
 // them). Once no rebuild is owed the spare is dropped, so a job holds one layout's buckets,
-// as before.
+// as before. The auto sizing's probe (before its first rebuild) runs on the memory that the
+// rebuild then takes, held meanwhile as the spare, rather than on a buffer of its own: at
+// L=4 h=512 the probe's own 50 MB had left each rank 50 MB larger for the rest of the job.
 
 // hostMem is one layout's host memory for the buckets of one element type: from the group's
 // BufferAllocator (shared), or an ordinary slice.
@@ -278,11 +280,7 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 	var mem [2]hostMem
 	var used [2]int // elements of mem handed out
 	if r.dev == nil {
-		var n [2]int
-		for _, p := range r.bparams {
-			t := typeIndex(p.DType)
-			n[t] += p.Len + bucketAlign/p.DType.Size()
-		}
+		n := r.hostElems()
 		for t := range mem {
 			if n[t] > 0 {
 				mem[t] = r.hostMemFor(t, n[t])
@@ -348,6 +346,17 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 	r.mem = mem
 	r.lay, r.slots = lay, slots
 	return nil
+}
+
+// hostElems is the number of elements of each type (float32, float64) of a layout's host
+// bucket memory (Note [Bucket memory]): the same for every layout.
+func (r *Reducer) hostElems() [2]int {
+	var n [2]int
+	for _, p := range r.bparams {
+		t := typeIndex(p.DType)
+		n[t] += p.Len + bucketAlign/p.DType.Size()
+	}
+	return n
 }
 
 // typeIndex is a host element type's index in Reducer.mem.
