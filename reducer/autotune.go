@@ -37,10 +37,11 @@ const autoMeasured = 5
 //  1. Pass 1 runs the layout of FirstBucketCapMB and PyTorch's default 25 MiB and gives the
 //     grad-ready order, as without auto (Note [Rebuild]). At its end every rank agrees on
 //     rank 0's order and times a few all-reduces alone (the probe: 64 KiB and every 8× up
-//     to the size of all the gradients, at most 256 MiB, twice each, the faster kept): the
-//     cost curve. The probe holds the reducer's lock, as the rebuild's broadcast does, and runs on
-//     the memory that the next layout's buckets then take (Note [Bucket memory]). The next layout is one bucket, launched when
-//     the last gradient is ready.
+//     to the size of all the gradients, at most 256 MiB, twice each, the faster kept, Note
+//     [Probe twice over]): the cost curve. The probe holds the reducer's lock, as the
+//     rebuild's broadcast does, and runs on the memory that the next layout's buckets then
+//     take (Note [Bucket memory]). The next layout is one bucket, launched when the last
+//     gradient is ready.
 //  2. Pass 2, with that one bucket, runs backward with no collective in flight: it gives the
 //     pure compute timeline (each gradient's ready time less the reducer's own time before
 //     it), the copy cost per byte, the copy back, the rest of the step (forward, optimizer:
@@ -155,8 +156,8 @@ func (a *autoTuner) rebuild(ctx context.Context, r *Reducer, agreed []int) error
 const probeMax = 256 << 20
 
 // runProbe times all-reduces of 64 KiB and every 8× up to total bytes, and total (at most
-// probeMax, and at most the bucket memory of one element type), twice each, on every rank
-// alike. It probes where the buckets live, on the memory that the next layout's buckets
+// probeMax, and at most the bucket memory of one element type), twice each (Note [Probe
+// twice over]), on every rank alike. It probes where the buckets live, on the memory that the next layout's buckets
 // take: it holds that memory as the spare, which setLayout then hands out cleared (Note
 // [Bucket memory]), so the probe allocates nothing of its own.
 func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error {
@@ -174,23 +175,40 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 		sizes = append(sizes, s)
 	}
 	sizes = append(sizes, top)
-	for _, s := range sizes {
-		var b any = m.f32[:s/4]
-		if t == 1 {
-			b = m.f64[:s/8]
-		}
-		best := math.Inf(1)
-		for range 2 {
+	best := make([]float64, len(sizes))
+	for k := range best {
+		best[k] = math.Inf(1)
+	}
+	// Note [Probe twice over]: the sizes in turn, and then again.
+	for range 2 {
+		for k, s := range sizes {
+			var b any = m.f32[:s/4]
+			if t == 1 {
+				b = m.f64[:s/8]
+			}
 			t0 := time.Now()
 			if err := r.pg.AllReduce(ctx, b, procgroup.Sum).Wait(ctx); err != nil {
 				return fmt.Errorf("reducer: auto bucket sizing: all-reduce of %d bytes: %w", s, err)
 			}
-			best = math.Min(best, time.Since(t0).Seconds())
+			best[k] = math.Min(best[k], time.Since(t0).Seconds())
 		}
-		a.probe = append(a.probe, sim.Point{Bytes: s, Seconds: best})
+	}
+	for k, s := range sizes {
+		a.probe = append(a.probe, sim.Point{Bytes: s, Seconds: best[k]})
 	}
 	return nil
 }
+
+// Note [Probe twice over]: the probe times each size twice and keeps the faster, since a
+// disturbance only ever slows an all-reduce. It went through the sizes one after another
+// twice rather than timing each size twice in a row: two tries in a row sit inside one
+// disturbance of a few tens of milliseconds, and they did. On the two-host testbed at
+// 10 Gbit/s (L=4 h=512, rounds s38-s42, 31 launches), the faster of two tries in a row
+// came out at 60-99 ms for 33.5 or 52.5 MB in 7 launches, against 28-56 ms in the others.
+// Such a point bends the piecewise curve (package sim, Comm) at its size: with one of them
+// (33.5 MB at 64 ms) auto picked 13 buckets, which ran 1.09x the best layout, and that
+// launch's profile, given another launch's curve, keeps the default caps (cmd/ddpsim,
+// offline). A whole pass of the sizes lies between the two tries of one size now.
 
 // decide builds this rank's profile; rank 0 picks the caps with it, and every rank takes
 // rank 0's and describes them with its own profile (AutoPlan).

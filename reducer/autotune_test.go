@@ -16,6 +16,7 @@ import (
 
 	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/bucket/sim"
+	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
 
@@ -136,6 +137,24 @@ func TestAutoRebuilds(t *testing.T) {
 	}
 	if !reflect.DeepEqual(c.Issued(1), c.Issued(0)) {
 		t.Fatalf("the ranks issued different collectives:\n%v\n%v", c.Issued(0), c.Issued(1))
+	}
+	// Note [Probe twice over]: right after the broadcast of pass 1's order, the probe's
+	// sizes (64 KiB, 512 KiB, and all 4 MiB of the gradients) in turn, then again.
+	issued := c.Issued(0)
+	var got []int
+	for k, rec := range issued {
+		if rec.Op == procgroup.OpBroadcast {
+			for _, p := range issued[k+1:] {
+				if p.Op != procgroup.OpAllReduce || len(got) == 6 {
+					break
+				}
+				got = append(got, p.Count*p.DType.Size())
+			}
+			break
+		}
+	}
+	if want := []int{64 << 10, 512 << 10, 4 << 20, 64 << 10, 512 << 10, 4 << 20}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("the all-reduces after the first broadcast: %v bytes, want the probe's sizes twice over %v (issued: %v)", got, want, issued)
 	}
 }
 
