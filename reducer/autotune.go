@@ -157,9 +157,9 @@ const probeMax = 256 << 20
 
 // runProbe times all-reduces of 64 KiB and every 8× up to total bytes, and total (at most
 // probeMax, and at most the bucket memory of one element type), twice each (Note [Probe
-// twice over]), on every rank alike. It probes where the buckets live, on the memory that the next layout's buckets
-// take: it holds that memory as the spare, which setLayout then hands out cleared (Note
-// [Bucket memory]), so the probe allocates nothing of its own.
+// twice over]), on every rank alike. It probes where the buckets live: on the memory that
+// the next layout's buckets take, held meanwhile as the spare, which setLayout then hands
+// out cleared (Note [Bucket memory]). The probe allocates nothing of its own.
 func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error {
 	n := r.hostElems()
 	t := 0 // float32, unless every gradient is a float64
@@ -200,15 +200,15 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 }
 
 // Note [Probe twice over]: the probe times each size twice and keeps the faster, since a
-// disturbance only ever slows an all-reduce. It went through the sizes one after another
-// twice rather than timing each size twice in a row: two tries in a row sit inside one
-// disturbance of a few tens of milliseconds, and they did. On the two-host testbed at
-// 10 Gbit/s (L=4 h=512, rounds s38-s42, 31 launches), the faster of two tries in a row
-// came out at 60-99 ms for 33.5 or 52.5 MB in 7 launches, against 28-56 ms in the others.
-// Such a point bends the piecewise curve (package sim, Comm) at its size: with one of them
-// (33.5 MB at 64 ms) auto picked 13 buckets, which ran 1.09x the best layout, and that
-// launch's profile, given another launch's curve, keeps the default caps (cmd/ddpsim,
-// offline). A whole pass of the sizes lies between the two tries of one size now.
+// disturbance only ever slows an all-reduce. It goes through all the sizes, then through
+// them again, so that a whole pass of the sizes separates the two tries of one size. Two
+// tries in a row can both fall inside one disturbance of a few tens of milliseconds, and
+// they did. On the two-host testbed at 10 Gbit/s (L=4 h=512, rounds s38-s42, 31
+// launches), the faster of two tries in a row took 60-99 ms for 33.5 or 52.5 MB in 7
+// launches, against 28-56 ms in the others. Such a point bends the piecewise curve
+// (package sim, Comm) at its size. With one of them (33.5 MB at 64 ms), auto picked 13
+// buckets, which ran 1.09x the best layout; that launch's profile, given another launch's
+// curve, keeps the default caps (cmd/ddpsim, offline).
 
 // decide builds this rank's profile; rank 0 picks the caps with it, and every rank takes
 // rank 0's and describes them with its own profile (AutoPlan).
