@@ -11,8 +11,9 @@ import (
 // bytes. One pass's CPU time cannot show it on this VM: in the auto sizing's passes 2 and
 // 3 (one bucket, then eight), pass 3's CPU less pass 2's came out between −26 and +8 ms
 // over three launches of two ranks at L=2 h=256, where the seven extra collectives account
-// for about 5 ms (one host, 2026-12-06, each pass's getrusage). A sweep has many launches of each layout: the trainer prints its own CPU per
-// timed step, and scripts/sweep.sh writes it beside the buckets each launch ran (cpu.csv).
+// for about 5 ms (one host, 2026-12-06, each pass's getrusage). A sweep has many launches
+// of each layout: the trainer prints its own CPU per timed step, and scripts/sweep.sh
+// writes it beside the buckets each launch ran (cpu.csv).
 // The slope of CPU per step against buckets, fitted within each repeat (each repeat's means
 // taken out first, so that a repeat on a slower or busier machine does not tilt it), is
 // the CPU per collective. Negative slopes are read as zero. Where collectives overlap

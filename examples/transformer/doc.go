@@ -23,12 +23,11 @@
 //
 // Output: rank 0 prints "Model: <N> MB | bucket_cap_mb=<X>" first, the loss every
 // --log_every steps (with ddp: the mean over the ranks, i.e. the global batch's loss), the
-// overlap and straggler reports (below),
-// "bucket_cap_mb=<X>  ms/step=<Y>" (timed steps only, after --warmup_steps), its own CPU
-// time over those steps ("process CPU: <C> ms per timed step", where the system reports
-// it) and, with ddp,
-// the reducer's mean per-step figures ("overlap: buckets=… fwd_bwd_compute_ms=… comm_ms=…
-// overlapped_ms=… exposed_ms=…"). Every rank then prints its peak RSS ("rank <r>
+// overlap and straggler reports (below), "bucket_cap_mb=<X>  ms/step=<Y>" (timed steps
+// only, after --warmup_steps), its own CPU time over those steps ("process CPU: <C> ms
+// per timed step", where the system reports it) and, with ddp, the reducer's mean
+// per-step figures ("overlap: buckets=… fwd_bwd_compute_ms=… comm_ms=… overlapped_ms=…
+// exposed_ms=…"). Every rank then prints its peak RSS ("rank <r>
 // peak_rss_mb=<M>", getrusage's maxrss) and last "params_crc32=<8 hex>": CRC-32 (IEEE) of
 // the final parameters' little-endian float32 bytes in registration order, the same on
 // every rank. Errors (a bad flag: exit 2; anything else, such as a lost peer: exit 1) go
