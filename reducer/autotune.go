@@ -205,10 +205,11 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 // tries in a row can both fall inside one disturbance of a few tens of milliseconds, and
 // they did. On the two-host testbed at 10 Gbit/s (L=4 h=512, rounds s38-s42, 31
 // launches), the faster of two tries in a row took 60-99 ms for 33.5 or 52.5 MB in 7
-// launches, against 28-56 ms in the others. Such a point bends the piecewise curve
-// (package sim, Comm) at its size. With one of them (33.5 MB at 64 ms), auto picked 13
-// buckets, which ran 1.09x the best layout; that launch's profile, given another launch's
-// curve, keeps the default caps (cmd/ddpsim, offline).
+// launches, against 28-56 ms in the others. With one of them (33.5 MB at 64 ms), auto
+// picked 13 buckets, which ran 1.09x the best layout; that launch's profile, given another
+// launch's curve, keeps the default caps (cmd/ddpsim, offline). Two tries a pass apart did
+// not always help: in round s43 one launch timed 33.5 MB at 74 ms in both. The curve
+// therefore passes under such a point, not through it (Note [Lower curve] in package sim).
 
 // decide builds this rank's profile; rank 0 picks the caps with it, and every rank takes
 // rank 0's and describes them with its own profile (AutoPlan).
@@ -335,11 +336,14 @@ func (a *autoTuner) profile(r *Reducer, late []time.Duration) (*sim.Profile, err
 	// The rest of the step: from the end of pass 2's Finalize to pass 3's start.
 	p.Other = math.Max(s3.Start.Sub(a.ends[1]).Seconds(), 0)
 
-	// The all-reduce curve: the probe's, each all-reduce alone with the ranks in step.
+	// The all-reduce curve: the probe's, each all-reduce alone with the ranks in step, each
+	// size the faster of two tries: the lowest curve under them (Note [Lower curve] in
+	// package sim).
 	comm, err := sim.Fit(a.probe)
 	if err != nil {
 		return nil, fmt.Errorf("reducer: auto bucket sizing: %w", err)
 	}
+	comm.Lower = true
 	p.Comm = comm
 	// The skew: pass 2's last bucket took longer than alone by the time this rank waited for
 	// the last one to launch it (zero when this rank was the last): one sample of the wait.

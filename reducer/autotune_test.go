@@ -168,6 +168,9 @@ func checkAutoPlan(r *Reducer) error {
 	if p.DecidedAfter != autoPasses || p.Profile == nil || p.Measured != 0 {
 		return fmt.Errorf("plan %+v: want decided after %d passes, a profile, and no measured time before 6 more steps", p, autoPasses)
 	}
+	if c := p.Profile.Comm; !c.Lower || len(c.Points) == 0 {
+		return fmt.Errorf("plan's all-reduce curve %+v: want the probe's points, as a lower curve (Note [Lower curve] in package sim)", c)
+	}
 	// Note [Keep the default]: the default caps unless rank 0 predicted a gain of 5% or more
 	if keep := [2]int64{mib(r.opts.FirstBucketCapMB), bucket.DefaultCapBytes}; [2]int64{p.DefaultFirstCapBytes, p.DefaultCapBytes} != keep ||
 		p.Kept != (p.Gain < autoMinGain) || p.Gain < 0 || p.Gain >= 1 || (p.Kept && [2]int64{p.FirstCapBytes, p.CapBytes} != keep) {

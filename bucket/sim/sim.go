@@ -45,47 +45,108 @@ type Point struct {
 }
 
 // Comm is the time of one bucket's all-reduce against its size: Alpha + Beta·bytes, or, when
-// Points are given, the piecewise-linear curve through them (ascending by size, as Fit
-// leaves them), continued past the largest point with the slope of its last segment (or
-// Beta, if steeper) and below the smallest one straight down to Alpha (or the smallest
-// point's time, if less) at zero bytes.
+// Points are given (ascending by size, as Fit leaves them), the piecewise-linear curve
+// through them, or with Lower the lowest non-decreasing convex curve on or under them (Note
+// [Lower curve]). The curve is continued past the largest point with the slope of its last
+// segment (or Beta, if steeper) and below the smallest point straight down to Alpha (or the
+// curve's time there, if less) at zero bytes.
 type Comm struct {
 	Alpha  float64 `json:"alpha_s"`          // seconds per collective
 	Beta   float64 `json:"beta_s_per_byte"`  // seconds per byte
 	Points []Point `json:"points,omitempty"` // measured, ascending by Bytes
+	// Lower: each point is the least of a few tries, which a disturbance can leave far
+	// above the curve (the auto sizing's probe); the curve passes under such a point.
+	Lower bool `json:"lower,omitempty"`
 }
+
+// Note [Lower curve]: the auto sizing's probe times each size twice and keeps the faster
+// (Note [Probe twice over] in package reducer). A disturbance only ever slows an
+// all-reduce, so such a point can lie above the true curve but not below it, and two tries
+// do not always get past it. On the two-host testbed at 10 Gbit/s (L=4 h=512, rounds
+// s38-s43), 4 of 38 launches timed 33.5 MB at 43-93 ms, near or above their own time for
+// 52.5 MB, where the chord from 4 to 52.5 MB gives 30-34 ms. Through every point, the
+// curve made a 28 MB bucket cost that much more, and auto chose 13 or 14 buckets, which
+// ran 1.09-1.10x the best layout. So a curve with Lower set is the lowest one under the
+// points that two properties allow. It does not decrease: each point counts at most the
+// least time measured at its size or a larger one. And it is convex, its cost per added
+// byte not falling as the size grows: a point above the chord between two others counts
+// as the chord. Between the points the curve is the least chord over a pair of points
+// around the size (the lower convex hull). On it, those four profiles keep the default
+// caps; over the 202 profiles of those rounds in five configurations, 31 choices move: 21
+// to layouts that measured faster, 2 to as fast, 8 to slower by 0.6-6.4% (offline; the
+// details in docs/DESIGN.md). Convexity holds on these CPU links, a latency floor or a
+// burst and then the line rate, but not everywhere. A GPU library's bandwidth rises over
+// a range of sizes, and there the curve is concave: the RCCL curve of cmd/ddpsim's seed
+// tables lies 17% above the chord from 4 to 64 MB at 16 MB. That is why the curves of many tries each
+// (allreduce-perf, published tables) go through their points, and what the probe's curve
+// would get wrong on such a link: the sizes inside the bend would come out cheaper than
+// they are.
 
 // Seconds is the time of one all-reduce of the given size.
 func (c Comm) Seconds(bytes int64) float64 {
-	if len(c.Points) == 0 {
+	ps := c.Points
+	if len(ps) == 0 {
 		return c.Alpha + c.Beta*float64(bytes)
 	}
-	ps := c.Points
-	x := float64(bytes)
-	k := sort.Search(len(ps), func(k int) bool { return ps[k].Bytes >= bytes })
-	switch {
-	case k == 0:
-		p := ps[0]
-		if p.Bytes <= 0 {
-			return p.Seconds
+	// t[k]: point k's time; with Lower, the least time at its size or a larger one.
+	var buf [32]float64
+	t := buf[:0]
+	if len(ps) > len(buf) {
+		t = make([]float64, 0, len(ps))
+	}
+	t = t[:len(ps)]
+	for k := len(ps) - 1; k >= 0; k-- {
+		t[k] = ps[k].Seconds
+		if c.Lower && k+1 < len(ps) {
+			t[k] = math.Min(t[k], t[k+1])
 		}
-		a := math.Min(c.Alpha, p.Seconds)
-		return a + (p.Seconds-a)*x/float64(p.Bytes)
-	case k == len(ps):
-		last := ps[len(ps)-1]
-		slope := c.Beta
-		if k > 1 {
-			prev := ps[k-2]
-			slope = math.Max(slope, (last.Seconds-prev.Seconds)/float64(last.Bytes-prev.Bytes))
+	}
+	x := float64(bytes)
+	n := len(ps)
+	first, last := ps[0], ps[n-1]
+	switch {
+	case bytes <= first.Bytes:
+		if first.Bytes <= 0 {
+			return t[0]
+		}
+		a := math.Min(c.Alpha, t[0])
+		return a + (t[0]-a)*x/float64(first.Bytes)
+	case bytes >= last.Bytes:
+		// The last segment; with Lower, the hull's: the steepest chord into the last point.
+		slope, from := c.Beta, n-2
+		if c.Lower {
+			from = 0
+		}
+		for i := max(from, 0); i < n-1; i++ {
+			slope = math.Max(slope, (last.Seconds-t[i])/float64(last.Bytes-ps[i].Bytes))
 		}
 		return last.Seconds + slope*(x-float64(last.Bytes))
 	}
-	lo, hi := ps[k-1], ps[k]
-	return lo.Seconds + (hi.Seconds-lo.Seconds)*(x-float64(lo.Bytes))/float64(hi.Bytes-lo.Bytes)
+	k := sort.Search(n, func(k int) bool { return ps[k].Bytes >= bytes })
+	chord := func(i, j int) float64 {
+		return t[i] + (t[j]-t[i])*(x-float64(ps[i].Bytes))/float64(ps[j].Bytes-ps[i].Bytes)
+	}
+	if ps[k].Bytes == bytes && !c.Lower {
+		return t[k]
+	}
+	if !c.Lower {
+		return chord(k-1, k)
+	}
+	// The lower hull: the least chord over the pairs of points around the size.
+	v := math.Inf(1)
+	if ps[k].Bytes == bytes {
+		v = t[k]
+	}
+	for i := range k {
+		for j := k; j < n; j++ {
+			v = math.Min(v, chord(i, j))
+		}
+	}
+	return v
 }
 
 // Fit returns the least-squares line α + β·bytes through pts, with α and β clamped at zero,
-// and pts (sorted) as the curve's points.
+// and pts (sorted, the fastest of equal sizes kept) as the points of the curve.
 func Fit(pts []Point) (Comm, error) {
 	if len(pts) == 0 {
 		return Comm{}, fmt.Errorf("%w: no all-reduce measurements to fit", ErrInvalid)

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/goddp/goddp/bucket"
@@ -23,11 +24,112 @@ func TestCommLinearAndCurve(t *testing.T) {
 		{500, 1.5e-4}, // halfway from Alpha to the first point
 		{1000, 2e-4},  // on a point
 		{6000, 3e-4},  // between points
+		{11000, 4e-4}, // through a point above the chord of its neighbours
 		{16000, 4.5e-4},
 		{31000, 6e-4}, // past the last: the last segment's slope (1e-8 > Beta)
 	} {
 		if got := c.Seconds(tc.bytes); math.Abs(got-tc.want) > 1e-12 {
 			t.Errorf("curve at %d bytes: %v, want %v", tc.bytes, got, tc.want)
+		}
+	}
+}
+
+// TestCommLowerCurve: with Lower, a point above the chord of its neighbours, or slower than
+// a larger size, does not count (Note [Lower curve]).
+func TestCommLowerCurve(t *testing.T) {
+	// 11000 bytes above the chord from 1000 to 21000 (3.5e-4 there).
+	c := Comm{Lower: true, Points: []Point{{1000, 2e-4}, {11000, 4e-4}, {21000, 5e-4}}}
+	for _, tc := range []struct {
+		bytes int64
+		want  float64
+	}{
+		{11000, 3.5e-4},
+		{6000, 2.75e-4},
+		{16000, 4.25e-4},
+		{31000, 6.5e-4}, // past the last: the chord's slope 1.5e-8, not the last pair's 1e-8
+	} {
+		if got := c.Seconds(tc.bytes); math.Abs(got-tc.want) > 1e-12 {
+			t.Errorf("over a convex point, at %d bytes: %v, want %v", tc.bytes, got, tc.want)
+		}
+	}
+	// The probe of round s43's launch 7 (10 Gbit/s): 33.5 MB slower than 52.5 MB.
+	s43 := Comm{Alpha: 4e-3, Lower: true, Points: []Point{{64 << 10, 1.5e-3}, {512 << 10, 0.3e-3}, {4 << 20, 4.3e-3}, {32 << 20, 74.2e-3}, {52538368, 46.4e-3}}}
+	// 4 MiB at 4.3 ms lies above the chord from 512 KiB to the last point too.
+	chord := 0.3e-3 + (46.4e-3-0.3e-3)*float64(32<<20-512<<10)/float64(52538368-512<<10)
+	if got := s43.Seconds(32 << 20); math.Abs(got-chord) > 1e-12 {
+		t.Errorf("s43 at 32 MiB: %v, want the chord %v", got, chord)
+	}
+	// 64 KiB slower than 512 KiB counts as 512 KiB's time, down to that at zero.
+	if got := s43.Seconds(64 << 10); math.Abs(got-0.3e-3) > 1e-15 {
+		t.Errorf("s43 at 64 KiB: %v, want 0.3 ms", got)
+	}
+	if got := s43.Seconds(0); math.Abs(got-0.3e-3) > 1e-15 {
+		t.Errorf("s43 at 0: %v, want 0.3 ms (Alpha is larger)", got)
+	}
+}
+
+// TestCommLowerCurveRandom checks the Lower curve against the lower convex hull built another way
+// (Andrew's monotone chain over the points made non-decreasing), on random points.
+func TestCommLowerCurveRandom(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	for trial := range 500 {
+		n := 1 + rng.IntN(12)
+		var pts []Point
+		size := int64(0)
+		for range n {
+			size += 1 + rng.Int64N(1<<20)
+			pts = append(pts, Point{Bytes: size, Seconds: rng.Float64() * 1e-2})
+		}
+		c := Comm{Points: pts, Lower: true}
+		// Reference: running minimum from the right, then the lower hull.
+		q := slices.Clone(pts)
+		for k := len(q) - 2; k >= 0; k-- {
+			q[k].Seconds = math.Min(q[k].Seconds, q[k+1].Seconds)
+		}
+		var h []Point
+		for _, p := range q {
+			for len(h) >= 2 {
+				a, b := h[len(h)-2], h[len(h)-1]
+				if (b.Seconds-a.Seconds)*float64(p.Bytes-a.Bytes) < (p.Seconds-a.Seconds)*float64(b.Bytes-a.Bytes) {
+					break
+				}
+				h = h[:len(h)-1]
+			}
+			h = append(h, p)
+		}
+		ref := func(x int64) float64 {
+			for k := 1; k < len(h); k++ {
+				if x <= h[k].Bytes {
+					lo, hi := h[k-1], h[k]
+					return lo.Seconds + (hi.Seconds-lo.Seconds)*float64(x-lo.Bytes)/float64(hi.Bytes-lo.Bytes)
+				}
+			}
+			return h[len(h)-1].Seconds
+		}
+		prev := 0.0
+		for range 50 {
+			x := pts[0].Bytes + rng.Int64N(size-pts[0].Bytes+1)
+			got, want := c.Seconds(x), ref(x)
+			if math.Abs(got-want) > 1e-12 {
+				t.Fatalf("trial %d, %d points, at %d bytes: %v, want %v (points %v)", trial, n, x, got, want, pts)
+			}
+		}
+		// Non-decreasing, and under every point.
+		for x := int64(0); x <= size+size/4; x += size/64 + 1 {
+			got := c.Seconds(x)
+			if got < prev-1e-15 {
+				t.Fatalf("trial %d: %v at %d bytes, less than %v before it", trial, got, x, prev)
+			}
+			prev = got
+		}
+		through := Comm{Points: pts}
+		for _, p := range pts {
+			if got := c.Seconds(p.Bytes); got > p.Seconds+1e-15 {
+				t.Fatalf("trial %d: %v at %d bytes, above the point's %v", trial, got, p.Bytes, p.Seconds)
+			}
+			if got := through.Seconds(p.Bytes); math.Abs(got-p.Seconds) > 1e-15 {
+				t.Fatalf("trial %d, without Lower: %v at %d bytes, not the point's %v", trial, got, p.Bytes, p.Seconds)
+			}
 		}
 	}
 }

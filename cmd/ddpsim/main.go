@@ -288,8 +288,15 @@ func predictTable(w io.Writer, p *sim.Profile, c config, sm summary) error {
 	meas, measAuto := sm.caps, sm.auto
 	fmt.Fprintf(w, "profile: %d gradients, %.2f MB; backward compute %.2f ms, rest of the step %.2f ms; slowdown under overlap: compute %.2f, all-reduce %.2f; skew %.2f ms; CPU per collective %.2f ms\n",
 		len(p.Params), float64(p.TotalBytes())/(1<<20), p.Backward*1e3, p.Other*1e3, p.Slowdown, p.CommSlowdown, p.Skew*1e3, p.CollectiveCPU*1e3)
-	fmt.Fprintf(w, "all-reduce: %.1f µs + %.3f ns/byte (%.2f ms for all the gradients at once)\n\n",
-		p.Comm.Alpha*1e6, p.Comm.Beta*1e9, p.Comm.Seconds(p.TotalBytes())*1e3)
+	curve := ""
+	switch {
+	case p.Comm.Lower && len(p.Comm.Points) > 0:
+		curve = fmt.Sprintf("; the curve: the lowest under %d points (Note [Lower curve] in package bucket/sim)", len(p.Comm.Points))
+	case len(p.Comm.Points) > 0:
+		curve = fmt.Sprintf("; the curve: through %d points", len(p.Comm.Points))
+	}
+	fmt.Fprintf(w, "all-reduce: %.1f µs + %.3f ns/byte (%.2f ms for all the gradients at once)%s\n\n",
+		p.Comm.Alpha*1e6, p.Comm.Beta*1e9, p.Comm.Seconds(p.TotalBytes())*1e3, curve)
 	head, rule := "| bucket_cap_mb | buckets | predicted ms/step | exposed ms |", "|---:|---:|---:|---:|"
 	if meas != nil {
 		head, rule = head+" measured ms/step | error |", rule+"---:|---:|"
@@ -419,6 +426,12 @@ func loadProfiles(paths []string) (*sim.Profile, error) {
 	comm, err := sim.Fit(pts)
 	if err != nil {
 		return nil, err
+	}
+	// The probe's points, each the faster of two tries: its lower curve, if every profile's
+	// is (Note [Lower curve] in package bucket/sim).
+	comm.Lower = true
+	for _, p := range ps {
+		comm.Lower = comm.Lower && p.Comm.Lower
 	}
 	out.Comm = comm
 	return &out, nil
