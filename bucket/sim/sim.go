@@ -64,23 +64,25 @@ type Comm struct {
 // all-reduce, so such a point can lie above the true curve but not below it, and two tries
 // do not always get past it. On the two-host testbed at 10 Gbit/s (L=4 h=512, rounds
 // s38-s43), 4 of 38 launches timed 33.5 MB at 43-93 ms, near or above their own time for
-// 52.5 MB, where the chord from 4 to 52.5 MB gives 30-34 ms. Through every point, the
-// curve made a 28 MB bucket cost that much more, and auto chose 13 or 14 buckets, which
-// ran 1.09-1.10x the best layout. So a curve with Lower set is the lowest one under the
-// points that two properties allow. It does not decrease: each point counts at most the
-// least time measured at its size or a larger one. And it is convex, its cost per added
-// byte not falling as the size grows: a point above the chord between two others counts
-// as the chord. Between the points the curve is the least chord over a pair of points
-// around the size (the lower convex hull). On it, those four profiles keep the default
-// caps; over the 202 profiles of those rounds in five configurations, 31 choices move: 21
-// to layouts that measured faster, 2 to as fast, 8 to slower by 0.6-6.4% (offline; the
-// details in docs/DESIGN.md). Convexity holds on these CPU links, a latency floor or a
-// burst and then the line rate, but not everywhere. A GPU library's bandwidth rises over
-// a range of sizes, and there the curve is concave: the RCCL curve of cmd/ddpsim's seed
-// tables lies 17% above the chord from 4 to 64 MB at 16 MB. That is why the curves of many tries each
-// (allreduce-perf, published tables) go through their points, and what the probe's curve
-// would get wrong on such a link: the sizes inside the bend would come out cheaper than
-// they are.
+// 52.5 MB, where the chord from 4 to 52.5 MB gives 30-34 ms. Through every point, the curve
+// made a 28 MB bucket cost that much more, and auto chose 13 or 14 buckets, which ran
+// 1.09-1.10x the best layout. So a curve with Lower set is the lowest one under the points
+// that two properties allow. It does not decrease: each point counts at most the least time
+// measured at its size or a larger one. And it is convex, its cost per added byte not
+// falling as the size grows: a point above the chord between two others counts as the
+// chord. Between the points the curve is the least chord over a pair of points around the
+// size (the lower convex hull). On it, those four profiles keep the default caps; over the
+// 202 profiles of those rounds in five configurations, 31 choices move: 21 to layouts that
+// measured faster, 2 to as fast, 8 to slower by 0.6-6.4% (offline; the details in
+// docs/DESIGN.md). In round s44, which ran with it, one launch of seven at that shape timed
+// 33.5 MB at 63 ms against 48 ms for 52.5 MB and kept the default caps; through the points,
+// its profile gives 14 buckets. Convexity holds on these CPU links, a latency floor or a
+// burst and then the line rate, but not everywhere. A GPU library's bandwidth rises over a
+// range of sizes, and there the curve is concave: the RCCL curve of cmd/ddpsim's seed
+// tables lies 17% above the chord from 4 to 64 MB at 16 MB. That is why the curves of many
+// tries each (allreduce-perf, published tables) go through their points, and what the
+// probe's curve would get wrong on such a link: the sizes inside the bend would come out
+// cheaper than they are.
 
 // Seconds is the time of one all-reduce of the given size.
 func (c Comm) Seconds(bytes int64) float64 {
@@ -126,10 +128,10 @@ func (c Comm) Seconds(bytes int64) float64 {
 	chord := func(i, j int) float64 {
 		return t[i] + (t[j]-t[i])*(x-float64(ps[i].Bytes))/float64(ps[j].Bytes-ps[i].Bytes)
 	}
-	if ps[k].Bytes == bytes && !c.Lower {
-		return t[k]
-	}
 	if !c.Lower {
+		if ps[k].Bytes == bytes {
+			return t[k]
+		}
 		return chord(k-1, k)
 	}
 	// The lower hull: the least chord over the pairs of points around the size.
