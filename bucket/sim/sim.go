@@ -30,6 +30,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sort"
 
 	"github.com/goddp/goddp/bucket"
@@ -86,65 +87,57 @@ type Comm struct {
 
 // Seconds is the time of one all-reduce of the given size.
 func (c Comm) Seconds(bytes int64) float64 {
-	ps := c.Points
-	if len(ps) == 0 {
+	if len(c.Points) == 0 {
 		return c.Alpha + c.Beta*float64(bytes)
 	}
-	// t[k]: point k's time; with Lower, the least time at its size or a larger one.
-	var buf [32]float64
-	t := buf[:0]
-	if len(ps) > len(buf) {
-		t = make([]float64, 0, len(ps))
-	}
-	t = t[:len(ps)]
-	for k := len(ps) - 1; k >= 0; k-- {
-		t[k] = ps[k].Seconds
-		if c.Lower && k+1 < len(ps) {
-			t[k] = math.Min(t[k], t[k+1])
-		}
+	ps := c.Points
+	if c.Lower {
+		var buf [32]Point // no allocation for a probe's few points
+		ps = lowerHull(buf[:0], ps)
 	}
 	x := float64(bytes)
-	n := len(ps)
-	first, last := ps[0], ps[n-1]
+	k := sort.Search(len(ps), func(k int) bool { return ps[k].Bytes >= bytes })
 	switch {
-	case bytes <= first.Bytes:
-		if first.Bytes <= 0 {
-			return t[0]
+	case k == 0:
+		p := ps[0]
+		if p.Bytes <= 0 {
+			return p.Seconds
 		}
-		a := math.Min(c.Alpha, t[0])
-		return a + (t[0]-a)*x/float64(first.Bytes)
-	case bytes >= last.Bytes:
-		// The last segment; with Lower, the hull's: the steepest chord into the last point.
-		slope, from := c.Beta, n-2
-		if c.Lower {
-			from = 0
-		}
-		for i := max(from, 0); i < n-1; i++ {
-			slope = math.Max(slope, (last.Seconds-t[i])/float64(last.Bytes-ps[i].Bytes))
+		a := math.Min(c.Alpha, p.Seconds)
+		return a + (p.Seconds-a)*x/float64(p.Bytes)
+	case k == len(ps):
+		last := ps[len(ps)-1]
+		slope := c.Beta
+		if k > 1 {
+			prev := ps[k-2]
+			slope = math.Max(slope, (last.Seconds-prev.Seconds)/float64(last.Bytes-prev.Bytes))
 		}
 		return last.Seconds + slope*(x-float64(last.Bytes))
 	}
-	k := sort.Search(n, func(k int) bool { return ps[k].Bytes >= bytes })
-	chord := func(i, j int) float64 {
-		return t[i] + (t[j]-t[i])*(x-float64(ps[i].Bytes))/float64(ps[j].Bytes-ps[i].Bytes)
-	}
-	if !c.Lower {
-		if ps[k].Bytes == bytes {
-			return t[k]
+	lo, hi := ps[k-1], ps[k]
+	return lo.Seconds + (hi.Seconds-lo.Seconds)*(x-float64(lo.Bytes))/float64(hi.Bytes-lo.Bytes)
+}
+
+// lowerHull appends to dst, ascending by size, the vertices of the lowest non-decreasing
+// convex curve on or under ps (ascending by size; Note [Lower curve]). From the largest
+// point down, each point counts at most the least time seen so far, and a vertex that lies
+// on or above the chord from the new point to the vertex before it goes.
+func lowerHull(dst, ps []Point) []Point {
+	least := math.Inf(1)
+	for k := len(ps) - 1; k >= 0; k-- {
+		least = math.Min(least, ps[k].Seconds)
+		p := Point{Bytes: ps[k].Bytes, Seconds: least}
+		for n := len(dst); n >= 2; n-- {
+			a, b := dst[n-2], dst[n-1] // a is the larger
+			if (b.Seconds-p.Seconds)*float64(a.Bytes-p.Bytes) < (a.Seconds-p.Seconds)*float64(b.Bytes-p.Bytes) {
+				break
+			}
+			dst = dst[:n-1]
 		}
-		return chord(k-1, k)
+		dst = append(dst, p)
 	}
-	// The lower hull: the least chord over the pairs of points around the size.
-	v := math.Inf(1)
-	if ps[k].Bytes == bytes {
-		v = t[k]
-	}
-	for i := range k {
-		for j := k; j < n; j++ {
-			v = math.Min(v, chord(i, j))
-		}
-	}
-	return v
+	slices.Reverse(dst)
+	return dst
 }
 
 // Fit returns the least-squares line α + β·bytes through pts, with α and β clamped at zero,

@@ -68,8 +68,10 @@ func TestCommLowerCurve(t *testing.T) {
 	}
 }
 
-// TestCommLowerCurveRandom checks the Lower curve against the lower convex hull built another way
-// (Andrew's monotone chain over the points made non-decreasing), on random points.
+// TestCommLowerCurveRandom checks the Lower curve, on random points, against the lower
+// convex hull computed another way: over the points made non-decreasing, the least of the
+// chords between two points on either side of the size (the curve's definition; Seconds
+// builds the hull's vertices instead).
 func TestCommLowerCurveRandom(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	for trial := range 500 {
@@ -81,30 +83,24 @@ func TestCommLowerCurveRandom(t *testing.T) {
 			pts = append(pts, Point{Bytes: size, Seconds: rng.Float64() * 1e-2})
 		}
 		c := Comm{Points: pts, Lower: true}
-		// Reference: running minimum from the right, then the lower hull.
+		// Reference: running minimum from the right, then the least chord around x.
 		q := slices.Clone(pts)
 		for k := len(q) - 2; k >= 0; k-- {
 			q[k].Seconds = math.Min(q[k].Seconds, q[k+1].Seconds)
 		}
-		var h []Point
-		for _, p := range q {
-			for len(h) >= 2 {
-				a, b := h[len(h)-2], h[len(h)-1]
-				if (b.Seconds-a.Seconds)*float64(p.Bytes-a.Bytes) < (p.Seconds-a.Seconds)*float64(b.Bytes-a.Bytes) {
-					break
-				}
-				h = h[:len(h)-1]
-			}
-			h = append(h, p)
-		}
 		ref := func(x int64) float64 {
-			for k := 1; k < len(h); k++ {
-				if x <= h[k].Bytes {
-					lo, hi := h[k-1], h[k]
-					return lo.Seconds + (hi.Seconds-lo.Seconds)*float64(x-lo.Bytes)/float64(hi.Bytes-lo.Bytes)
+			v := math.Inf(1)
+			for i, lo := range q {
+				if lo.Bytes == x {
+					v = math.Min(v, lo.Seconds)
+				}
+				for _, hi := range q[i+1:] {
+					if lo.Bytes <= x && x <= hi.Bytes {
+						v = math.Min(v, lo.Seconds+(hi.Seconds-lo.Seconds)*float64(x-lo.Bytes)/float64(hi.Bytes-lo.Bytes))
+					}
 				}
 			}
-			return h[len(h)-1].Seconds
+			return v
 		}
 		prev := 0.0
 		for range 50 {
