@@ -13,13 +13,13 @@ build:
 
 test: vet
 	$(GO) test -race -count=1 -timeout 30m $(PKGS)
-	$(if $(OPENBLAS),$(GO) test -race -count=1 -tags openblas ./examples/...,@echo "libopenblas not found: skipping the openblas build's tests")
+	$(if $(OPENBLAS),$(GO) test -race -count=1 -tags openblas ./examples/... ./fastblas/...,@echo "libopenblas not found: skipping the openblas build's tests")
 
 vet:
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); echo "gofmt: files above need formatting"; exit 1; }
 	@$(GO) mod tidy -diff || { echo "go.mod/go.sum are not tidy (the diff above): run go mod tidy"; exit 1; }
 	$(GO) vet $(PKGS)
-	$(if $(OPENBLAS),$(GO) vet -tags openblas ./examples/...,)
+	$(if $(OPENBLAS),$(GO) vet -tags openblas ./examples/... ./fastblas/...,)
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)

@@ -1,6 +1,6 @@
 package main
 
-import "github.com/goddp/goddp/examples/transformer/fastblas"
+import "github.com/goddp/goddp/fastblas"
 
 // blasName names the BLAS gorgonia uses (package fastblas: OpenBLAS with -tags openblas).
 var blasName = fastblas.Name

@@ -5,7 +5,7 @@
 //
 // # Usage
 //
-//	import "github.com/goddp/goddp/examples/transformer/fastblas"
+//	import "github.com/goddp/goddp/fastblas"
 //
 //	fmt.Println("blas:", fastblas.Name)
 package fastblas

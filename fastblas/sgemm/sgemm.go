@@ -10,8 +10,14 @@
 // generate). The widest this CPU runs is chosen at start-up: AVX-512 (12×32 tiles),
 // else AVX2 with FMA (6×16), else a plain Go kernel (4×8; build tag purego forces it).
 //
-// Implementation plugs it into gorgonia as its BLAS (gorgonia.Use); every routine but
-// Sgemm is gonum's.
+// Implementation plugs it into gorgonia as its BLAS; every routine but Sgemm is
+// gonum's. A gorgonia trainer adds one line, before it builds its graphs:
+//
+//	gorgonia.Use(sgemm.Implementation{})
+//
+// Sgemm can also be called directly, on row-major float32 slices. It runs on the
+// calling goroutine, one thread, as a data-parallel rank wants it. Package fastblas
+// makes the same call at init, or picks OpenBLAS with -tags openblas.
 package sgemm
 
 import (

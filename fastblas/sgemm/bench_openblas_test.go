@@ -7,7 +7,7 @@ import (
 	"gonum.org/v1/netlib/blas/netlib"
 
 	// Its cgo preamble links -lopenblas, which netlib's bindings need.
-	_ "github.com/goddp/goddp/examples/transformer/fastblas"
+	_ "github.com/goddp/goddp/fastblas"
 )
 
 func init() {

@@ -1,7 +1,7 @@
 // Command _gen writes package sgemm's micro-kernels (kernel_amd64.s and its Go
 // declarations) with avo. Run it through go generate in the package:
 //
-//	cd examples/transformer/fastblas/sgemm && go generate
+//	cd fastblas/sgemm && go generate
 //
 // Each kernel computes the mr×nr tile alpha·Σp A[r,p]·b[p*nr+j] (p < k) from a packed
 // B micro-panel (nr columns, k-major) and stores it into a row-major C whose rows are

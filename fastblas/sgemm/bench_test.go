@@ -8,7 +8,7 @@ import (
 	"gonum.org/v1/gonum/blas"
 	"gonum.org/v1/gonum/blas/gonum"
 
-	"github.com/goddp/goddp/examples/transformer/fastblas/sgemm"
+	"github.com/goddp/goddp/fastblas/sgemm"
 )
 
 // benchImpls are the SGEMMs BenchmarkSgemm compares; bench_openblas_test.go adds
@@ -53,7 +53,7 @@ func tr(t bool) blas.Transpose {
 // BenchmarkSgemm reports GFLOPS per implementation and shape. Single-threaded, as the
 // ranks run: gonum's SGEMM spreads over GOMAXPROCS, hence -cpu 1.
 //
-//	go test -run '^$' -bench Sgemm -cpu 1 ./examples/transformer/fastblas/sgemm
+//	go test -run '^$' -bench Sgemm -cpu 1 ./fastblas/sgemm
 //	OPENBLAS_NUM_THREADS=1 OPENBLAS_CORETYPE=SkylakeX go test -tags openblas ... (adds openblas)
 //	GODDP_SGEMM_KERNEL=avx2 ... (goddp's AVX2 kernel on an AVX-512 CPU)
 func BenchmarkSgemm(b *testing.B) {

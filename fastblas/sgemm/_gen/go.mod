@@ -1,4 +1,4 @@
-module github.com/goddp/goddp/examples/transformer/fastblas/sgemm/_gen
+module github.com/goddp/goddp/fastblas/sgemm/_gen
 
 go 1.26
 

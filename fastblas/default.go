@@ -5,7 +5,7 @@ package fastblas
 import (
 	"gorgonia.org/gorgonia"
 
-	"github.com/goddp/goddp/examples/transformer/fastblas/sgemm"
+	"github.com/goddp/goddp/fastblas/sgemm"
 )
 
 // Name is the BLAS gorgonia uses in this build.
