@@ -3,58 +3,14 @@ package bucket
 import (
 	"errors"
 	"fmt"
+
+	"github.com/goddp/goddp/procgroup/dtype"
 )
 
 // ErrInvalid is wrapped by every error about bad input to this package. It is its own, not
 // procgroup's, as this package imports only the standard library (the reducer wraps it
 // in reducer.ErrInvalidArgument).
 var ErrInvalid = errors.New("bucket: invalid argument")
-
-// DType is a parameter's element type. Its values match procgroup.DType's one for one (the
-// reducer relies on it, and tests it), but this package imports nothing outside the standard
-// library.
-type DType int
-
-// Element types.
-const (
-	Float32 DType = iota + 1
-	Float64
-	Int32
-	Int64
-	BFloat16
-	Float16
-)
-
-// Size is the width of one element in bytes, or 0 for an unknown type.
-func (d DType) Size() int {
-	switch d {
-	case Float32, Int32:
-		return 4
-	case Float64, Int64:
-		return 8
-	case BFloat16, Float16:
-		return 2
-	}
-	return 0
-}
-
-func (d DType) String() string {
-	switch d {
-	case Float32:
-		return "float32"
-	case Float64:
-		return "float64"
-	case Int32:
-		return "int32"
-	case Int64:
-		return "int64"
-	case BFloat16:
-		return "bfloat16"
-	case Float16:
-		return "float16"
-	}
-	return fmt.Sprintf("DType(%d)", int(d))
-}
 
 // Default caps, as in PyTorch DDP: 1 MiB for the first bucket, 25 MiB for the others.
 const (
@@ -65,7 +21,7 @@ const (
 // Param describes one parameter's gradient: its element type and its number of elements.
 type Param struct {
 	Name  string
-	DType DType
+	DType dtype.DType
 	Len   int
 }
 
@@ -77,7 +33,7 @@ type Bucket struct {
 	// Index is the bucket's position in launch order.
 	Index int
 	// DType is shared by every parameter in the bucket.
-	DType DType
+	DType dtype.DType
 	// Params lists the parameter indices in the bucket, in order; Offsets[j] is where
 	// parameter Params[j] starts in the flat buffer (in elements).
 	Params  []int
@@ -136,7 +92,7 @@ func AssignOrdered(params []Param, order []int, firstCapBytes, capBytes int64) (
 	}
 	var (
 		all     []*Bucket // in order of creation = order of their first parameter
-		current = map[DType]*open{}
+		current = map[dtype.DType]*open{}
 	)
 	for _, i := range order {
 		p := params[i]

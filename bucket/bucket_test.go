@@ -5,9 +5,11 @@ import (
 	"math/rand/v2"
 	"reflect"
 	"testing"
+
+	"github.com/goddp/goddp/procgroup/dtype"
 )
 
-func f32(name string, n int) Param { return Param{Name: name, DType: Float32, Len: n} }
+func f32(name string, n int) Param { return Param{Name: name, DType: dtype.Float32, Len: n} }
 
 func TestAssignTable(t *testing.T) {
 	type want struct {
@@ -53,8 +55,8 @@ func TestAssignTable(t *testing.T) {
 		{
 			name: "dtypes never mix; buckets ordered by first parameter",
 			params: []Param{
-				{Name: "a", DType: Float64, Len: 1}, f32("b", 1),
-				{Name: "c", DType: Float64, Len: 1}, f32("d", 1),
+				{Name: "a", DType: dtype.Float64, Len: 1}, f32("b", 1),
+				{Name: "c", DType: dtype.Float64, Len: 1}, f32("d", 1),
 			},
 			first: 1 << 10, cap: 1 << 10,
 			want: want{params: [][]int{{3, 1}, {2, 0}}, lens: []int{2, 2}},
@@ -136,7 +138,7 @@ func TestNewLayoutRejects(t *testing.T) {
 		"twice":    func(b []Bucket) []Bucket { b[0].Params[1] = b[0].Params[0]; return b },
 		"offset":   func(b []Bucket) []Bucket { b[0].Offsets[1]++; return b },
 		"length":   func(b []Bucket) []Bucket { b[0].Len++; return b },
-		"dtype":    func(b []Bucket) []Bucket { b[0].DType = Float64; return b },
+		"dtype":    func(b []Bucket) []Bucket { b[0].DType = dtype.Float64; return b },
 		"index":    func(b []Bucket) []Bucket { b[0].Index = 3; return b },
 		"range":    func(b []Bucket) []Bucket { b[0].Params[0] = 7; return b },
 		"no slots": func(b []Bucket) []Bucket { b[0].Params, b[0].Offsets = nil, nil; return b },
@@ -188,11 +190,11 @@ func checkAssignment(t *testing.T, params []Param, order []int, first, capb int6
 	// PyTorch's rule: a bucket is closed by the parameter that takes it to its cap or
 	// beyond, so without its last parameter every bucket is below its cap, and every bucket
 	// but the last of its element type reached it.
-	count := map[DType]int{}
+	count := map[dtype.DType]int{}
 	for bi := range bs {
 		count[bs[bi].DType]++
 	}
-	seen := map[DType]int{}
+	seen := map[dtype.DType]int{}
 	lastFirst := -1
 	for bi := range bs {
 		b := &bs[bi]
@@ -222,7 +224,7 @@ func checkAssignment(t *testing.T, params []Param, order []int, first, capb int6
 }
 
 func randomParams(r *rand.Rand, n int) []Param {
-	dts := []DType{Float32, Float64, BFloat16}
+	dts := []dtype.DType{dtype.Float32, dtype.Float64, dtype.BFloat16}
 	ps := make([]Param, n)
 	for i := range ps {
 		ps[i] = Param{Name: "p", DType: dts[r.IntN(len(dts))], Len: r.IntN(64)}
@@ -253,7 +255,7 @@ func FuzzAssign(f *testing.F) {
 		}
 		params := make([]Param, len(spec))
 		for i, b := range spec {
-			params[i] = Param{DType: DType(1 + int(b)%6), Len: int(b >> 2)}
+			params[i] = Param{DType: dtype.DType(1 + int(b)%6), Len: int(b >> 2)}
 		}
 		order := rand.New(rand.NewPCG(uint64(len(spec)), uint64(first))).Perm(len(params))
 		bs, err := AssignOrdered(params, order, int64(first), int64(capb))

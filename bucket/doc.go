@@ -1,11 +1,11 @@
 // Package bucket assigns parameters to size-capped buckets and lays out each bucket's flat
 // buffer: which parameters it holds, in which order, and at which offset. It is pure
-// (standard library only): no buffers are reduced here, and nothing here knows of process
+// (the standard library and package procgroup/dtype only): no buffers are reduced here, and nothing here knows of process
 // groups or models.
 //
 // # Usage
 //
-//	params := []bucket.Param{{Name: "w1", DType: bucket.Float32, Len: 4096}, ...}
+//	params := []bucket.Param{{Name: "w1", DType: dtype.Float32, Len: 4096}, ...}
 //	buckets, err := bucket.Assign(params, bucket.DefaultFirstCapBytes, bucket.DefaultCapBytes)
 //	lay, err := bucket.NewLayout(params, buckets)
 //	flat := bucket.Alloc[float32](buckets[0])      // one flat buffer per bucket

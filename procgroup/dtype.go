@@ -3,72 +3,33 @@ package procgroup
 import (
 	"fmt"
 	"math"
+
+	"github.com/goddp/goddp/procgroup/dtype"
 )
 
-// DType is the element type of a collective's buffer.
-type DType int
+// DType is the element type of a collective's buffer (package dtype declares the types).
+type DType = dtype.DType
 
 // Element types. BFloat16 and Float16 are storage types: backends reduce them in float32.
 const (
-	Float32 DType = iota + 1
-	Float64
-	Int32
-	Int64
-	BFloat16
-	Float16
+	Float32  = dtype.Float32
+	Float64  = dtype.Float64
+	Int32    = dtype.Int32
+	Int64    = dtype.Int64
+	BFloat16 = dtype.BFloat16
+	Float16  = dtype.Float16
 )
 
 // DTypes lists every element type, in declaration order.
-var DTypes = []DType{Float32, Float64, Int32, Int64, BFloat16, Float16}
-
-// Size is the width of one element in bytes.
-func (d DType) Size() int {
-	switch d {
-	case Float32, Int32:
-		return 4
-	case Float64, Int64:
-		return 8
-	case BFloat16, Float16:
-		return 2
-	}
-	return 0
-}
-
-func (d DType) String() string {
-	switch d {
-	case Float32:
-		return "float32"
-	case Float64:
-		return "float64"
-	case Int32:
-		return "int32"
-	case Int64:
-		return "int64"
-	case BFloat16:
-		return "bfloat16"
-	case Float16:
-		return "float16"
-	}
-	return fmt.Sprintf("DType(%d)", int(d))
-}
+var DTypes = dtype.All
 
 // ParseDType maps a name such as "float32" (or "fp32", "bf16", "half") to its DType.
 func ParseDType(s string) (DType, error) {
-	switch s {
-	case "float32", "float", "fp32", "f32":
-		return Float32, nil
-	case "float64", "double", "fp64", "f64":
-		return Float64, nil
-	case "int32", "int":
-		return Int32, nil
-	case "int64", "long":
-		return Int64, nil
-	case "bfloat16", "bf16":
-		return BFloat16, nil
-	case "float16", "half", "fp16", "f16":
-		return Float16, nil
+	d, err := dtype.Parse(s)
+	if err != nil {
+		return 0, fmt.Errorf("procgroup: %w", err)
 	}
-	return 0, fmt.Errorf("procgroup: unknown dtype %q (want float32, float64, int32, int64, bfloat16 or float16)", s)
+	return d, nil
 }
 
 // BF16 is a bfloat16 value stored in its 16 raw bits.

@@ -17,6 +17,7 @@ import (
 	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/procgroup"
+	"github.com/goddp/goddp/procgroup/dtype"
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
 
@@ -232,7 +233,7 @@ func TestAutoProfile(t *testing.T) {
 	c := pgtest.NewCluster(2)
 	defer c.Close()
 	r := &Reducer{pg: c.Group(0), log: zap.NewNop(), bparams: []bucket.Param{
-		{Name: "a", DType: bucket.Float32, Len: 100}, {Name: "b", DType: bucket.Float32, Len: 100}, {Name: "c", DType: bucket.Float32, Len: 100}}}
+		{Name: "a", DType: dtype.Float32, Len: 100}, {Name: "b", DType: dtype.Float32, Len: 100}, {Name: "c", DType: dtype.Float32, Len: 100}}}
 	t0 := time.Unix(1000, 0)
 	// Pass 2: one bucket, launched with the last gradient at 30 ms and done at 43 ms, as long
 	// as the probe's all-reduce of that size alone: no skew.

@@ -6,9 +6,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-
-	"github.com/goddp/goddp/bucket"
-	"github.com/goddp/goddp/procgroup"
 )
 
 // TestMachineIsPure: machine.go imports the standard library and package bucket only.
@@ -21,15 +18,6 @@ func TestMachineIsPure(t *testing.T) {
 		path, _ := strconv.Unquote(imp.Path.Value)
 		if strings.Contains(path, ".") && path != "github.com/goddp/goddp/bucket" {
 			t.Errorf("machine.go imports %s", path)
-		}
-	}
-}
-
-// TestDTypesMatch: the reducer converts bucket.DType to procgroup.DType by value.
-func TestDTypesMatch(t *testing.T) {
-	for _, d := range procgroup.DTypes {
-		if b := bucket.DType(d); b.String() != d.String() || b.Size() != d.Size() {
-			t.Errorf("procgroup %v is bucket %v", d, b)
 		}
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/goddp/goddp/bucket"
+	"github.com/goddp/goddp/procgroup/dtype"
 )
 
 // machineFor builds a Machine over params of the given lengths (float32), with buckets
@@ -16,7 +17,7 @@ func machineFor(t testing.TB, lens []int, capBytes int64, findUnused bool) *Mach
 	t.Helper()
 	ps := make([]bucket.Param, len(lens))
 	for i, n := range lens {
-		ps[i] = bucket.Param{Name: fmt.Sprintf("p%d", i), DType: bucket.Float32, Len: n}
+		ps[i] = bucket.Param{Name: fmt.Sprintf("p%d", i), DType: dtype.Float32, Len: n}
 	}
 	bs, err := bucket.Assign(ps, capBytes, capBytes)
 	if err != nil {

@@ -238,7 +238,7 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 			return nil, fmt.Errorf("%w: parameter %d (%s): negative length %d", ErrInvalidArgument, i, p.Name, n)
 		}
 		r.params[i].DType, r.params[i].Len = dt, n
-		r.bparams[i] = bucket.Param{Name: p.Name, DType: bucket.DType(dt), Len: n}
+		r.bparams[i] = bucket.Param{Name: p.Name, DType: dt, Len: n}
 	}
 	r.firstCap, r.capBytes = mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB)
 	rebuilds := 1
@@ -305,7 +305,7 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 			}
 			s.dev = d
 			s.view.Buffer, s.view.Device, s.view.Stream = d, r.dev, r.opts.Stream
-		case bk.DType == bucket.Float32:
+		case bk.DType == procgroup.Float32:
 			u := &used[0]
 			s.f32 = mem[0].f32[*u : *u+bk.Len : *u+bk.Len]
 			*u += (bk.Len + bucketAlign/4 - 1) &^ (bucketAlign/4 - 1)
@@ -362,8 +362,8 @@ func (r *Reducer) hostElems() [2]int {
 }
 
 // typeIndex is a host element type's index in Reducer.mem.
-func typeIndex(dt bucket.DType) int {
-	if dt == bucket.Float32 {
+func typeIndex(dt procgroup.DType) int {
+	if dt == procgroup.Float32 {
 		return 0
 	}
 	return 1

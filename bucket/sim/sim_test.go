@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/goddp/goddp/bucket"
+	"github.com/goddp/goddp/procgroup/dtype"
 )
 
 func TestCommLinearAndCurve(t *testing.T) {
@@ -144,7 +145,7 @@ func TestCommPastTheLastPoint(t *testing.T) {
 	if got, want := one.Seconds(2000), 1e-3+1e-6; math.Abs(got-want) > 1e-15 {
 		t.Errorf("one point, past it: %v, want %v", got, want)
 	}
-	p := &Profile{Params: []bucket.Param{{Name: "a", DType: bucket.Float32, Len: 1}}, Order: []int{0}, Ready: []float64{0},
+	p := &Profile{Params: []bucket.Param{{Name: "a", DType: dtype.Float32, Len: 1}}, Order: []int{0}, Ready: []float64{0},
 		Comm: Comm{Points: []Point{{2000, 1}, {1000, 2}}}}
 	if err := p.Check(); !errors.Is(err, ErrInvalid) {
 		t.Errorf("points out of order: %v, want ErrInvalid", err)
@@ -201,7 +202,7 @@ func TestRingTreeHierarchical(t *testing.T) {
 // TestSimulateByHand: two parameters, two buckets, every number worked out on paper.
 func TestSimulateByHand(t *testing.T) {
 	p := &Profile{
-		Params:   []bucket.Param{{Name: "a", DType: bucket.Float32, Len: 250}, {Name: "b", DType: bucket.Float32, Len: 250}},
+		Params:   []bucket.Param{{Name: "a", DType: dtype.Float32, Len: 250}, {Name: "b", DType: dtype.Float32, Len: 250}},
 		Order:    []int{1, 0},
 		Ready:    []float64{3, 1}, // b ready at 1, a at 3
 		Backward: 4,
@@ -260,7 +261,7 @@ func TestSimulateByHand(t *testing.T) {
 func TestCollectiveCPU(t *testing.T) {
 	p := &Profile{Other: 0.01, Backward: 0.04, CollectiveCPU: 0.001}
 	for i := range 4 {
-		p.Params = append(p.Params, bucket.Param{Name: "p", DType: bucket.Float32, Len: 250})
+		p.Params = append(p.Params, bucket.Param{Name: "p", DType: dtype.Float32, Len: 250})
 		p.Order = append(p.Order, 3-i)
 		p.Ready = append(p.Ready, 0)
 	}
@@ -391,7 +392,7 @@ func randomProfile(rng *rand.Rand, n int) *Profile {
 	p := &Profile{Other: rng.Float64() * 0.05, Backward: 0}
 	t := 0.0
 	for i := range n {
-		p.Params = append(p.Params, bucket.Param{Name: "p", DType: bucket.Float32, Len: 1000 + rng.IntN(200000)})
+		p.Params = append(p.Params, bucket.Param{Name: "p", DType: dtype.Float32, Len: 1000 + rng.IntN(200000)})
 		p.Order = append(p.Order, n-1-i)
 		p.Ready = append(p.Ready, 0)
 	}
@@ -546,7 +547,7 @@ func TestOverlapPays(t *testing.T) {
 }
 
 func TestCheck(t *testing.T) {
-	p := &Profile{Params: []bucket.Param{{Name: "a", DType: bucket.Float32, Len: 1}}, Order: []int{0}, Ready: []float64{0}}
+	p := &Profile{Params: []bucket.Param{{Name: "a", DType: dtype.Float32, Len: 1}}, Order: []int{0}, Ready: []float64{0}}
 	if err := p.Check(); err != nil {
 		t.Fatal(err)
 	}

@@ -47,6 +47,7 @@ import (
 	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/ddp/observe"
 	"github.com/goddp/goddp/ddp/tracefile"
+	"github.com/goddp/goddp/procgroup/dtype"
 )
 
 func main() {
@@ -864,7 +865,7 @@ func readSummary(path string) (summary, error) {
 func bucketParams(names []string, lens []int) []bucket.Param {
 	ps := make([]bucket.Param, len(lens))
 	for i := range lens {
-		ps[i] = bucket.Param{Name: names[i], DType: bucket.Float32, Len: lens[i]}
+		ps[i] = bucket.Param{Name: names[i], DType: dtype.Float32, Len: lens[i]}
 	}
 	return ps
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/ddp/tracefile"
+	"github.com/goddp/goddp/procgroup/dtype"
 )
 
 // TestSeedModel checks the seed's models against counts worked out separately (from the
@@ -81,7 +82,7 @@ func profileFile(t *testing.T, dir, name string, backward float64) string {
 	t.Helper()
 	p := sim.Profile{Backward: backward, Other: 0.02, Comm: sim.Comm{Alpha: 1e-4, Beta: 0.01 / (1 << 20)}, World: 2}
 	for i := range 8 {
-		p.Params = append(p.Params, bucket.Param{Name: "w", DType: bucket.Float32, Len: 1 << 18})
+		p.Params = append(p.Params, bucket.Param{Name: "w", DType: dtype.Float32, Len: 1 << 18})
 		p.Order = append(p.Order, 7-i)
 		p.Ready = append(p.Ready, 0)
 	}

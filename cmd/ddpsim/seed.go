@@ -7,6 +7,7 @@ import (
 
 	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/bucket/sim"
+	"github.com/goddp/goddp/procgroup/dtype"
 )
 
 // The seed article's experiment (docs/seed-extrapolation.md): PyTorch's ddp_bench.py on
@@ -162,7 +163,7 @@ func (m *seedModel) profile(comm sim.Comm, world int) *sim.Profile {
 // before a gradient that would overflow it instead.)
 func torchBuckets(p *sim.Profile, firstCap, capBytes int64) []bucket.Bucket {
 	var out []bucket.Bucket
-	cur := bucket.Bucket{DType: bucket.Float32}
+	cur := bucket.Bucket{DType: dtype.Float32}
 	var size int64
 	limit := firstCap
 	for _, i := range p.Order {
@@ -173,7 +174,7 @@ func torchBuckets(p *sim.Profile, firstCap, capBytes int64) []bucket.Bucket {
 		if size >= limit {
 			cur.Index = len(out)
 			out = append(out, cur)
-			cur, size, limit = bucket.Bucket{DType: bucket.Float32}, 0, capBytes
+			cur, size, limit = bucket.Bucket{DType: dtype.Float32}, 0, capBytes
 		}
 	}
 	if len(cur.Params) > 0 {
