@@ -300,3 +300,12 @@ func hierComm(intra sim.Comm, nodes int, gbit float64, total int64) sim.Comm {
 	c, _ := sim.Fit(pts)
 	return c
 }
+
+// bucketParams is a helper for the seed's models: float32 parameters of the given lengths.
+func bucketParams(names []string, lens []int) []bucket.Param {
+	ps := make([]bucket.Param, len(lens))
+	for i := range lens {
+		ps[i] = bucket.Param{Name: names[i], DType: dtype.Float32, Len: lens[i]}
+	}
+	return ps
+}
