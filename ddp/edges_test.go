@@ -1,0 +1,179 @@
+package ddp
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/goddp/goddp/procgroup"
+	"github.com/goddp/goddp/procgroup/pgtest"
+)
+
+// stepGrads returns rank's gradients of one micro-step, in float64: random, and a function
+// of (seed, step, micro, rank) only, so that the reference can compute them again.
+func stepGrads(seed uint64, step, micro, rank int, lens []int) [][]float64 {
+	r := rand.New(rand.NewPCG(seed, uint64(step*1000+micro*100+rank)))
+	g := make([][]float64, len(lens))
+	for p, n := range lens {
+		g[p] = randF64(r, n)
+	}
+	return g
+}
+
+// edgeModel is a model of random lengths whose parameter p is float64 where f64[p] is set.
+type edgeModel struct {
+	lens []int
+	f64  []bool
+}
+
+func (m edgeModel) params() []Param {
+	ps := make([]Param, len(m.lens))
+	for p, n := range m.lens {
+		ps[p] = Param{Name: fmt.Sprintf("w%d", p), Data: make([]float32, n), Grad: make([]float32, n)}
+		if m.f64[p] {
+			ps[p].Data, ps[p].Grad = make([]float64, n), make([]float64, n)
+		}
+	}
+	return ps
+}
+
+// report reports rank's gradients g of one micro-step, in reverse parameter order, each
+// converted to the parameter's type.
+func (m edgeModel) report(d *DDP, g [][]float64) error {
+	for p := len(g) - 1; p >= 0; p-- {
+		var err error
+		if m.f64[p] {
+			err = d.GradReady64(p, g[p])
+		} else {
+			err = d.GradReady(p, to32(g[p]))
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// grads copies d's averaged gradients out, in float64.
+func (m edgeModel) grads(d *DDP) [][]float64 {
+	out := make([][]float64, len(m.lens))
+	for p := range m.lens {
+		if m.f64[p] {
+			out[p] = append([]float64(nil), d.Grad64(p)...)
+			continue
+		}
+		for _, v := range d.Grad32(p) {
+			out[p] = append(out[p], float64(v))
+		}
+	}
+	return out
+}
+
+// TestAutoBucketCapDTypes: BucketCapMB = AutoBucketCap at world size 2 through New, with
+// float32 parameters only, float64 only, and mixes of the two (the only element types a
+// Param may have), for eight synced steps (the three that Note [Auto buckets] measures,
+// its probe after the first, then the chosen layout), some with a NoSync micro-step before
+// them. After every synced step, every gradient equals, element by element, the sum over
+// the step's micro-steps of the mean over ranks of the random gradients, computed in
+// float64 apart from the DDP (float32 within 1e-5 relative, float64 within 1e-12). With
+// float64 parameters only, every rank used to panic in its first synced Finalize
+// (runProbe sliced the float32 bucket memory, which is empty then).
+func TestAutoBucketCapDTypes(t *testing.T) {
+	const R, steps = 2, 8
+	for _, mix := range []string{"f32", "f64", "f32+f64", "f64+f32", "random"} {
+		t.Run(mix, func(t *testing.T) {
+			seed := uint64(len(mix)) * 7919
+			rng := rand.New(rand.NewPCG(seed, 3))
+			nParams := 6 + rng.IntN(6)
+			m := edgeModel{lens: make([]int, nParams), f64: make([]bool, nParams)}
+			for p := range m.lens {
+				m.lens[p] = 25000 + rng.IntN(40000) // over 512 KiB in all: the layouts differ
+				switch mix {
+				case "f64":
+					m.f64[p] = true
+				case "f32+f64":
+					m.f64[p] = p >= nParams/2
+				case "f64+f32":
+					m.f64[p] = p < nParams/2
+				case "random":
+					m.f64[p] = rng.IntN(2) == 0
+				}
+			}
+			if mix == "random" { // both types, whatever the draw
+				m.f64[0], m.f64[1] = true, false
+			}
+			micro := make([]int, steps) // micro-steps per synced step (the last one synced)
+			for s := range micro {
+				micro[s] = 1 + rng.IntN(2)
+			}
+			c := pgtest.NewCluster(R)
+			defer c.Close()
+			got := make([][][][]float64, R) // [rank][step][param]
+			gens := make([]int, R)
+			err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+				ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+				defer cancel()
+				d, err := New(ctx, pg, m.params(), Options{BucketCapMB: AutoBucketCap})
+				if err != nil {
+					return err
+				}
+				defer d.Close()
+				for s := range steps {
+					for u := range micro[s] {
+						mode := Sync
+						if u < micro[s]-1 {
+							mode = Accumulate
+						}
+						d.BeginBackward(mode)
+						if err := m.report(d, stepGrads(seed, s, u, rank, m.lens)); err != nil {
+							return fmt.Errorf("step %d: %w", s, err)
+						}
+						if err := d.Finalize(ctx); err != nil {
+							return fmt.Errorf("step %d: %w", s, err)
+						}
+					}
+					got[rank] = append(got[rank], m.grads(d))
+				}
+				gens[rank] = d.Generation()
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for rank, g := range gens {
+				if g < 2 {
+					t.Fatalf("rank %d: generation %d after %d synced steps, want the one bucket and the eight (2 or 3)", rank, g, steps)
+				}
+			}
+			for s := range steps {
+				for p, n := range m.lens {
+					want := make([]float64, n)
+					for u := range micro[s] {
+						for q := range R {
+							for k, v := range stepGrads(seed, s, u, q, m.lens)[p] {
+								if !m.f64[p] {
+									v = float64(float32(v))
+								}
+								want[k] += v / R
+							}
+						}
+					}
+					tol := 1e-5
+					if m.f64[p] {
+						tol = 1e-12
+					}
+					for rank := range R {
+						for k, w := range want {
+							if g := got[rank][s][p][k]; math.Abs(g-w) > tol*(1+math.Abs(w)) {
+								t.Fatalf("step %d rank %d param %d (float64 %v) [%d]: got %v, want %v", s, rank, p, m.f64[p], k, g, w)
+							}
+						}
+					}
+				}
+			}
+		})
+	}
+}
