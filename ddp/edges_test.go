@@ -2,6 +2,7 @@ package ddp
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -175,5 +176,98 @@ func TestAutoBucketCapDTypes(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestOverlappingParams: New refuses parameters whose Data or Grad share memory (with each
+// other, or a Data with a Grad), naming both; a tied weight registered twice used to be
+// accepted, and with gradients 1 and 10 reported its Grad ended at 10, not 11. Parameters
+// carved from one buffer without overlapping are accepted. Random layouts in one buffer
+// are judged as a comparison of every pair would.
+func TestOverlappingParams(t *testing.T) {
+	c := pgtest.NewCluster(1)
+	defer c.Close()
+	ctx := context.Background()
+	w, g := make([]float32, 8), make([]float32, 8)
+	buf := make([]float32, 64)
+	f64 := make([]float64, 16)
+	for _, tc := range []struct {
+		name   string
+		params []Param
+		want   string
+	}{
+		{"tied weight", []Param{{Name: "embed", Data: w, Grad: g}, {Name: "head", Data: w, Grad: g}},
+			"ddp: invalid argument: parameter 0 (embed)'s Data and parameter 1 (head)'s Data share memory; a tensor used twice (a tied weight) must be one Param, its gradient summed and reported once"},
+		{"same Data", []Param{{Name: "a", Data: w, Grad: g}, {Name: "b", Data: w[2:6], Grad: make([]float32, 4)}},
+			"ddp: invalid argument: parameter 0 (a)'s Data and parameter 1 (b)'s Data share memory; a tensor used twice (a tied weight) must be one Param, its gradient summed and reported once"},
+		{"overlapping Grad", []Param{{Name: "a", Data: buf[:8], Grad: buf[16:24]}, {Name: "b", Data: buf[8:16], Grad: buf[20:28]}},
+			"ddp: invalid argument: parameter 0 (a)'s Grad and parameter 1 (b)'s Grad share memory; a tensor used twice (a tied weight) must be one Param, its gradient summed and reported once"},
+		{"Grad on another's Data", []Param{{Name: "a", Data: buf[:8], Grad: buf[8:16]}, {Name: "b", Data: buf[16:24], Grad: buf[4:12]}},
+			"ddp: invalid argument: parameter 0 (a)'s Data and parameter 1 (b)'s Grad share memory; a tensor used twice (a tied weight) must be one Param, its gradient summed and reported once"},
+		{"own Data and Grad", []Param{{Name: "a", Data: buf[:8], Grad: buf[8:16]}, {Name: "b", Data: buf[16:24], Grad: buf[16:24]}},
+			"ddp: invalid argument: parameter 1 (b): its Data and Grad share memory; Grad must be a buffer of its own"},
+		{"float64", []Param{{Name: "a", Data: f64[:4], Grad: f64[4:8]}, {Name: "b", Data: f64[7:11], Grad: f64[12:16]}},
+			"ddp: invalid argument: parameter 0 (a)'s Grad and parameter 1 (b)'s Data share memory; a tensor used twice (a tied weight) must be one Param, its gradient summed and reported once"},
+	} {
+		d, err := New(ctx, c.Group(0), tc.params, Options{})
+		if err == nil {
+			d.Close()
+		}
+		if err == nil || err.Error() != tc.want || !errors.Is(err, ErrInvalidArgument) {
+			t.Errorf("%s:\n got %v\nwant %s", tc.name, err, tc.want)
+		}
+	}
+	// Disjoint pieces of one buffer, float32 next to float64 memory, empty slices.
+	d, err := New(ctx, c.Group(0), []Param{{Name: "a", Data: buf[:8], Grad: buf[8:16]}, {Name: "b", Data: buf[16:24], Grad: buf[24:32]},
+		{Name: "e", Data: buf[32:32], Grad: buf[32:32]}, {Name: "c", Data: f64[:8], Grad: f64[8:16]}}, Options{})
+	if err != nil {
+		t.Fatalf("disjoint pieces of one buffer: %v", err)
+	}
+	d.Close()
+
+	rng := rand.New(rand.NewPCG(53, 7))
+	refused := 0
+	for trial := range 300 {
+		n := 2 + rng.IntN(6)
+		mem := make([]float32, 40*n)
+		params := make([]Param, n)
+		type piece struct{ lo, hi int }
+		var pieces []piece
+		cut := func(l int) []float32 { // l elements of mem at a random offset
+			lo := rng.IntN(len(mem) - l + 1)
+			pieces = append(pieces, piece{lo, lo + l})
+			return mem[lo : lo+l : lo+l]
+		}
+		for i := range params {
+			data := cut(1 + rng.IntN(12))
+			grad := make([]float32, len(data)) // a Grad of its own, or one in mem
+			if rng.IntN(3) == 0 {
+				grad = cut(len(data))
+			}
+			params[i] = Param{Name: fmt.Sprintf("p%d", i), Data: data, Grad: grad}
+		}
+		// The reference: every pair of pieces, by index arithmetic.
+		overlap := false
+		for a := range pieces {
+			for b := range a {
+				pa, pb := pieces[a], pieces[b]
+				if pa.lo < pb.hi && pb.lo < pa.hi {
+					overlap = true
+				}
+			}
+		}
+		d, err := New(ctx, c.Group(0), params, Options{})
+		if err == nil {
+			d.Close()
+		}
+		if (err != nil) != overlap {
+			t.Fatalf("trial %d: New: %v, but the pieces overlap: %v (%v)", trial, err, overlap, pieces)
+		}
+		if err != nil {
+			refused++
+		}
+	}
+	if refused == 0 || refused == 300 {
+		t.Fatalf("%d of 300 random layouts refused: the draw does not test both outcomes", refused)
 	}
 }

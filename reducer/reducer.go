@@ -19,7 +19,8 @@ type Param struct {
 	// Grad is where Finalize writes the averaged gradient: a []float32 or []float64, or with
 	// Options.Device a procgroup.DeviceBuffer (Float32 or Float64). It sets the parameter's
 	// element type and length. With Options.GradientAsBucketView it is not written and may
-	// be nil, if DType and Len are set instead.
+	// be nil, if DType and Len are set instead. No two Params' Grad may share memory (New
+	// refuses them): a tensor used twice is one Param.
 	Grad any
 	// DType (Float32 or Float64) and Len describe a parameter whose Grad is nil.
 	DType procgroup.DType
@@ -239,6 +240,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 		}
 		r.params[i].DType, r.params[i].Len = dt, n
 		r.bparams[i] = bucket.Param{Name: p.Name, DType: bucket.DType(dt), Len: n}
+	}
+	if err := checkOverlap(r.params); err != nil {
+		return nil, err
 	}
 	r.firstCap, r.capBytes = mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB)
 	rebuilds := 1
