@@ -271,3 +271,134 @@ func TestOverlappingParams(t *testing.T) {
 		t.Fatalf("%d of 300 random layouts refused: the draw does not test both outcomes", refused)
 	}
 }
+
+// torchHook is PyTorch's allreduce_hook ported as it is: it divides the bucket by the world
+// size, then all-reduces the sum.
+type torchHook struct{}
+
+func (torchHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *BucketView) procgroup.Work {
+	switch buf := b.Buffer.(type) {
+	case []float32:
+		for k := range buf {
+			buf[k] /= float32(pg.Size())
+		}
+	case []float64:
+		for k := range buf {
+			buf[k] /= float64(pg.Size())
+		}
+	}
+	return pg.AllReduce(ctx, b.Buffer, procgroup.Sum)
+}
+
+func (torchHook) Finish(*BucketView) error { return nil }
+
+// sumHook all-reduces the sum and divides nothing.
+type sumHook struct{}
+
+func (sumHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *BucketView) procgroup.Work {
+	return pg.AllReduce(ctx, b.Buffer, procgroup.Sum)
+}
+
+func (sumHook) Finish(*BucketView) error { return nil }
+
+// dividing makes a hook a DividingHook that reports divides.
+type dividing struct {
+	CommHook
+	divides bool
+}
+
+func (h dividing) DividesByWorldSize() bool { return h.divides }
+
+var _ DividingHook = dividing{}
+
+// TestHookDivision: a custom hook's buckets hold the gradients divided by the world size,
+// unless the hook is a DividingHook that asks for them undivided. At world size 3, with a
+// NoSync micro-step before some synced steps and float32 and float64 parameters, every
+// gradient after every synced step equals, element by element, factor × the sum over the
+// window of the mean over ranks of the random gradients (computed apart, in float64):
+// factor 1 for PyTorch's allreduce_hook as a DividingHook and for a hook that only sums
+// without one, 1/3 for allreduce_hook without it (the documented default: it divides
+// twice), 3 for the summing hook that asks for undivided buckets, and the default for a
+// DividingHook that reports false.
+func TestHookDivision(t *testing.T) {
+	const R, steps = 3, 4
+	for _, tc := range []struct {
+		name   string
+		hook   CommHook
+		factor float64
+	}{
+		{"torch dividing", dividing{torchHook{}, true}, 1},
+		{"sum", sumHook{}, 1},
+		{"torch", torchHook{}, 1.0 / R},
+		{"torch reporting false", dividing{torchHook{}, false}, 1.0 / R},
+		{"sum dividing", dividing{sumHook{}, true}, R},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			seed := uint64(len(tc.name))
+			rng := rand.New(rand.NewPCG(seed, 9))
+			m := edgeModel{lens: make([]int, 5), f64: []bool{false, true, false, true, false}}
+			for p := range m.lens {
+				m.lens[p] = 1 + rng.IntN(500)
+			}
+			micro := []int{1, 2, 1, 2}
+			c := pgtest.NewCluster(R)
+			defer c.Close()
+			got := make([][][][]float64, R)
+			err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+				ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+				defer cancel()
+				d, err := New(ctx, pg, m.params(), Options{CommHook: tc.hook, BucketCapMB: 1e-3, FirstBucketCapMB: 1e-3})
+				if err != nil {
+					return err
+				}
+				defer d.Close()
+				for s := range steps {
+					for u := range micro[s] {
+						mode := Sync
+						if u < micro[s]-1 {
+							mode = Accumulate
+						}
+						d.BeginBackward(mode)
+						if err := m.report(d, stepGrads(seed, s, u, rank, m.lens)); err != nil {
+							return err
+						}
+						if err := d.Finalize(ctx); err != nil {
+							return err
+						}
+					}
+					got[rank] = append(got[rank], m.grads(d))
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for s := range steps {
+				for p, n := range m.lens {
+					want := make([]float64, n)
+					for u := range micro[s] {
+						for q := range R {
+							for k, v := range stepGrads(seed, s, u, q, m.lens)[p] {
+								if !m.f64[p] {
+									v = float64(float32(v))
+								}
+								want[k] += tc.factor * v / R
+							}
+						}
+					}
+					tol := 1e-5
+					if m.f64[p] {
+						tol = 1e-12
+					}
+					for rank := range R {
+						for k, w := range want {
+							if g := got[rank][s][p][k]; math.Abs(g-w) > tol*(1+math.Abs(w)) {
+								t.Fatalf("step %d rank %d param %d [%d]: got %v, want %v (%v × the average)", s, rank, p, k, g, w, tc.factor)
+							}
+						}
+					}
+				}
+			}
+		})
+	}
+}

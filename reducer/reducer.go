@@ -42,7 +42,8 @@ type Options struct {
 	// GradientAsBucketView: parameters' gradients live in the buckets (see GradView);
 	// Finalize copies nothing back and Param.Grad is not used.
 	GradientAsBucketView bool
-	// CommHook reduces each bucket (default AllReduceHook).
+	// CommHook reduces each bucket (default AllReduceHook). Its buckets hold the gradients
+	// divided by the world size, unless it is a DividingHook that asks for them undivided.
 	CommHook CommHook
 	// Device: the gradients live in device memory (Note [Device buckets]). The group must
 	// offer procgroup.Device (procgroup.FindDevice: the nccl backend, through any
@@ -266,6 +267,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 		return nil, err
 	}
 	r.inv32, r.inv64 = 1/float32(pg.Size()), 1/float64(pg.Size())
+	if h, ok := opts.CommHook.(DividingHook); ok && h.DividesByWorldSize() {
+		r.inv32, r.inv64 = 1, 1 // the hook averages the local sums itself
+	}
 	r.order64 = make([]int64, len(params))
 	if err := r.setLayout(r.m.Layout()); err != nil {
 		r.freeDevice()
