@@ -79,14 +79,34 @@ func (m edgeModel) grads(d *DDP) [][]float64 {
 // its probe after the first, then the chosen layout), some with a NoSync micro-step before
 // them. After every synced step, every gradient equals, element by element, the sum over
 // the step's micro-steps of the mean over ranks of the random gradients, computed in
-// float64 apart from the DDP (float32 within 1e-5 relative, float64 within 1e-12). With
+// float64 apart from the DDP (float32 within 1e-5 relative, float64 within 1e-12; with the
+// fp16 and bf16 compression hooks, on float64 and mixed models, 2e-3 and 2e-2). With
 // float64 parameters only, every rank used to panic in its first synced Finalize
 // (runProbe sliced the float32 bucket memory, which is empty then).
 func TestAutoBucketCapDTypes(t *testing.T) {
 	const R, steps = 2, 8
+	type run struct {
+		mix, hook string
+	}
+	var runs []run
 	for _, mix := range []string{"f32", "f64", "f32+f64", "f64+f32", "random"} {
-		t.Run(mix, func(t *testing.T) {
+		runs = append(runs, run{mix, "allreduce"})
+	}
+	// The half-precision compression hooks on float64 buckets and on mixed ones.
+	for _, hook := range []string{"fp16", "bf16"} {
+		runs = append(runs, run{"f64", hook}, run{"random", hook})
+	}
+	for _, tr := range runs {
+		mix := tr.mix
+		t.Run(mix+"/"+tr.hook, func(t *testing.T) {
 			seed := uint64(len(mix)) * 7919
+			hook, rel := AllReduceHook(), 0.0
+			switch tr.hook {
+			case "fp16":
+				hook, rel = FP16CompressHook(), 2e-3
+			case "bf16":
+				hook, rel = BF16CompressHook(), 2e-2
+			}
 			rng := rand.New(rand.NewPCG(seed, 3))
 			nParams := 6 + rng.IntN(6)
 			m := edgeModel{lens: make([]int, nParams), f64: make([]bool, nParams)}
@@ -117,7 +137,7 @@ func TestAutoBucketCapDTypes(t *testing.T) {
 			err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 				ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 				defer cancel()
-				d, err := New(ctx, pg, m.params(), Options{BucketCapMB: AutoBucketCap})
+				d, err := New(ctx, pg, m.params(), Options{BucketCapMB: AutoBucketCap, CommHook: hook})
 				if err != nil {
 					return err
 				}
@@ -163,13 +183,16 @@ func TestAutoBucketCapDTypes(t *testing.T) {
 						}
 					}
 					tol := 1e-5
-					if m.f64[p] {
+					switch {
+					case rel > 0:
+						tol = rel
+					case m.f64[p]:
 						tol = 1e-12
 					}
 					for rank := range R {
 						for k, w := range want {
 							if g := got[rank][s][p][k]; math.Abs(g-w) > tol*(1+math.Abs(w)) {
-								t.Fatalf("step %d rank %d param %d (float64 %v) [%d]: got %v, want %v", s, rank, p, m.f64[p], k, g, w)
+								t.Fatalf("step %d rank %d param %d (float64 %v, %s) [%d]: got %v, want %v", s, rank, p, m.f64[p], tr.hook, k, g, w)
 							}
 						}
 					}
