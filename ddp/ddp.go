@@ -38,7 +38,9 @@ type Param struct {
 	Data any
 	// Grad is where Finalize leaves the averaged gradient: the same type and length as
 	// Data. With Options.GradientAsBucketView it must be nil: read the gradient with
-	// DDP.Grad32 (or Grad64) instead.
+	// DDP.Grad32 (or Grad64) instead. No two of the parameters' Data and Grad may share
+	// memory (New refuses them, naming both): a tensor used twice, such as a tied weight,
+	// is one Param, its gradient summed and reported once.
 	Grad any
 	// Shape is the parameter's shape; nil means [len(Data)]. Its product must be len(Data).
 	Shape []int
@@ -196,6 +198,9 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 		p.Shape = dd.shape
 		d.params[i] = p
 		descs = append(descs, dd)
+	}
+	if err := checkOverlap(d.params); err != nil {
+		return nil, err
 	}
 	d.buffers = make([]Buffer, len(opts.Buffers))
 	for i, b := range opts.Buffers {

@@ -30,9 +30,19 @@ type AutoPlan = reducer.AutoPlan
 
 // CommHook reduces the gradient buckets (Options.CommHook); BucketView is what it sees of
 // one bucket. See reducer.CommHook.
+//
+// A CommHook's buckets hold the gradients already divided by the world size: a plain sum
+// over the ranks is the average. PyTorch's hooks get them undivided and divide themselves
+// (allreduce_hook divides, then all-reduces), so a hook ported as it is returns the
+// average divided by the world size again. Such a hook either drops its division, or is a
+// DividingHook whose DividesByWorldSize reports true: its buckets then hold each rank's
+// gradients undivided, as in PyTorch, and it leaves the average itself.
 type (
 	CommHook   = reducer.CommHook
 	BucketView = reducer.BucketView
+	// DividingHook is a CommHook that may ask for its buckets undivided (see CommHook and
+	// reducer.DividingHook).
+	DividingHook = reducer.DividingHook
 )
 
 // AllReduceHook is the default CommHook: one all-reduce (sum) of each bucket.

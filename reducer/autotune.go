@@ -182,8 +182,10 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 	// Note [Probe twice over]: the sizes in turn, and then again.
 	for range 2 {
 		for k, s := range sizes {
-			var b any = m.f32[:s/4]
-			if t == 1 {
+			var b any
+			if t == 0 {
+				b = m.f32[:s/4]
+			} else {
 				b = m.f64[:s/8]
 			}
 			t0 := time.Now()

@@ -56,8 +56,9 @@
 //     the stream afterwards (the optimizer) see the averaged gradients.
 //   - The fp16/bf16 compression hooks convert on the device, on the compute stream.
 //
-// Since Finalize does not wait, a collective's failure is reported by the next
-// BeginBackward (or Finalize) and, as always, by the group's watchdog, which aborts the group.
+// Since Finalize does not wait, a collective's failure is reported by the first
+// BeginBackward or Finalize after it, however many passes later (Note [Late failures]),
+// and, as always, by the group's watchdog, which aborts the group.
 // Two steps wait on the host by design: the first synced Finalize (the rebuild's broadcast
 // of rank 0's order, a host buffer), and Close (which drains the stream before freeing the
 // buckets).

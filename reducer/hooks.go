@@ -14,7 +14,8 @@ type BucketView struct {
 	Index int
 	// DType is Float32 or Float64; Buffer is the bucket's flat []float32 or []float64 (or,
 	// with Options.Device, a procgroup.DeviceBuffer on Stream), holding every gradient
-	// already divided by the world size, so a plain sum over ranks is the average. The hook
+	// already divided by the world size, so a plain sum over ranks is the average (for a
+	// DividingHook that asks for it, this rank's gradients undivided instead). The hook
 	// owns Buffer from Launch until its Work completes and must leave the reduced result in
 	// it by the end of Finish (for a device bucket: enqueued on Stream by then).
 	DType  procgroup.DType
@@ -38,9 +39,27 @@ type BucketView struct {
 // that Work has completed without error, the reducer calls Finish, from Finalize, for the
 // hook to post-process the result into b.Buffer (decompress, say). Every rank must issue
 // the same collectives for the same bucket.
+//
+// The buckets a hook gets hold the gradients already divided by the world size, so that
+// the sum over ranks is the average: unlike PyTorch's DDP, whose hooks get the gradients
+// undivided and divide themselves (allreduce_hook divides by the world size, then
+// all-reduces). A hook ported from PyTorch as it is would return the average divided by
+// the world size once more; it should either drop its division or be a DividingHook.
 type CommHook interface {
 	Launch(ctx context.Context, pg procgroup.ProcessGroup, b *BucketView) procgroup.Work
 	Finish(b *BucketView) error
+}
+
+// DividingHook is the optional interface of a CommHook that divides by the world size
+// itself, as PyTorch's hooks do. If DividesByWorldSize reports true (the reducer asks once,
+// at New), the reducer does not divide: a bucket holds this rank's gradients as they are
+// (after NoSync passes, their sum over the window), and the hook must leave their average
+// over the ranks in Buffer by the end of Finish, for instance by dividing by
+// pg.Size() in Launch and then all-reducing the sum. A CommHook that is not a DividingHook,
+// or reports false, gets its buckets divided, as before.
+type DividingHook interface {
+	CommHook
+	DividesByWorldSize() bool
 }
 
 // AllReduceHook is the default hook: one all-reduce (sum) of the bucket's buffer.

@@ -19,7 +19,8 @@ type Param struct {
 	// Grad is where Finalize writes the averaged gradient: a []float32 or []float64, or with
 	// Options.Device a procgroup.DeviceBuffer (Float32 or Float64). It sets the parameter's
 	// element type and length. With Options.GradientAsBucketView it is not written and may
-	// be nil, if DType and Len are set instead.
+	// be nil, if DType and Len are set instead. No two Params' Grad may share memory (New
+	// refuses them): a tensor used twice is one Param.
 	Grad any
 	// DType (Float32 or Float64) and Len describe a parameter whose Grad is nil.
 	DType procgroup.DType
@@ -41,7 +42,8 @@ type Options struct {
 	// GradientAsBucketView: parameters' gradients live in the buckets (see GradView);
 	// Finalize copies nothing back and Param.Grad is not used.
 	GradientAsBucketView bool
-	// CommHook reduces each bucket (default AllReduceHook).
+	// CommHook reduces each bucket (default AllReduceHook). Its buckets hold the gradients
+	// divided by the world size, unless it is a DividingHook that asks for them undivided.
 	CommHook CommHook
 	// Device: the gradients live in device memory (Note [Device buckets]). The group must
 	// offer procgroup.Device (procgroup.FindDevice: the nccl backend, through any
@@ -146,6 +148,7 @@ type Reducer struct {
 	capBytes int64
 	auto     *autoTuner               // with AutoBucketCap
 	retired  []procgroup.DeviceBuffer // device buckets of the layout before the rebuild, freed at Close
+	late     []lateWork               // device collectives of earlier passes not yet seen complete
 	mem      [2]hostMem               // the host buckets' memory (float32, float64; Note [Bucket memory])
 	spare    [2]hostMem               // the memory of the layout before, while another rebuild is owed
 }
@@ -240,6 +243,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 		r.params[i].DType, r.params[i].Len = dt, n
 		r.bparams[i] = bucket.Param{Name: p.Name, DType: dt, Len: n}
 	}
+	if err := checkOverlap(r.params); err != nil {
+		return nil, err
+	}
 	r.firstCap, r.capBytes = mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB)
 	rebuilds := 1
 	if opts.BucketCapMB == AutoBucketCap {
@@ -262,6 +268,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 		return nil, err
 	}
 	r.inv32, r.inv64 = 1/float32(pg.Size()), 1/float64(pg.Size())
+	if h, ok := opts.CommHook.(DividingHook); ok && h.DividesByWorldSize() {
+		r.inv32, r.inv64 = 1, 1 // the hook averages the local sums itself
+	}
 	r.order64 = make([]int64, len(params))
 	if err := r.setLayout(r.m.Layout()); err != nil {
 		r.freeDevice()
@@ -519,9 +528,17 @@ func (r *Reducer) BeginBackward(mode Mode) error {
 	if err := r.m.BeginBackward(mode); err != nil {
 		return r.afterMachineErr(err)
 	}
-	if r.dev != nil { // Finalize did not wait on the host: report a collective that failed since
+	if r.dev != nil { // Finalize did not wait on the host: Note [Late failures]
+		if err := r.checkLate(); err != nil {
+			return r.failLocked(err)
+		}
 		for b := range r.slots {
-			if w := r.slots[b].work; w != nil && isDone(w) && w.Err() != nil {
+			w := r.slots[b].work
+			switch {
+			case w == nil:
+			case !isDone(w):
+				r.late = append(r.late, lateWork{w: w, iter: r.m.Iter() - 1, bucket: b})
+			case w.Err() != nil:
 				return r.failLocked(fmt.Errorf("reducer: backward %d: bucket %d: %w", r.m.Iter()-1, b, w.Err()))
 			}
 		}
@@ -615,6 +632,43 @@ func (r *Reducer) GradReadyDevice(i int, grad procgroup.DeviceBuffer) error {
 		return r.failLocked(fmt.Errorf("reducer: GradReadyDevice(%d): %w", i, err))
 	}
 	r.afterCopy(i, acts[1:], t0)
+	return nil
+}
+
+// lateWork is a device bucket's collective that was still in flight when a later pass
+// began (Note [Late failures]).
+type lateWork struct {
+	w      procgroup.Work
+	iter   int // the backward pass that launched it
+	bucket int
+}
+
+// Note [Late failures]: on the device path Finalize does not wait for the buckets'
+// collectives (Note [Device buckets]), so those of synced pass k may still be in flight
+// when pass k+1 begins, and fail later. BeginBackward moves the ones still in flight to
+// Reducer.late before it clears the slots, and every BeginBackward and device Finalize
+// after that checks them: one that has failed fails the Reducer with its error, one that
+// has succeeded is dropped. So a failure reaches the trainer at the first such call after
+// it happens (and the group's watchdog aborts the group meanwhile); Close waits for them
+// too before it frees the buckets. The list is reused: no allocation once it has grown to
+// the buckets in flight. The host path needs none of this: its Finalize waits for every
+// bucket's collective and reports its error.
+
+// checkLate drops the collectives of Reducer.late that have completed, and returns the
+// error of the first that failed. r.mu must be held.
+func (r *Reducer) checkLate() error {
+	kept := r.late[:0]
+	for _, l := range r.late {
+		if !isDone(l.w) {
+			kept = append(kept, l)
+			continue
+		}
+		if err := l.w.Err(); err != nil {
+			return fmt.Errorf("reducer: backward %d: bucket %d (found at backward %d): %w", l.iter, l.bucket, r.m.Iter(), err)
+		}
+	}
+	clear(r.late[len(kept):])
+	r.late = kept
 	return nil
 }
 
@@ -788,6 +842,9 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 					return r.failLocked(err)
 				}
 			case ActDone:
+				if err := r.checkLate(); err != nil {
+					return r.failLocked(err)
+				}
 				st.FinalizeEnd = time.Since(st.Start)
 				r.finished = true
 				if r.auto != nil && st.Mode == Sync {
@@ -974,6 +1031,10 @@ func (r *Reducer) Close() error {
 				<-w.Done() // bounded: the group's timeout, or the abort above
 			}
 		}
+		for _, l := range r.late {
+			<-l.w.Done()
+		}
+		r.late = nil
 	}
 	if r.dev != nil {
 		_ = r.dev.SyncStream(r.opts.Stream)
