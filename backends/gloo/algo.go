@@ -318,8 +318,9 @@ func ringOrder(hostIDs []string) []int {
 // crossings) for the flat ring: 1 against 1.5 messages at 2 hosts × 2 ranks. Avg reduces
 // as Sum and divides once, by n, after the middle ring. The host rings run through the
 // host's shared-memory slots (shmRing) when its ranks are exactly the region's members
-// (group.hostShm), else over the sockets; each host decides alone. The flat ring remains
-// for GODDP_GLOO_ALGO=ring and for uneven placements.
+// (group.hostShm), else over the sockets; each host's own choice, since its host rings
+// touch no other host, but what crosses hosts is the group's (Note [Agreement]). The flat
+// ring remains for GODDP_GLOO_ALGO=ring and for uneven placements.
 
 // setupHier prepares Note [Hierarchical]'s rings when the placement allows them.
 func (g *group) setupHier() {
@@ -406,10 +407,13 @@ func (g *group) hierAllReduce(o *op) error {
 // ring's time on the testbed at 10 Gbit/s. Only shared memory is touched by the worker
 // meanwhile, so the sockets' worker-side state (g.tmp, g.marks, g.timer, the cross peers'
 // reads and queues) belongs to crossWorker until the last piece is back. Every rank cuts
-// the same pieces from the message's length, so the rings match across hosts, and each
-// host's ranks run the same sequence of host phases, so its slot streams match too. A
-// failure on either side aborts the group (which closes the connections under a blocked
-// read), and the worker collects every queued piece before it returns.
+// the same pieces from the message's length and the group's piece (group.piece), so the
+// rings match across hosts. Where a host lacks shared memory, its host rings need the
+// sockets that crossWorker holds meanwhile, so the group cuts no pieces (Note
+// [Agreement]). Each host's ranks run the same sequence of host phases, so its slot
+// streams match too. A failure on either side aborts the group (which closes the
+// connections under a blocked read), and the worker collects every queued piece before
+// it returns.
 
 // hierMaxPieces bounds Note [Hierarchical pipeline]'s pieces per all-reduce (and sizes the
 // queues to crossWorker, so that neither side ever blocks on a send).
@@ -465,7 +469,7 @@ func (g *group) hierPipeline(o *op, inPlace bool) error {
 	sum, es, L := &g.hierSum, o.dt.Size(), g.local.n
 	count := len(o.buf) / es
 	P := 1
-	if ps := g.cfg.HierPieceSize; ps > 0 {
+	if ps := g.piece; ps > 0 { // Note [Agreement]
 		P = min(hierMaxPieces, max(1, len(o.buf)/ps))
 	}
 	// piece k holds elements k·count/P … (k+1)·count/P-1; it starts at byte at. Its local

@@ -63,7 +63,10 @@ type Config struct {
 	// SharedMemory is "auto" (default) or "off". With "auto", ranks on one host whose
 	// connection is a Unix socket share one memory region (Note [Shared memory]) through
 	// which the ring all-reduce moves its data; the socket still carries control, aborts
-	// and liveness. GODDP_GLOO_SHM overrides it.
+	// and liveness. GODDP_GLOO_SHM overrides it. It may differ between ranks: a rank
+	// with "off" is left out of its host's region, and where a host's ranks do not all
+	// share memory, the hierarchical all-reduce runs without its pipeline on every host
+	// (Note [Agreement]).
 	SharedMemory string
 	// ShmSlotSize is the size of one shared-memory slot, the ring's pipeline segment on
 	// that path (default 256 KiB; rounded down to a multiple of 64). Only the lowest rank
@@ -80,7 +83,8 @@ type Config struct {
 	// ranks share memory, the hierarchical all-reduce cuts its message into pieces of about
 	// this size (at most 16) and overlaps one piece's host phases with another's transfer
 	// across hosts (default 2 MiB; -1: one piece, no overlap). Every rank must have the
-	// same value. GODDP_GLOO_HIER_PIECE overrides it.
+	// same value: New refuses ranks that differ (Note [Agreement]), as it does for
+	// Algorithm, SegmentSize and DirectMaxBytes. GODDP_GLOO_HIER_PIECE overrides it.
 	HierPieceSize int
 	// Tune is "auto" (default) or "off": whether a group that spans hosts calibrates the
 	// cost model that picks the all-reduce's algorithm (Note [Algorithm choice]).

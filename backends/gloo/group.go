@@ -82,8 +82,16 @@ type group struct {
 	flat ringView
 	hier bool // Note [Hierarchical] applies: local and cross are set
 	// hostShm: hier, and this host's ranks are exactly the members of its shared-memory
-	// region, so the host phases run through its slots or in place (Note [Hierarchical]).
+	// region, so the host phases run through its slots or in place (Note [Hierarchical]);
+	// cleared on every rank of the host where one lacks it (Note [Agreement]).
 	hostShm bool
+	// piece is Note [Hierarchical pipeline]'s piece as the group agreed it (Note
+	// [Agreement]): Config.HierPieceSize where every host's ranks share memory, else -1.
+	piece int
+	// Note [Agreement]'s record of the others' settings: every rank asks for the
+	// calibration (Config.Tune); which ranks allow shared memory (Config.SharedMemory).
+	tuneAll   bool
+	shmWanted []bool
 	// lastPath is the path the worker's latest all-reduce took (allReducePath, or
 	// "shm-inplace"), for the tests.
 	lastPath string
@@ -188,6 +196,10 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 	}
 	g.wg.Add(1)
 	go g.worker()
+	if err := g.agreeShm(ctx); err != nil {
+		g.Close()
+		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)
+	}
 	if err := g.calibrate(ctx); err != nil {
 		g.Close()
 		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)

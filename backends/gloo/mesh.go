@@ -27,6 +27,8 @@ type addrInfo struct {
 	IP      string `json:"ip,omitempty"` // the address peers reach it at, for messages
 	TCP     string `json:"tcp,omitempty"`
 	Unix    string `json:"unix,omitempty"`
+	// Note [Agreement]: the settings every rank compares before it dials.
+	Settings *groupSettings `json:"settings,omitempty"`
 }
 
 // peer is one connection of the mesh.
@@ -91,7 +93,7 @@ func (g *group) newPeer(rank int, c net.Conn) *peer {
 func (g *group) connect(ctx context.Context) error {
 	store := procgroup.PrefixStore{Prefix: g.opts.Prefix + "/gloo", Store: g.opts.Store}
 	hs := &handshaker{key: groupKey(g.opts.Token, g.opts.Prefix), rank: g.rank, size: g.size, rand: rand.Reader}
-	info := addrInfo{Host: hostname(), HostID: g.cfg.HostID, Machine: procgroup.HostIdentity()}
+	info := addrInfo{Host: hostname(), HostID: g.cfg.HostID, Machine: procgroup.HostIdentity(), Settings: g.cfg.settings()}
 	g.hosts[g.rank] = info.Host
 	g.hostIDs[g.rank] = info.HostID
 	if g.size == 1 {
@@ -138,6 +140,9 @@ func (g *group) connect(ctx context.Context) error {
 	}
 	infos, err := g.gatherAddrs(ctx, store, info)
 	if err != nil {
+		return err
+	}
+	if err := g.agreeSettings(infos); err != nil {
 		return err
 	}
 	if err := g.checkReachable(infos); err != nil {

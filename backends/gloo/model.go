@@ -16,19 +16,19 @@ import (
 // measured on shared memory (direct up to DirectMaxBytes, the ring above). A group that
 // spans hosts has a link whose speed nobody knows in advance (1 Gbit/s or 400), so there,
 // with Algorithm auto, New calibrates a cost model as NCCL's tuning tables do, but
-// measured. The ranks first agree, with an all-reduce Min, whether to calibrate at all,
-// since each reads its own environment. Then every rank times all-reduces of a few sizes
-// (calibSizes) with each candidate (direct; recursive doubling from 3 ranks on; and the
-// ring the placement allows: the hierarchical rings, the two-rank exchange or the flat
-// ring; timed on an arena buffer where the reducer's buckets live in one), the ranks take
-// the slowest rank's time of each (an all-reduce with Max), and rank 0 fits each
-// candidate's time as α + β·bytes (least squares on relative errors: fitLine) and
-// broadcasts the fits. Every rank then holds the same table and makes the same choice for
-// every size: the candidate with the least predicted time, up to calibLimit times the
-// largest size measured, and the ring above. Direct and recursive doubling give the same
-// bits (Note [One association]), so the choice between them changes no result.
-// GODDP_GLOO_ALGO (Config.Algorithm) overrides the model, and GODDP_GLOO_TUNE=off
-// (Config.Tune) keeps the fixed rules across hosts too.
+// measured. It runs only where every rank asks for it, since each reads its own
+// environment (Note [Agreement] compares the ranks' settings). Every rank then times
+// all-reduces of a few sizes (calibSizes) with each candidate (direct; recursive
+// doubling from 3 ranks on; and the ring the placement allows: the hierarchical rings,
+// the two-rank exchange or the flat ring; timed on an arena buffer where the reducer's
+// buckets live in one), the ranks take the slowest rank's time of each (an all-reduce
+// with Max), and rank 0 fits each candidate's time as α + β·bytes (least squares on
+// relative errors: fitLine) and broadcasts the fits. Every rank then holds the same table
+// and makes the same choice for every size: the candidate with the least predicted time,
+// up to calibLimit times the largest size measured, and the ring above. Direct and
+// recursive doubling give the same bits (Note [One association]), so the choice between
+// them changes no result. GODDP_GLOO_ALGO (Config.Algorithm) overrides the model, and
+// GODDP_GLOO_TUNE=off (Config.Tune) keeps the fixed rules across hosts too.
 
 // calibSizes are the message sizes the calibration times (bytes of float32).
 var calibSizes = []int{4 << 10, 16 << 10, 64 << 10, 256 << 10}
@@ -129,19 +129,12 @@ func (g *group) calibrate(ctx context.Context) error {
 	if g.size < 2 || !g.spansHosts() {
 		return nil
 	}
-	start := time.Now()
 	// Every rank calibrates or none does: the settings come from each rank's environment,
-	// so the ranks agree first (the least of their wishes).
-	want := []float64{0}
-	if g.cfg.Algorithm == AlgoAuto && g.cfg.Tune != TuneOff {
-		want[0] = 1
-	}
-	if err := g.submitPath(ctx, want, procgroup.Min, "direct").Wait(ctx); err != nil {
-		return fmt.Errorf("agreeing on the all-reduce calibration: %w", err)
-	}
-	if want[0] == 0 {
+	// and Note [Agreement] compared them (the algorithm is the same on every rank).
+	if g.cfg.Algorithm != AlgoAuto || !g.tuneAll {
 		return nil
 	}
+	start := time.Now()
 	paths := []string{"direct"}
 	if g.size >= 3 {
 		paths = append(paths, "rd")

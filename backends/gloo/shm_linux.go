@@ -175,7 +175,7 @@ func (g *group) setupShm(ctx context.Context) error {
 	if leader == g.rank {
 		var members []int
 		for j := g.rank + 1; j < g.size; j++ {
-			if g.hostIDs[j] == g.cfg.HostID && g.isUnix(j) {
+			if g.hostIDs[j] == g.cfg.HostID && g.isUnix(j) && g.shmWanted[j] { // Note [Agreement]
 				members = append(members, j)
 			}
 		}
@@ -184,7 +184,7 @@ func (g *group) setupShm(ctx context.Context) error {
 		}
 		return g.leadShm(append([]int{g.rank}, members...))
 	}
-	if !g.isUnix(leader) {
+	if !g.isUnix(leader) || !g.shmWanted[leader] {
 		return nil
 	}
 	return g.joinShm(ctx, leader)
@@ -201,7 +201,13 @@ func (g *group) isUnix(j int) bool {
 func (g *group) leadShm(members []int) error {
 	S, K, L := g.cfg.ShmSlotSize, g.cfg.ShmSlots, len(members)
 	chanLen, total := shmLayout(L, S, K)
-	fd, mem, err := createShm(total)
+	fd, mem, err := -1, []byte(nil), error(nil)
+	if testShmCreate != nil {
+		err = testShmCreate(g.cfg.HostID)
+	}
+	if err == nil {
+		fd, mem, err = createShm(total)
+	}
 	if err != nil {
 		g.log.Warn("gloo: no shared memory, same-host data goes over Unix sockets", zap.Error(err))
 		L = 0
