@@ -203,16 +203,6 @@ func Tree(n int, latency, bytesPerSec float64) Comm {
 	return Comm{Alpha: 2 * depth * latency, Beta: 2 / bytesPerSec}
 }
 
-// Hierarchical is the all-reduce of nodes×perNode ranks done in three phases (as NCCL does
-// between nodes with one NIC per GPU): a reduce-scatter inside each node, perNode parallel
-// all-reduces of 1/perNode of the buffer between the nodes (inter: Ring or Tree over nodes
-// ranks), and an all-gather inside each node.
-func Hierarchical(nodes, perNode int, intraLatency, intraBytesPerSec float64, inter func(n int, latency, bytesPerSec float64) Comm, interLatency, interBytesPerSec float64) Comm {
-	in := Ring(perNode, intraLatency, intraBytesPerSec) // RS + AG together are one ring all-reduce
-	out := inter(nodes, interLatency, interBytesPerSec)
-	return Comm{Alpha: in.Alpha + out.Alpha, Beta: in.Beta + out.Beta/float64(max(perNode, 1))}
-}
-
 // Profile is everything the model needs about one rank's step. Times are in seconds;
 // Ready[i] and Backward are pure compute, without the reducer's own time and without the
 // slowdown of overlapping collectives.

@@ -180,7 +180,7 @@ func TestFitRecoversLine(t *testing.T) {
 	}
 }
 
-func TestRingTreeHierarchical(t *testing.T) {
+func TestRingTree(t *testing.T) {
 	r := Ring(8, 1e-6, 1e9)
 	if math.Abs(r.Alpha-14e-6) > 1e-15 || math.Abs(r.Beta-1.75e-9) > 1e-18 {
 		t.Errorf("Ring(8): %+v", r)
@@ -188,11 +188,6 @@ func TestRingTreeHierarchical(t *testing.T) {
 	tr := Tree(8, 1e-6, 1e9)
 	if math.Abs(tr.Alpha-6e-6) > 1e-15 || math.Abs(tr.Beta-2e-9) > 1e-18 {
 		t.Errorf("Tree(8): %+v", tr)
-	}
-	h := Hierarchical(4, 8, 1e-6, 1e11, Ring, 5e-6, 1e10)
-	want := Comm{Alpha: 14e-6 + 30e-6, Beta: 1.75e-11 + 1.5e-10/8}
-	if math.Abs(h.Alpha-want.Alpha) > 1e-15 || math.Abs(h.Beta-want.Beta) > 1e-20 {
-		t.Errorf("Hierarchical: %+v, want %+v", h, want)
 	}
 	if r1 := Ring(1, 1, 1); r1.Alpha != 0 || r1.Beta != 0 {
 		t.Error("Ring(1) should cost nothing")
