@@ -27,7 +27,8 @@
 // ctx_set (value: a context or 0), ctx_get (returns the current context), mem_alloc
 // (value: bytes; allocates in the current context, returns the address), stream_create
 // (value: cuStreamCreate's flags; a stream of the current context), event_query (value:
-// an event; its cuEventQuery result).
+// an event; its cuEventQuery result), ptr_ctx (value: an address; the context of its
+// allocation, -1 if none).
 // Kernels: cuModuleLoadData accepts any image; cuModuleGetFunction knows the kernels of
 // backends/nccl/kernels and examples/gpumlp by name and runs a C version of each, on the
 // host, in stream order (see the table at the end).
@@ -252,6 +253,7 @@ static void untrack(void *p) {
 CUresult cuCtxCreate_v2(void **c, unsigned int flags, int dev);
 CUresult cuStreamCreate(void **s, unsigned int flags);
 CUresult cuEventQuery(void *p);
+CUresult cuPointerGetAttribute(void *data, int attr, unsigned long long p);
 
 long long fakecuda_knob(const char *name, long long value) {
 	long long old = -1;
@@ -270,6 +272,9 @@ long long fakecuda_knob(const char *name, long long value) {
 	} else if (!strcmp(name, "stream_create")) {
 		void *s = NULL;
 		return cuStreamCreate(&s, (unsigned int)value) ? -1 : (long long)(uintptr_t)s;
+	} else if (!strcmp(name, "ptr_ctx")) {
+		void *c = NULL;
+		return cuPointerGetAttribute(&c, 1, (unsigned long long)value) ? -1 : (long long)(uintptr_t)c;
 	} else if (!strcmp(name, "event_query")) {
 		return cuEventQuery((void *)(uintptr_t)value);
 	}
