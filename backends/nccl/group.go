@@ -79,6 +79,11 @@ type Group struct {
 	closeErr error
 
 	issueMu sync.Mutex // serialises issuing, across the NCCL call (Note [No NCCL call under the lock])
+	// Out of the Group (which holds Go pointers, so cgo may not be handed pointers into it),
+	// allocated once: the call being issued (guarded by issueMu), and the watchdog's
+	// out-parameter of ncclCommGetAsyncError.
+	cc     *C.goddp_call
+	asyncR *C.goddp_ncclResult_t
 
 	mu       sync.Mutex // guards the fields below; never held across an NCCL call
 	state    int
@@ -136,6 +141,7 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		pool: map[int][]*staging{},
 		kick: make(chan struct{}, 1), stop: make(chan struct{}), loopDone: make(chan struct{}),
 		finalizeTimeout: defaultFinalizeTimeout, drainTimeout: defaultDrainTimeout,
+		cc: new(C.goddp_call), asyncR: new(C.goddp_ncclResult_t),
 	}
 	l, err := loadLib(libPaths(cfg))
 	if err != nil {
@@ -591,8 +597,8 @@ func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 	g.seq++
 	w := &Work{Future: procgroup.NewFuture(), g: g, op: c.op, seq: g.seq, ctx: ctx,
 		deadline: time.Now().Add(g.opts.Timeout), keep: c.keep}
-	var cc C.goddp_call
-	err = g.prepareLocked(w, c, &cc)
+	cc := g.cc
+	err = g.prepareLocked(w, c, cc)
 	g.pending = append(g.pending, w) // pending, not yet issued: its timeout counts from now
 	g.mu.Unlock()
 	g.kickLoop()
@@ -600,7 +606,7 @@ func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 		if c.inBytes > 0 {
 			copy(unsafe.Slice((*byte)(unsafe.Add(w.st.host, c.inOff)), c.inBytes), rawBytes(c.hostIn))
 		}
-		err = g.enqueue(&cc, c)
+		err = g.enqueue(cc, c)
 	}
 	if err == nil {
 		g.mu.Lock()

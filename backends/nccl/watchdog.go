@@ -150,9 +150,9 @@ func (g *Group) check(head *Work, issued bool) error {
 // asyncError polls ncclCommGetAsyncError; the error names head, the oldest pending work.
 // Only the watchdog calls it, while the communicator lives.
 func (g *Group) asyncError(head *Work) error {
-	var res C.goddp_ncclResult_t
-	if r := C.goddp_ncclCommGetAsyncError(g.lib.p, g.comm, &res); r != 0 {
-		res = r
+	res := C.goddp_ncclCommGetAsyncError(g.lib.p, g.comm, g.asyncR)
+	if res == 0 {
+		res = *g.asyncR
 	}
 	if res == C.GODDP_NCCL_SUCCESS || res == C.GODDP_NCCL_IN_PROGRESS {
 		return nil
@@ -172,8 +172,9 @@ func (g *Group) complete(w *Work) {
 		g.mu.Unlock()
 		return
 	}
-	g.pending[0] = nil
-	g.pending = g.pending[1:]
+	n := copy(g.pending, g.pending[1:]) // in place: the next append reuses the array
+	g.pending[n] = nil
+	g.pending = g.pending[:n]
 	g.mu.Unlock()
 	// The work is ours now: Abort fails only works still pending.
 	if w.out != nil && w.outBytes > 0 {
