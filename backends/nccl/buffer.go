@@ -62,6 +62,9 @@ func classify(buf any) (buffer, error) {
 }
 
 func checkDev(b DeviceBuffer) (buffer, error) {
+	if err := checkStream(b.Stream); err != nil {
+		return buffer{}, err
+	}
 	if b.Type.Size() == 0 {
 		return buffer{}, fmt.Errorf("%w: DeviceBuffer of unknown dtype %v", procgroup.ErrInvalidArgument, b.Type)
 	}
@@ -105,4 +108,21 @@ func ncclOp(op procgroup.ReduceOp) int {
 		return 4
 	}
 	return -1
+}
+
+// Stream handles of cuda.h with a special meaning.
+const (
+	streamLegacy    Stream = 0x1 // CU_STREAM_LEGACY: the legacy default stream, as 0
+	streamPerThread Stream = 0x2 // CU_STREAM_PER_THREAD
+)
+
+// checkStream refuses CU_STREAM_PER_THREAD: it names the default stream of the calling OS
+// thread, and a goroutine's calls run on whichever thread it is on at the moment, so the
+// work would land on streams the caller cannot predict.
+func checkStream(s Stream) error {
+	if s == streamPerThread {
+		return fmt.Errorf("%w: stream CU_STREAM_PER_THREAD (0x2) is the calling OS thread's default stream, and goroutines move between OS threads; "+
+			"use a stream from cuStreamCreate (Group.NewStream) or the legacy default stream (0)", procgroup.ErrInvalidArgument)
+	}
+	return nil
 }

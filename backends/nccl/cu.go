@@ -11,7 +11,10 @@ import (
 )
 
 // FromCU describes n elements of dt at a gorgonia.org/cu device pointer, produced on
-// stream s (a zero cu.Stream is the legacy default stream).
+// stream s (a zero cu.Stream is the legacy default stream). p and s must belong to the
+// primary context of the group's device (cu.Device.RetainPrimaryCtx): memory or a stream
+// of another context, such as one from cu.NewContext, makes the collective fail at once
+// with an error wrapping procgroup.ErrInvalidArgument that names the context.
 func FromCU(p cu.DevicePtr, dt procgroup.DType, n int, s cu.Stream) DeviceBuffer {
 	return DeviceBuffer{Ptr: DevicePtr(p), Type: dt, Count: n, Stream: streamOf(s)}
 }

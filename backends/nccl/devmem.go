@@ -60,17 +60,21 @@ func (g *Group) NewStream() (Stream, error) {
 
 // DestroyStream destroys a stream from NewStream (after the work queued on it).
 func (g *Group) DestroyStream(s Stream) error {
-	return g.onDevice(func() error {
-		if r := C.goddp_stream_sync_handle(g.lib.p, g.cuCtx, C.uintptr_t(s)); r != 0 {
-			return g.lib.cuErr("cuStreamSynchronize", r)
-		}
-		C.goddp_stream_destroy_handle(g.lib.p, C.uintptr_t(s))
-		return nil
-	})
+	if s == 0 || s == streamLegacy || s == streamPerThread {
+		return fmt.Errorf("%w: nccl: DestroyStream(%#x): not a stream from NewStream", procgroup.ErrInvalidArgument, uintptr(s))
+	}
+	if r := C.goddp_stream_sync_handle(g.lib.p, g.cuCtx, C.uintptr_t(s)); r != 0 {
+		return fmt.Errorf("nccl: rank %d: %w", g.rank, g.lib.cuErr("cuStreamSynchronize", r))
+	}
+	C.goddp_stream_destroy_handle(g.lib.p, C.uintptr_t(s))
+	return nil
 }
 
 // SyncStream blocks until the work queued on s has finished.
 func (g *Group) SyncStream(s Stream) error {
+	if err := checkStream(s); err != nil {
+		return fmt.Errorf("nccl: rank %d: SyncStream: %w", g.rank, err)
+	}
 	if r := C.goddp_stream_sync_handle(g.lib.p, g.cuCtx, C.uintptr_t(s)); r != 0 {
 		return fmt.Errorf("nccl: rank %d: %w", g.rank, g.lib.cuErr("cuStreamSynchronize", r))
 	}
@@ -93,17 +97,15 @@ func (g *Group) copyHost(d DeviceBuffer, h any, in bool) error {
 	if _, ok := h.(procgroup.Buffer); ok || dt != d.Type || n != d.Count {
 		return fmt.Errorf("%w: nccl: copy between %T (%v×%d) and a DeviceBuffer (%v×%d)", procgroup.ErrInvalidArgument, h, dt, n, d.Type, d.Count)
 	}
+	if err := checkStream(d.Stream); err != nil {
+		return fmt.Errorf("nccl: rank %d: %w", g.rank, err)
+	}
 	bytes := n * dt.Size()
 	if bytes == 0 {
 		return nil
 	}
 	g.mu.Lock()
-	var st *staging
-	err = g.onDevice(func() error {
-		var err error
-		st, err = g.stagingLocked(bytes)
-		return err
-	})
+	st, err := g.stagingLocked(bytes)
 	g.mu.Unlock()
 	if err != nil {
 		return fmt.Errorf("nccl: rank %d: %w", g.rank, err)
@@ -119,21 +121,12 @@ func (g *Group) copyHost(d DeviceBuffer, h any, in bool) error {
 	if in {
 		copy(pinned, rawBytes(h))
 	}
-	err = g.onDevice(func() error {
-		var r C.goddp_CUresult
-		s := C.uintptr_t(d.Stream)
-		if in {
-			r = C.goddp_copy_sync(g.lib.p, g.cuCtx, C.goddp_CUdeviceptr(d.Ptr), st.host, C.size_t(bytes), 1, s)
-		} else {
-			r = C.goddp_copy_sync(g.lib.p, g.cuCtx, C.goddp_CUdeviceptr(d.Ptr), st.host, C.size_t(bytes), 0, s)
-		}
-		if r != 0 {
-			return g.lib.cuErr("cuMemcpy", r)
-		}
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("nccl: rank %d: %w", g.rank, err)
+	h2d := C.int(0)
+	if in {
+		h2d = 1
+	}
+	if r := C.goddp_copy_sync(g.lib.p, g.cuCtx, C.goddp_CUdeviceptr(d.Ptr), st.host, C.size_t(bytes), h2d, C.uintptr_t(d.Stream)); r != 0 {
+		return fmt.Errorf("nccl: rank %d: %w", g.rank, g.lib.cuErr("cuMemcpy", r))
 	}
 	if !in {
 		copy(rawBytes(h), pinned)

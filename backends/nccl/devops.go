@@ -96,6 +96,9 @@ func (g *Group) ScaleAsync(s procgroup.Stream, dst, src procgroup.DeviceBuffer, 
 	if err := g.checkPair("ScaleAsync", dst, src); err != nil {
 		return err
 	}
+	if err := checkStream(s); err != nil {
+		return g.devErr("ScaleAsync", err)
+	}
 	if dst.Type != src.Type || (dst.Type != procgroup.Float32 && dst.Type != procgroup.Float64) {
 		return g.devErr("ScaleAsync", fmt.Errorf("%w: dst is %v, src %v; want both float32 or both float64", procgroup.ErrInvalidArgument, dst.Type, src.Type))
 	}
@@ -106,12 +109,10 @@ func (g *Group) ScaleAsync(s procgroup.Stream, dst, src procgroup.DeviceBuffer, 
 		if dst.Ptr == src.Ptr {
 			return nil
 		}
-		return g.onDevice(func() error {
-			if r := C.goddp_copy_d2d(g.lib.p, g.cuCtx, C.goddp_CUdeviceptr(dst.Ptr), C.goddp_CUdeviceptr(src.Ptr), C.size_t(dst.Bytes()), C.uintptr_t(s)); r != 0 {
-				return g.devErr("ScaleAsync", g.lib.cuErr("cuMemcpyDtoDAsync", r))
-			}
-			return nil
-		})
+		if r := C.goddp_copy_d2d(g.lib.p, g.cuCtx, C.goddp_CUdeviceptr(dst.Ptr), C.goddp_CUdeviceptr(src.Ptr), C.size_t(dst.Bytes()), C.uintptr_t(s)); r != 0 {
+			return g.devErr("ScaleAsync", g.lib.cuErr("cuMemcpyDtoDAsync", r))
+		}
+		return nil
 	}
 	k, f64 := kScale32, 0
 	if dst.Type == procgroup.Float64 {
@@ -131,6 +132,9 @@ func (g *Group) ScaleAsync(s procgroup.Stream, dst, src procgroup.DeviceBuffer, 
 func (g *Group) ConvertAsync(s procgroup.Stream, dst, src procgroup.DeviceBuffer) error {
 	if err := g.checkPair("ConvertAsync", dst, src); err != nil {
 		return err
+	}
+	if err := checkStream(s); err != nil {
+		return g.devErr("ConvertAsync", err)
 	}
 	k := -1
 	switch {
@@ -162,12 +166,10 @@ func (g *Group) launch(op string, k int, call func(C.goddp_CUfunction) C.goddp_C
 	if err != nil {
 		return err
 	}
-	return g.onDevice(func() error {
-		if r := call(fn); r != 0 {
-			return g.devErr(op, g.lib.cuErr("cuLaunchKernel("+kernelNames[k]+")", r))
-		}
-		return nil
-	})
+	if r := call(fn); r != 0 { // one cgo call, which switches contexts itself
+		return g.devErr(op, g.lib.cuErr("cuLaunchKernel("+kernelNames[k]+")", r))
+	}
+	return nil
 }
 
 // ZeroAsync implements procgroup.Device.
@@ -179,12 +181,13 @@ func (g *Group) ZeroAsync(s procgroup.Stream, b procgroup.DeviceBuffer) error {
 	if bytes%4 != 0 {
 		return g.devErr("ZeroAsync", fmt.Errorf("%w: %d bytes, want a multiple of 4", procgroup.ErrInvalidArgument, bytes))
 	}
-	return g.onDevice(func() error {
-		if r := C.goddp_memset32(g.lib.p, g.cuCtx, C.goddp_CUdeviceptr(b.Ptr), 0, C.size_t(bytes/4), C.uintptr_t(s)); r != 0 {
-			return g.devErr("ZeroAsync", g.lib.cuErr("cuMemsetD32Async", r))
-		}
-		return nil
-	})
+	if err := checkStream(s); err != nil {
+		return g.devErr("ZeroAsync", err)
+	}
+	if r := C.goddp_memset32(g.lib.p, g.cuCtx, C.goddp_CUdeviceptr(b.Ptr), 0, C.size_t(bytes/4), C.uintptr_t(s)); r != 0 {
+		return g.devErr("ZeroAsync", g.lib.cuErr("cuMemsetD32Async", r))
+	}
+	return nil
 }
 
 // NewEvent implements procgroup.Device (an event without timing, the cheap kind).
@@ -199,62 +202,59 @@ func (g *Group) newEvent(timing bool) (procgroup.Event, error) {
 	if timing {
 		t = 1
 	}
-	err := g.onDevice(func() error {
-		if r := C.goddp_event_create_timed(g.lib.p, g.cuCtx, &ev, t); r != 0 {
-			return g.devErr("NewEvent", g.lib.cuErr("cuEventCreate", r))
-		}
-		return nil
-	})
-	return procgroup.Event(uintptr(unsafe.Pointer(ev))), err
+	if r := C.goddp_event_create_timed(g.lib.p, g.cuCtx, &ev, t); r != 0 {
+		return 0, g.devErr("NewEvent", g.lib.cuErr("cuEventCreate", r))
+	}
+	return procgroup.Event(uintptr(unsafe.Pointer(ev))), nil
 }
 
 // DestroyEvent implements procgroup.Device.
 func (g *Group) DestroyEvent(e procgroup.Event) error {
-	return g.onDevice(func() error {
-		if r := C.goddp_event_destroy_handle(g.lib.p, C.uintptr_t(e)); r != 0 {
-			return g.devErr("DestroyEvent", g.lib.cuErr("cuEventDestroy", r))
-		}
-		return nil
-	})
+	if r := C.goddp_event_destroy_handle(g.lib.p, C.uintptr_t(e)); r != 0 {
+		return g.devErr("DestroyEvent", g.lib.cuErr("cuEventDestroy", r))
+	}
+	return nil
 }
 
 // RecordEvent implements procgroup.Device.
 func (g *Group) RecordEvent(e procgroup.Event, s procgroup.Stream) error {
-	return g.onDevice(func() error {
-		if r := C.goddp_event_record(g.lib.p, g.cuCtx, C.uintptr_t(e), C.uintptr_t(s)); r != 0 {
-			return g.devErr("RecordEvent", g.lib.cuErr("cuEventRecord", r))
-		}
-		return nil
-	})
+	if err := checkStream(s); err != nil {
+		return g.devErr("RecordEvent", err)
+	}
+	if r := C.goddp_event_record(g.lib.p, g.cuCtx, C.uintptr_t(e), C.uintptr_t(s)); r != 0 {
+		return g.devErr("RecordEvent", g.lib.cuErr("cuEventRecord", r))
+	}
+	return nil
 }
 
 // WaitEvent implements procgroup.Device.
 func (g *Group) WaitEvent(s procgroup.Stream, e procgroup.Event) error {
-	return g.onDevice(func() error {
-		if r := C.goddp_stream_wait_handle(g.lib.p, g.cuCtx, C.uintptr_t(s), C.uintptr_t(e)); r != 0 {
-			return g.devErr("WaitEvent", g.lib.cuErr("cuStreamWaitEvent", r))
-		}
-		return nil
-	})
+	if err := checkStream(s); err != nil {
+		return g.devErr("WaitEvent", err)
+	}
+	if r := C.goddp_stream_wait_handle(g.lib.p, g.cuCtx, C.uintptr_t(s), C.uintptr_t(e)); r != 0 {
+		return g.devErr("WaitEvent", g.lib.cuErr("cuStreamWaitEvent", r))
+	}
+	return nil
 }
 
 // EventElapsed returns the milliseconds between two completed timed events (NewTimedEvent),
 // from start to end; it fails with CUDA_ERROR_NOT_READY if either has not completed.
 func (g *Group) EventElapsed(start, end procgroup.Event) (float64, error) {
 	var ms C.float
-	err := g.onDevice(func() error {
-		if r := C.goddp_event_elapsed(g.lib.p, g.cuCtx, &ms, C.uintptr_t(start), C.uintptr_t(end)); r != 0 {
-			return g.devErr("EventElapsed", g.lib.cuErr("cuEventElapsedTime", r))
-		}
-		return nil
-	})
-	return float64(ms), err
+	if r := C.goddp_event_elapsed(g.lib.p, g.cuCtx, &ms, C.uintptr_t(start), C.uintptr_t(end)); r != 0 {
+		return 0, g.devErr("EventElapsed", g.lib.cuErr("cuEventElapsedTime", r))
+	}
+	return float64(ms), nil
 }
 
 // WaitWork implements procgroup.Device: (*Work).WaitStream on the nccl Work inside w
 // (through the watchdog and debug wrappers). A Work of another group, or one a wrapper has
 // not issued yet, is waited for on the host.
 func (g *Group) WaitWork(s procgroup.Stream, w procgroup.Work) error {
+	if err := checkStream(s); err != nil {
+		return g.devErr("WaitWork", err)
+	}
 	if nw, ok := procgroup.FindWork[*Work](w); ok && nw.g == g {
 		if err := nw.WaitStream(s); err != nil {
 			return err

@@ -17,7 +17,9 @@
 // Note [Stream order]: the group has one communication stream. A collective on a
 // DeviceBuffer records an event on the buffer's Stream and makes the comm stream wait for
 // it (on the GPU, no host synchronisation), so it sees everything queued on the compute
-// stream before it was issued. Its Work completes (Wait, Done) once its end event has
+// stream before it was issued; AllGather and ReduceScatter do the same with the output
+// buffer's Stream where it differs from the input's, so that nothing queued there before
+// overwrites the result. Its Work completes (Wait, Done) once its end event has
 // completed; (*Work).WaitStream instead makes another stream wait for that event, without
 // blocking the host.
 //
@@ -44,6 +46,14 @@
 //	_ = g.WaitWork(computeStream, w) // later kernels on computeStream see the result; or:
 //	nw, _ := procgroup.FindWork[*nccl.Work](w)
 //	_ = nw.WaitStream(computeStream)
+//
+// The group uses the primary context of its device. Every entry point makes it current
+// for its own driver calls only and then restores the calling thread's context (Note
+// [Caller's context] in shim.c), so a caller with a context of its own keeps it. Device
+// memory and streams must belong to that primary context: a collective on another
+// context's memory or stream fails at once with an error wrapping
+// procgroup.ErrInvalidArgument that names both contexts. CU_STREAM_PER_THREAD is refused
+// (goroutines move between OS threads), as procgroup.ErrInvalidArgument too.
 //
 // Group implements procgroup.Device (memory, ScaleAsync and ConvertAsync kernels, events,
 // WaitWork), which the reducer uses for device-resident buckets (reducer Note [Device

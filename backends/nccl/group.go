@@ -37,10 +37,26 @@ const (
 // ncclCommGetAsyncError and enforces the collective timeout.
 //
 // Note [Group lifecycle]: live → closing (Close: later works fail with ErrClosed, pending
-// ones complete, then the watchdog releases everything and exits) or live/closing →
-// aborted (Abort, a timeout, an NCCL async error, a failed enqueue, or a work's ctx ending:
-// ncclCommAbort, the comm stream is drained, every pending work fails, the watchdog
-// releases everything and exits).
+// ones complete, then the watchdog finalizes and destroys the communicator, releases
+// everything and exits) or live/closing → aborted (Abort, a timeout, an NCCL async error,
+// a failed enqueue, or a work's ctx ending: the watchdog calls ncclCommAbort, the comm
+// stream is drained, every pending work fails, the watchdog releases everything and
+// exits). Every wait on the way out is bounded (Note [Bounded teardown]).
+//
+// Note [No NCCL call under the lock]: an NCCL collective may block in the host call, for
+// instance while it connects to its peers at the first one (NCCL_RUNTIME_CONNECT=1), for as
+// long as a peer is late or dead. So g.mu, which the watchdog and Abort need, is held only
+// to read and update the group's state, never across an NCCL call or a blocking CUDA call
+// (PyTorch's ProcessGroupNCCL takes its mutex likewise only to read the communicator).
+// Issuing is serialised by g.issueMu instead, held across the NCCL call (collectives must
+// reach NCCL, and the comm stream, in sequence order), which neither the watchdog nor Abort
+// takes. A work joins g.pending before its NCCL call, not yet issued: the watchdog enforces
+// its timeout and context while the call blocks. The communicator's own calls
+// (ncclCommGetAsyncError, ncclCommAbort, ncclCommFinalize, ncclCommDestroy) are made by the
+// watchdog alone, so that none of them races the abort that frees the communicator; Abort
+// only marks the group aborted and wakes the watchdog, whose ncclCommAbort unblocks an
+// issuer stuck inside NCCL (after a grace in which an issuer not stuck finishes: see
+// finishAbort).
 type Group struct {
 	rank, size int
 	opts       procgroup.Options
@@ -53,8 +69,23 @@ type Group struct {
 	stream     C.goddp_CUstream
 	comm       C.goddp_ncclComm_t
 	barrierBuf C.goddp_CUdeviceptr // one float32 on the device, the operand of Barrier
+	drainEv    C.goddp_CUevent     // recorded on the comm stream to drain it at teardown
 
-	mu       sync.Mutex // guards the fields below and every call on comm
+	// Bounds of the teardown (Note [Bounded teardown]), from the package's defaults.
+	finalizeTimeout, drainTimeout time.Duration
+
+	// The watchdog's own: the communicator is gone (destroyed or aborted); Close's result.
+	commGone bool
+	closeErr error
+
+	issueMu sync.Mutex // serialises issuing, across the NCCL call (Note [No NCCL call under the lock])
+	// Out of the Group (which holds Go pointers, so cgo may not be handed pointers into it),
+	// allocated once: the call being issued (guarded by issueMu), and the watchdog's
+	// out-parameter of ncclCommGetAsyncError.
+	cc     *C.goddp_call
+	asyncR *C.goddp_ncclResult_t
+
+	mu       sync.Mutex // guards the fields below; never held across an NCCL call
 	state    int
 	abortErr error // set when state becomes stateAborted
 	closed   bool  // Close was called: later works fail with ErrClosed even if aborted since
@@ -64,7 +95,6 @@ type Group struct {
 	pool     map[int][]*staging // free staging areas by size class (log2 bytes)
 	allEv    []C.goddp_CUevent  // every event created, destroyed at release
 	allSt    []*staging         // every staging area, freed at release
-	commGone bool               // comm destroyed or aborted
 
 	devMu     sync.Mutex // guards the kernel module (devops.go)
 	module    C.goddp_CUmodule
@@ -110,6 +140,8 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		log:  opts.Logger.With(zap.String("backend", "nccl")),
 		pool: map[int][]*staging{},
 		kick: make(chan struct{}, 1), stop: make(chan struct{}), loopDone: make(chan struct{}),
+		finalizeTimeout: defaultFinalizeTimeout, drainTimeout: defaultDrainTimeout,
+		cc: new(C.goddp_call), asyncR: new(C.goddp_ncclResult_t),
 	}
 	l, err := loadLib(libPaths(cfg))
 	if err != nil {
@@ -132,16 +164,22 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 	return g, nil
 }
 
-// onDevice runs f with the group's context current on a locked OS thread.
+// onDevice runs f with the group's context current on a locked OS thread, and then makes
+// the thread's own context current again (Note [Caller's context] in shim.c): f calls the
+// trampolines, which do not switch contexts themselves. Single calls go through the C
+// helpers instead, which switch and restore within the one cgo call.
 func (g *Group) onDevice(f func() error) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	if g.cuCtx != nil {
-		if r := C.goddp_cuCtxSetCurrent(g.lib.p, g.cuCtx); r != 0 {
-			return g.lib.cuErr("cuCtxSetCurrent", r)
-		}
+	var prev C.goddp_CUcontext
+	if r := C.goddp_ctx_enter(g.lib.p, g.cuCtx, &prev); r != 0 {
+		return g.lib.cuErr("cuCtxSetCurrent", r)
 	}
-	return f()
+	err := f()
+	if r := C.goddp_ctx_leave(g.lib.p, prev); r != 0 && err == nil {
+		err = g.lib.cuErr("cuCtxSetCurrent (the caller's context)", r)
+	}
+	return err
 }
 
 func (g *Group) openDevice() error {
@@ -182,6 +220,9 @@ func (g *Group) openDevice() error {
 		if r := C.goddp_cuMemAlloc(l.p, &g.barrierBuf, 4); r != 0 {
 			return l.cuErr("cuMemAlloc", r)
 		}
+		if r := C.goddp_cuEventCreate(l.p, &g.drainEv); r != 0 {
+			return l.cuErr("cuEventCreate", r)
+		}
 		var name [256]C.char
 		if C.goddp_cuDeviceGetName(l.p, &name[0], C.int(len(name)), g.cuDev) == 0 {
 			g.log.Info("nccl device", zap.Int("device", g.device), zap.String("name", C.GoString(&name[0])))
@@ -190,28 +231,29 @@ func (g *Group) openDevice() error {
 	})
 }
 
-// releaseDevice frees what openDevice created, once the comm stream has drained. The
-// handles stay in their fields (dangling): every user checks g.state under g.mu first.
+// releaseDevice frees what openDevice created, once the comm stream has drained (or was
+// never used). The handles stay in their fields (dangling): every user checks g.state under
+// g.mu first.
 func (g *Group) releaseDevice() {
 	if g.cuCtx == nil {
 		return
 	}
 	g.mu.Lock()
-	defer g.mu.Unlock()
+	allEv, allSt := g.allEv, g.allSt
+	g.allEv, g.events, g.allSt, g.pool = nil, nil, nil, nil
+	g.mu.Unlock()
 	_ = g.onDevice(func() error {
 		l := g.lib.p
-		if g.stream != nil {
-			C.goddp_stream_sync(l, g.cuCtx, g.stream)
-		}
-		for _, ev := range g.allEv {
+		for _, ev := range allEv {
 			C.goddp_cuEventDestroy(l, ev)
 		}
-		g.allEv, g.events = nil, nil
-		for _, s := range g.allSt {
+		for _, s := range allSt {
 			C.goddp_cuMemFreeHost(l, s.host)
 			C.goddp_cuMemFree(l, s.dev)
 		}
-		g.allSt, g.pool = nil, nil
+		if g.drainEv != nil {
+			C.goddp_cuEventDestroy(l, g.drainEv)
+		}
 		if g.barrierBuf != 0 {
 			C.goddp_cuMemFree(l, g.barrierBuf)
 		}
@@ -266,8 +308,6 @@ func (g *Group) initComm(ctx context.Context) error {
 	if err := st.Wait(ctx, key("ready")); err != nil {
 		return fmt.Errorf("waiting for %d ranks to join: %w", g.size, err)
 	}
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	cid := C.malloc(C.size_t(len(id)))
 	defer C.free(cid)
 	copy(unsafe.Slice((*byte)(cid), len(id)), id[:])
@@ -303,7 +343,8 @@ type Work struct {
 	seq      uint64
 	ctx      context.Context
 	deadline time.Time
-	startEv  C.goddp_CUevent
+	startEv  C.goddp_CUevent // recorded on the input's stream (device buffers)
+	outEv    C.goddp_CUevent // recorded on the output's stream, where it is another
 	endEv    C.goddp_CUevent
 	st       *staging
 	out      any // host slice the result is copied into, or nil
@@ -313,6 +354,8 @@ type Work struct {
 
 	mu       sync.Mutex // guards released
 	released bool       // the events went back to the pool; WaitStream must not use them
+
+	issued bool // its NCCL call has returned (guarded by g.mu)
 }
 
 var _ procgroup.Work = (*Work)(nil)
@@ -324,6 +367,9 @@ var _ procgroup.Work = (*Work)(nil)
 func (w *Work) WaitStream(s Stream) error {
 	if w.out != nil {
 		return w.Wait(context.Background())
+	}
+	if err := checkStream(s); err != nil {
+		return fmt.Errorf("nccl: rank %d: %s #%d: WaitStream: %w", w.g.rank, w.op, w.seq, err)
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -342,27 +388,28 @@ func (g *Group) failed(op procgroup.CollectiveOp, err error) *Work {
 
 // call describes one collective before it is issued.
 type call struct {
-	op       procgroup.CollectiveOp
-	kind     C.int
-	dt       procgroup.DType
-	redop    int
-	root     int
-	count    int // NCCL's count argument
-	dev      bool
-	stream   Stream              // compute stream (device buffers)
-	send     C.goddp_CUdeviceptr // device buffers
-	recv     C.goddp_CUdeviceptr
-	hostIn   any // host input slice, copied into the staging area at inOff
-	inOff    int
-	inBytes  int
-	hostOut  any // host output slice, filled from the staging area at outOff
-	outOff   int
-	outBytes int
-	size     int // staging bytes
-	sendOff  int // offsets of send and recv in the staging area
-	recvOff  int
-	keep     any
-	barrier  bool // send and recv are g.barrierBuf
+	op        procgroup.CollectiveOp
+	kind      C.int
+	dt        procgroup.DType
+	redop     int
+	root      int
+	count     int // NCCL's count argument
+	dev       bool
+	stream    Stream              // compute stream (device buffers): the input's
+	outStream Stream              // the output's stream, waited for too where it differs
+	send      C.goddp_CUdeviceptr // device buffers
+	recv      C.goddp_CUdeviceptr
+	hostIn    any // host input slice, copied into the staging area at inOff
+	inOff     int
+	inBytes   int
+	hostOut   any // host output slice, filled from the staging area at outOff
+	outOff    int
+	outBytes  int
+	size      int // staging bytes
+	sendOff   int // offsets of send and recv in the staging area
+	recvOff   int
+	keep      any
+	barrier   bool // send and recv are g.barrierBuf
 }
 
 // AllReduce implements procgroup.ProcessGroup. buf is a host slice or a DeviceBuffer.
@@ -417,6 +464,7 @@ func (g *Group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 	es := bi.dt.Size()
 	if bi.host == nil {
 		c.dev, c.stream, c.send, c.recv = true, bi.dev.Stream, dptr(bi.dev), dptr(bo.dev)
+		c.outStream = bo.dev.Stream
 	} else {
 		// In place in the staging area: rank r's input sits at its block of the output.
 		c.size = bo.n * es
@@ -442,6 +490,7 @@ func (g *Group) ReduceScatter(ctx context.Context, out, in any, op procgroup.Red
 	es := bi.dt.Size()
 	if bi.host == nil {
 		c.dev, c.stream, c.send, c.recv = true, bi.dev.Stream, dptr(bi.dev), dptr(bo.dev)
+		c.outStream = bo.dev.Stream
 	} else {
 		// In place in the staging area: rank r's result is its block of the input.
 		c.size = bi.n * es
@@ -519,7 +568,8 @@ func asBytes[T any](s []T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(s))), len(s)*int(unsafe.Sizeof(z)))
 }
 
-// issue queues c on the comm stream. Called with nothing locked.
+// issue queues c on the comm stream. Called with nothing locked; the NCCL call is made
+// under g.issueMu alone (Note [No NCCL call under the lock]).
 func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 	if ctx == nil {
 		ctx = context.Background()
@@ -530,81 +580,112 @@ func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 	if c.dt == procgroup.BFloat16 && !atLeast(g.lib.ncclVersion, 2, 10) {
 		return g.failed(c.op, fmt.Errorf("%w: bfloat16 needs NCCL 2.10 or later, have %s", procgroup.ErrInvalidArgument, versionString(g.lib.ncclVersion)))
 	}
+	g.issueMu.Lock()
 	g.mu.Lock()
+	var err error
 	switch {
-	case g.closed:
-		g.mu.Unlock()
-		return g.failed(c.op, procgroup.ErrClosed)
-	case g.state == stateClosing:
-		g.mu.Unlock()
-		return g.failed(c.op, procgroup.ErrClosed)
+	case g.closed, g.state == stateClosing:
+		err = procgroup.ErrClosed
 	case g.state == stateAborted:
-		err := g.abortErr
+		err = g.abortErr
+	}
+	if err != nil {
 		g.mu.Unlock()
+		g.issueMu.Unlock()
 		return g.failed(c.op, err)
 	}
 	g.seq++
 	w := &Work{Future: procgroup.NewFuture(), g: g, op: c.op, seq: g.seq, ctx: ctx,
 		deadline: time.Now().Add(g.opts.Timeout), keep: c.keep}
-	err := g.enqueueLocked(w, c)
-	g.pending = append(g.pending, w)
+	cc := g.cc
+	err = g.prepareLocked(w, c, cc)
+	g.pending = append(g.pending, w) // pending, not yet issued: its timeout counts from now
 	g.mu.Unlock()
+	g.kickLoop()
+	if err == nil {
+		if c.inBytes > 0 {
+			copy(unsafe.Slice((*byte)(unsafe.Add(w.st.host, c.inOff)), c.inBytes), rawBytes(c.hostIn))
+		}
+		err = g.enqueue(cc, c)
+	}
+	if err == nil {
+		g.mu.Lock()
+		w.issued = true // not on failure: its end event, never recorded, would read as complete
+		g.mu.Unlock()
+	}
+	g.issueMu.Unlock()
 	if err != nil {
 		g.abort(fmt.Errorf("nccl: rank %d (%s): %s #%d: %w", g.rank, g.host, c.op, w.seq, err), false)
 	} else {
-		g.kickLoop()
+		g.kickLoop() // a watchdog waiting for this work's call to return polls it at once
 	}
 	return w
 }
 
-// enqueueLocked acquires the work's events and staging and queues it. g.mu is held.
-func (g *Group) enqueueLocked(w *Work, c *call) error {
-	return g.onDevice(func() error {
-		var err error
-		if w.endEv, err = g.eventLocked(); err != nil {
+// prepareLocked acquires the work's events and staging and fills in its goddp_call. g.mu
+// is held (the driver calls here, on a pool miss, do not block).
+func (g *Group) prepareLocked(w *Work, c *call, cc *C.goddp_call) error {
+	var err error
+	if w.endEv, err = g.eventLocked(); err != nil {
+		return err
+	}
+	if c.barrier {
+		c.send, c.recv = g.barrierBuf, g.barrierBuf
+	}
+	*cc = C.goddp_call{
+		ctx: g.cuCtx, comm: g.comm, comm_stream: g.stream, end_event: w.endEv, kind: c.kind,
+		send: c.send, recv: c.recv, count: C.size_t(c.count),
+		dtype: C.int(ncclType(c.dt)), op: C.int(c.redop), root: C.int(c.root),
+	}
+	switch {
+	case c.dev:
+		if w.startEv, err = g.eventLocked(); err != nil {
 			return err
 		}
-		if c.dev {
-			if w.startEv, err = g.eventLocked(); err != nil {
+		cc.wait_compute, cc.compute_stream, cc.start_event = 1, C.uintptr_t(c.stream), w.startEv
+		if c.outStream != c.stream {
+			if w.outEv, err = g.eventLocked(); err != nil {
 				return err
 			}
+			cc.wait_out, cc.out_stream, cc.out_event = 1, C.uintptr_t(c.outStream), w.outEv
 		}
-		if c.barrier {
-			c.send, c.recv = g.barrierBuf, g.barrierBuf
+	case c.size > 0:
+		if w.st, err = g.stagingLocked(c.size); err != nil {
+			return err
 		}
-		cc := C.goddp_call{
-			ctx: g.cuCtx, comm: g.comm, comm_stream: g.stream,
-			start_event: w.startEv, end_event: w.endEv, kind: c.kind,
-			send: c.send, recv: c.recv, count: C.size_t(c.count),
-			dtype: C.int(ncclType(c.dt)), op: C.int(c.redop), root: C.int(c.root),
-		}
-		if c.dev {
-			cc.wait_compute = 1
-			cc.compute_stream = C.uintptr_t(c.stream)
-		} else if c.size > 0 {
-			if w.st, err = g.stagingLocked(c.size); err != nil {
-				return err
-			}
-			if c.inBytes > 0 {
-				copy(unsafe.Slice((*byte)(unsafe.Add(w.st.host, c.inOff)), c.inBytes), rawBytes(c.hostIn))
-			}
-			cc.host, cc.dev = w.st.host, w.st.dev
-			cc.send, cc.recv = w.st.dev+C.goddp_CUdeviceptr(c.sendOff), w.st.dev+C.goddp_CUdeviceptr(c.recvOff)
-			cc.h2d_off, cc.h2d_bytes = C.size_t(c.inOff), C.size_t(c.inBytes)
-			cc.d2h_off, cc.d2h_bytes = C.size_t(c.outOff), C.size_t(c.outBytes)
-			w.out, w.outOff, w.outBytes = c.hostOut, c.outOff, c.outBytes
-		} else {
-			w.out = c.hostOut // zero elements: nothing to copy, but still host-completed
-		}
-		if r := C.goddp_issue(g.lib.p, &cc); r != 0 {
-			step := C.GoString(cc.failed_step)
-			if cc.failed_nccl != 0 {
-				return g.lib.ncclErr(step, C.goddp_ncclResult_t(r))
-			}
-			return g.lib.cuErr(step, C.goddp_CUresult(r))
-		}
+		cc.host, cc.dev = w.st.host, w.st.dev
+		cc.send, cc.recv = w.st.dev+C.goddp_CUdeviceptr(c.sendOff), w.st.dev+C.goddp_CUdeviceptr(c.recvOff)
+		cc.h2d_off, cc.h2d_bytes = C.size_t(c.inOff), C.size_t(c.inBytes)
+		cc.d2h_off, cc.d2h_bytes = C.size_t(c.outOff), C.size_t(c.outBytes)
+		w.out, w.outOff, w.outBytes = c.hostOut, c.outOff, c.outBytes
+	default:
+		w.out = c.hostOut // zero elements: nothing to copy, but still host-completed
+	}
+	return nil
+}
+
+// enqueue makes the one cgo call that queues the collective: it may block inside NCCL.
+// g.issueMu is held, g.mu is not.
+func (g *Group) enqueue(cc *C.goddp_call, c *call) error {
+	r := C.goddp_issue(g.lib.p, cc)
+	switch {
+	case r == 0:
 		return nil
-	})
+	case cc.wrong != 0:
+		what := [...]string{C.GODDP_WRONG_COMPUTE_STREAM: fmt.Sprintf("the input's stream %#x", uintptr(c.stream)),
+			C.GODDP_WRONG_OUT_STREAM: fmt.Sprintf("the output's stream %#x", uintptr(c.outStream)),
+			C.GODDP_WRONG_SEND:       fmt.Sprintf("the input's memory at %#x", uint64(c.send)),
+			C.GODDP_WRONG_RECV:       fmt.Sprintf("the output's memory at %#x", uint64(c.recv))}[cc.wrong]
+		return fmt.Errorf("%w: %s belongs to CUDA context %p, not to the primary context %p of device %d, the one the nccl backend uses: "+
+			"a context of its own (gorgonia/cu's NewContext, cuCtxCreate) or of another device cannot be used; "+
+			"allocate and create streams in the device's primary context (cu.Device.RetainPrimaryCtx, or Group.Alloc and Group.NewStream)",
+			procgroup.ErrInvalidArgument, what, unsafe.Pointer(cc.wrong_ctx), unsafe.Pointer(g.cuCtx), g.device)
+	}
+	step := C.GoString(cc.failed_step)
+	if cc.failed_nccl != 0 {
+		return g.lib.ncclErr(step, C.goddp_ncclResult_t(r))
+	}
+	return g.lib.cuErr(step, C.goddp_CUresult(r))
 }
 
 func (g *Group) eventLocked() (C.goddp_CUevent, error) {
@@ -614,7 +695,7 @@ func (g *Group) eventLocked() (C.goddp_CUevent, error) {
 		return ev, nil
 	}
 	var ev C.goddp_CUevent
-	if r := C.goddp_cuEventCreate(g.lib.p, &ev); r != 0 {
+	if r := C.goddp_event_create(g.lib.p, g.cuCtx, &ev); r != 0 {
 		return nil, g.lib.cuErr("cuEventCreate", r)
 	}
 	g.allEv = append(g.allEv, ev)
@@ -632,12 +713,8 @@ func (g *Group) stagingLocked(size int) (*staging, error) {
 	}
 	s := &staging{class: class}
 	n := C.size_t(1) << class
-	if r := C.goddp_cuMemHostAlloc(g.lib.p, &s.host, n); r != 0 {
-		return nil, g.lib.cuErr("cuMemHostAlloc("+strconv.Itoa(int(n))+")", r)
-	}
-	if r := C.goddp_cuMemAlloc(g.lib.p, &s.dev, n); r != 0 {
-		C.goddp_cuMemFreeHost(g.lib.p, s.host)
-		return nil, g.lib.cuErr("cuMemAlloc("+strconv.Itoa(int(n))+")", r)
+	if r := C.goddp_staging_alloc(g.lib.p, g.cuCtx, &s.host, &s.dev, n); r != 0 {
+		return nil, g.lib.cuErr("cuMemHostAlloc and cuMemAlloc("+strconv.Itoa(int(n))+")", r)
 	}
 	g.allSt = append(g.allSt, s)
 	return s, nil
@@ -654,6 +731,9 @@ func (g *Group) recycleLocked(w *Work) {
 	if w.startEv != nil {
 		g.events = append(g.events, w.startEv)
 	}
+	if w.outEv != nil {
+		g.events = append(g.events, w.outEv)
+	}
 	if w.st != nil && g.pool != nil {
 		g.pool[w.st.class] = append(g.pool[w.st.class], w.st)
 	}
@@ -668,8 +748,10 @@ func (g *Group) kickLoop() {
 }
 
 // Close implements procgroup.ProcessGroup: it waits for the works already issued (a work
-// that cannot complete ends with the timeout, an NCCL error or a peer's abort), destroys the
-// communicator and frees the group's device resources.
+// that cannot complete ends with the timeout, an NCCL error or a peer's abort), finalizes
+// and destroys the communicator and frees the group's device resources. Finalizing waits
+// for the peers; past a deadline the communicator is aborted instead, and Close returns an
+// error wrapping procgroup.ErrTimeout (Note [Bounded teardown]).
 func (g *Group) Close() error {
 	g.mu.Lock()
 	g.closed = true
@@ -679,12 +761,14 @@ func (g *Group) Close() error {
 	g.mu.Unlock()
 	g.kickLoop()
 	<-g.loopDone
-	return nil
+	return g.closeErr
 }
 
 // Abort implements procgroup.ProcessGroup: ncclCommAbort, then every pending work fails
 // with an error wrapping procgroup.ErrAborted and cause. It returns once the comm stream
-// has drained and the group's resources are freed.
+// has drained and the group's resources are freed, or the bound of Note [Bounded
+// teardown] has passed. It takes no lock that an NCCL call holds: a collective blocked
+// inside NCCL does not hold it up (Note [No NCCL call under the lock]).
 func (g *Group) Abort(cause error) {
 	err := fmt.Errorf("nccl: rank %d (%s): %w", g.rank, g.host, procgroup.ErrAborted)
 	if cause != nil {
@@ -694,8 +778,9 @@ func (g *Group) Abort(cause error) {
 }
 
 // abort moves the group to stateAborted with err (which wraps procgroup.ErrAborted, or
-// is wrapped so that it does) and aborts the communicator. Unless called from the
-// watchdog (internal), it waits for the watchdog to fail the pending works and exit.
+// is wrapped so that it does) and wakes the watchdog, which aborts the communicator.
+// Unless called from the watchdog (internal), it waits for the watchdog to fail the
+// pending works and exit.
 func (g *Group) abort(err error, internal bool) {
 	if !errors.Is(err, procgroup.ErrAborted) {
 		err = fmt.Errorf("%w: %w", procgroup.ErrAborted, err)
@@ -704,10 +789,6 @@ func (g *Group) abort(err error, internal bool) {
 	if g.state != stateAborted {
 		g.state = stateAborted
 		g.abortErr = err
-		if g.comm != nil && !g.commGone {
-			g.commGone = true
-			C.goddp_comm_abort(g.lib.p, g.cuCtx, g.comm)
-		}
 		close(g.stop)
 		g.log.Warn("nccl group aborted", zap.Int("rank", g.rank), zap.Error(err))
 	}

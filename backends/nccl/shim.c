@@ -64,6 +64,9 @@ goddp_lib *goddp_load(const char *cuda_path, const char *nccl_path, char *err, s
 	LOAD(l->cuda_handle, cuDevicePrimaryCtxRetain, 0, 1);
 	LOAD(l->cuda_handle, cuDevicePrimaryCtxRelease, 1, 1);
 	LOAD(l->cuda_handle, cuCtxSetCurrent, 0, 1);
+	LOAD(l->cuda_handle, cuCtxGetCurrent, 0, 1);
+	LOAD(l->cuda_handle, cuPointerGetAttribute, 0, 1);
+	*(void **)(&l->cuStreamGetCtx) = sym(l->cuda_handle, "cuStreamGetCtx", 1); // optional
 	LOAD(l->cuda_handle, cuStreamCreate, 0, 1);
 	LOAD(l->cuda_handle, cuStreamDestroy, 1, 1);
 	LOAD(l->cuda_handle, cuStreamSynchronize, 0, 1);
@@ -107,11 +110,106 @@ goddp_lib *goddp_load(const char *cuda_path, const char *nccl_path, char *err, s
 	LOAD(l->nccl_handle, ncclAllGather, 0, 2);
 	LOAD(l->nccl_handle, ncclReduceScatter, 0, 2);
 	*(void **)(&l->ncclGetLastError) = dlsym(l->nccl_handle, "ncclGetLastError"); // optional
+	*(void **)(&l->ncclCommFinalize) = dlsym(l->nccl_handle, "ncclCommFinalize");  // optional
 	return l;
 fail:
 	// The handles stay open: unloading a half-initialised CUDA driver is not safe.
 	free(l);
 	return NULL;
+}
+
+// Note [Caller's context]: the driver's current context is per thread, and the thread is
+// the caller's (a goroutine's, which may hold a context of its own: gorgonia/cu's
+// NewContext, another device's). Every helper makes ctx current for its own calls only:
+// ENTER saves the thread's context and switches if it differs, LEAVE switches back. With
+// the caller's context already ctx they cost one cuCtxGetCurrent.
+#define ENTER(l, ctx)                                          \
+	goddp_CUcontext prev_ = NULL;                          \
+	do {                                                   \
+		goddp_CUresult er_ = (l)->cuCtxGetCurrent(&prev_); \
+		if (er_) return er_;                           \
+		if (prev_ != (ctx)) {                          \
+			er_ = (l)->cuCtxSetCurrent(ctx);       \
+			if (er_) return er_;                   \
+		}                                              \
+	} while (0)
+#define LEAVE(l, ctx)                                              \
+	do {                                                       \
+		if (prev_ != (ctx)) (void)(l)->cuCtxSetCurrent(prev_); \
+	} while (0)
+// RUN(l, ctx, expr) evaluates the CUresult expr with ctx current and returns it.
+#define RUN(l, ctx, expr)                \
+	do {                             \
+		ENTER(l, ctx);           \
+		goddp_CUresult rr_ = (expr); \
+		LEAVE(l, ctx);           \
+		return rr_;              \
+	} while (0)
+
+goddp_CUresult goddp_ctx_enter(goddp_lib *l, goddp_CUcontext ctx, goddp_CUcontext *prev) {
+	goddp_CUresult r = l->cuCtxGetCurrent(prev);
+	if (r) return r;
+	return (ctx && *prev != ctx) ? l->cuCtxSetCurrent(ctx) : 0;
+}
+
+goddp_CUresult goddp_ctx_leave(goddp_lib *l, goddp_CUcontext prev) {
+	goddp_CUcontext cur = NULL;
+	goddp_CUresult r = l->cuCtxGetCurrent(&cur);
+	if (r) return r;
+	return cur != prev ? l->cuCtxSetCurrent(prev) : 0;
+}
+
+goddp_CUresult goddp_event_create(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent *ev) {
+	RUN(l, ctx, l->cuEventCreate(ev, GODDP_CU_EVENT_DISABLE_TIMING));
+}
+
+goddp_CUresult goddp_staging_alloc(goddp_lib *l, goddp_CUcontext ctx, void **host, goddp_CUdeviceptr *dev, size_t n) {
+	ENTER(l, ctx);
+	goddp_CUresult r = l->cuMemHostAlloc(host, n, 0);
+	if (!r) {
+		r = l->cuMemAlloc(dev, n);
+		if (r) l->cuMemFreeHost(*host);
+	}
+	LEAVE(l, ctx);
+	return r;
+}
+
+// stream_owner sets *owner to the context of stream s, or to ctx where the driver cannot
+// tell (cuStreamGetCtx missing or failing: a wrong stream then fails in the driver call
+// that uses it). The legacy default stream is the current context's, ctx's here.
+static void stream_owner(goddp_lib *l, uintptr_t s, goddp_CUcontext ctx, goddp_CUcontext *owner) {
+	*owner = ctx;
+	if (s == 0 || s == GODDP_CU_STREAM_LEGACY || !l->cuStreamGetCtx) return; // the current context's
+	if (l->cuStreamGetCtx((goddp_CUstream)s, owner) != 0) *owner = ctx;
+}
+
+// ptr_owner sets *owner to the context of device memory at p, or to ctx where the driver
+// does not say (memory of the virtual memory management API, for instance).
+static void ptr_owner(goddp_lib *l, goddp_CUdeviceptr p, goddp_CUcontext ctx, goddp_CUcontext *owner) {
+	goddp_CUcontext c = NULL;
+	*owner = ctx;
+	if (l->cuPointerGetAttribute(&c, GODDP_CU_POINTER_ATTRIBUTE_CONTEXT, p) == 0 && c) *owner = c;
+}
+
+static int check_owners(goddp_lib *l, goddp_call *c) {
+	goddp_CUcontext o;
+	if (c->wait_compute) {
+		stream_owner(l, c->compute_stream, c->ctx, &o);
+		if (o != c->ctx) return c->wrong = GODDP_WRONG_COMPUTE_STREAM, c->wrong_ctx = o, -1;
+		if (c->count > 0) {
+			ptr_owner(l, c->send, c->ctx, &o);
+			if (o != c->ctx) return c->wrong = GODDP_WRONG_SEND, c->wrong_ctx = o, -1;
+			if (c->recv != c->send) {
+				ptr_owner(l, c->recv, c->ctx, &o);
+				if (o != c->ctx) return c->wrong = GODDP_WRONG_RECV, c->wrong_ctx = o, -1;
+			}
+		}
+	}
+	if (c->wait_out) {
+		stream_owner(l, c->out_stream, c->ctx, &o);
+		if (o != c->ctx) return c->wrong = GODDP_WRONG_OUT_STREAM, c->wrong_ctx = o, -1;
+	}
+	return 0;
 }
 
 #define STEP(call, name, is_nccl)                   \
@@ -124,13 +222,15 @@ fail:
 		}                                   \
 	} while (0)
 
-int goddp_issue(goddp_lib *l, goddp_call *c) {
-	c->failed_step = NULL;
-	c->failed_nccl = 0;
-	STEP(l->cuCtxSetCurrent(c->ctx), "cuCtxSetCurrent", 0);
+static int issue(goddp_lib *l, goddp_call *c) {
+	if (check_owners(l, c)) return -1;
 	if (c->wait_compute) {
 		STEP(l->cuEventRecord(c->start_event, (goddp_CUstream)c->compute_stream), "cuEventRecord (compute stream)", 0);
 		STEP(l->cuStreamWaitEvent(c->comm_stream, c->start_event, 0), "cuStreamWaitEvent", 0);
+	}
+	if (c->wait_out) {
+		STEP(l->cuEventRecord(c->out_event, (goddp_CUstream)c->out_stream), "cuEventRecord (output's stream)", 0);
+		STEP(l->cuStreamWaitEvent(c->comm_stream, c->out_event, 0), "cuStreamWaitEvent (output's stream)", 0);
 	}
 	if (c->h2d_bytes > 0)
 		STEP(l->cuMemcpyHtoDAsync(c->dev + c->h2d_off, (char *)c->host + c->h2d_off, c->h2d_bytes, c->comm_stream),
@@ -166,55 +266,85 @@ int goddp_issue(goddp_lib *l, goddp_call *c) {
 	return 0;
 }
 
-goddp_CUresult goddp_event_query(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent ev) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuEventQuery(ev);
+int goddp_issue(goddp_lib *l, goddp_call *c) {
+	c->failed_step = NULL;
+	c->failed_nccl = 0;
+	c->wrong = 0;
+	c->wrong_ctx = NULL;
+	goddp_CUcontext prev = NULL;
+	STEP(l->cuCtxGetCurrent(&prev), "cuCtxGetCurrent", 0);
+	if (prev != c->ctx) STEP(l->cuCtxSetCurrent(c->ctx), "cuCtxSetCurrent", 0);
+	int r = issue(l, c);
+	if (prev != c->ctx) (void)l->cuCtxSetCurrent(prev);
+	return r;
 }
 
-goddp_CUresult goddp_stream_sync(goddp_lib *l, goddp_CUcontext ctx, goddp_CUstream s) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuStreamSynchronize(s);
-}
+goddp_CUresult goddp_event_query(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent ev) { RUN(l, ctx, l->cuEventQuery(ev)); }
+
+goddp_CUresult goddp_stream_sync(goddp_lib *l, goddp_CUcontext ctx, goddp_CUstream s) { RUN(l, ctx, l->cuStreamSynchronize(s)); }
 
 goddp_CUresult goddp_stream_wait(goddp_lib *l, goddp_CUcontext ctx, uintptr_t stream, goddp_CUevent ev) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuStreamWaitEvent((goddp_CUstream)stream, ev, 0);
+	RUN(l, ctx, l->cuStreamWaitEvent((goddp_CUstream)stream, ev, 0));
 }
 
 goddp_CUresult goddp_stream_sync_handle(goddp_lib *l, goddp_CUcontext ctx, uintptr_t s) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuStreamSynchronize((goddp_CUstream)s);
+	RUN(l, ctx, l->cuStreamSynchronize((goddp_CUstream)s));
 }
 
 goddp_CUresult goddp_stream_destroy_handle(goddp_lib *l, uintptr_t s) { return l->cuStreamDestroy((goddp_CUstream)s); }
 
 goddp_CUresult goddp_copy_sync(goddp_lib *l, goddp_CUcontext ctx, goddp_CUdeviceptr dev, void *host, size_t n, int h2d, uintptr_t s) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	if (r) return r;
-	r = h2d ? l->cuMemcpyHtoDAsync(dev, host, n, (goddp_CUstream)s) : l->cuMemcpyDtoHAsync(host, dev, n, (goddp_CUstream)s);
-	return r ? r : l->cuStreamSynchronize((goddp_CUstream)s);
+	ENTER(l, ctx);
+	goddp_CUresult r =
+	    h2d ? l->cuMemcpyHtoDAsync(dev, host, n, (goddp_CUstream)s) : l->cuMemcpyDtoHAsync(host, dev, n, (goddp_CUstream)s);
+	if (!r) r = l->cuStreamSynchronize((goddp_CUstream)s);
+	LEAVE(l, ctx);
+	return r;
 }
 
 goddp_CUresult goddp_memset32(goddp_lib *l, goddp_CUcontext ctx, goddp_CUdeviceptr dev, unsigned int v, size_t n, uintptr_t s) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemsetD32Async(dev, v, n, (goddp_CUstream)s);
+	RUN(l, ctx, l->cuMemsetD32Async(dev, v, n, (goddp_CUstream)s));
 }
+
+// The NCCL calls below return ncclUnhandledCudaError (1) if ctx cannot be made current.
+#define NCCL_ENTER(l, ctx)                                                \
+	goddp_CUcontext prev_ = NULL;                                     \
+	do {                                                              \
+		if ((l)->cuCtxGetCurrent(&prev_) != 0) return 1;          \
+		if (prev_ != (ctx) && (l)->cuCtxSetCurrent(ctx) != 0) return 1; \
+	} while (0)
 
 goddp_ncclResult_t goddp_comm_destroy(goddp_lib *l, goddp_CUcontext ctx, goddp_ncclComm_t comm) {
-	l->cuCtxSetCurrent(ctx);
-	return l->ncclCommDestroy(comm);
+	NCCL_ENTER(l, ctx);
+	goddp_ncclResult_t r = l->ncclCommDestroy(comm);
+	LEAVE(l, ctx);
+	return r;
 }
 
+goddp_ncclResult_t goddp_comm_finalize(goddp_lib *l, goddp_CUcontext ctx, goddp_ncclComm_t comm) {
+	if (!l->ncclCommFinalize) return 0;
+	NCCL_ENTER(l, ctx);
+	goddp_ncclResult_t r = l->ncclCommFinalize(comm);
+	LEAVE(l, ctx);
+	return r;
+}
+
+int goddp_has_finalize(goddp_lib *l) { return l->ncclCommFinalize != NULL; }
+
 goddp_ncclResult_t goddp_comm_abort(goddp_lib *l, goddp_CUcontext ctx, goddp_ncclComm_t comm) {
-	l->cuCtxSetCurrent(ctx);
-	return l->ncclCommAbort(comm);
+	NCCL_ENTER(l, ctx);
+	goddp_ncclResult_t r = l->ncclCommAbort(comm);
+	LEAVE(l, ctx);
+	return r;
 }
 
 goddp_ncclResult_t goddp_comm_init(goddp_lib *l, goddp_CUcontext ctx, goddp_ncclComm_t *comm, int nranks, const void *id, int rank) {
-	if (l->cuCtxSetCurrent(ctx) != 0) return 1; // ncclUnhandledCudaError
+	NCCL_ENTER(l, ctx);
 	goddp_ncclUniqueId uid;
 	memcpy(&uid, id, sizeof uid);
-	return l->ncclCommInitRank(comm, nranks, uid, rank);
+	goddp_ncclResult_t r = l->ncclCommInitRank(comm, nranks, uid, rank);
+	LEAVE(l, ctx);
+	return r;
 }
 
 goddp_ncclResult_t goddp_get_unique_id(goddp_lib *l, void *id) {
@@ -242,8 +372,7 @@ const char *goddp_nccl_last_error(goddp_lib *l, goddp_ncclComm_t comm) {
 }
 
 goddp_CUresult goddp_module_load(goddp_lib *l, goddp_CUcontext ctx, const char *image, goddp_CUmodule *m) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuModuleLoadData(m, image);
+	RUN(l, ctx, l->cuModuleLoadData(m, image));
 }
 
 goddp_CUresult goddp_module_function(goddp_lib *l, goddp_CUmodule m, const char *name, goddp_CUfunction *f) {
@@ -261,51 +390,39 @@ static goddp_CUresult launch(goddp_lib *l, goddp_CUfunction f, uintptr_t s, unsi
 
 goddp_CUresult goddp_launch_scale(goddp_lib *l, goddp_CUcontext ctx, goddp_CUfunction f, uintptr_t s, goddp_CUdeviceptr dst,
 				  goddp_CUdeviceptr src, unsigned long long n, double a, int add, int f64) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	if (r) return r;
 	float a32 = (float)a;
 	void *params[] = {&dst, &src, &n, f64 ? (void *)&a : (void *)&a32, &add};
-	return launch(l, f, s, n, params);
+	RUN(l, ctx, launch(l, f, s, n, params));
 }
 
 goddp_CUresult goddp_launch_convert(goddp_lib *l, goddp_CUcontext ctx, goddp_CUfunction f, uintptr_t s, goddp_CUdeviceptr dst,
 				    goddp_CUdeviceptr src, unsigned long long n) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	if (r) return r;
 	void *params[] = {&dst, &src, &n};
-	return launch(l, f, s, n, params);
+	RUN(l, ctx, launch(l, f, s, n, params));
 }
 
 goddp_CUresult goddp_copy_d2d(goddp_lib *l, goddp_CUcontext ctx, goddp_CUdeviceptr dst, goddp_CUdeviceptr src, size_t n, uintptr_t s) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuMemcpyDtoDAsync(dst, src, n, (goddp_CUstream)s);
+	RUN(l, ctx, l->cuMemcpyDtoDAsync(dst, src, n, (goddp_CUstream)s));
 }
 
 goddp_CUresult goddp_event_record(goddp_lib *l, goddp_CUcontext ctx, uintptr_t ev, uintptr_t s) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuEventRecord((goddp_CUevent)ev, (goddp_CUstream)s);
+	RUN(l, ctx, l->cuEventRecord((goddp_CUevent)ev, (goddp_CUstream)s));
 }
 
 goddp_CUresult goddp_stream_wait_handle(goddp_lib *l, goddp_CUcontext ctx, uintptr_t s, uintptr_t ev) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuStreamWaitEvent((goddp_CUstream)s, (goddp_CUevent)ev, 0);
+	RUN(l, ctx, l->cuStreamWaitEvent((goddp_CUstream)s, (goddp_CUevent)ev, 0));
 }
 
 goddp_CUresult goddp_event_destroy_handle(goddp_lib *l, uintptr_t ev) { return l->cuEventDestroy((goddp_CUevent)ev); }
 
-goddp_CUresult goddp_module_unload(goddp_lib *l, goddp_CUcontext ctx, goddp_CUmodule m) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuModuleUnload(m);
-}
+goddp_CUresult goddp_module_unload(goddp_lib *l, goddp_CUcontext ctx, goddp_CUmodule m) { RUN(l, ctx, l->cuModuleUnload(m)); }
 
 goddp_CUresult goddp_event_create_timed(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent *ev, int timing) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuEventCreate(ev, timing ? 0 : GODDP_CU_EVENT_DISABLE_TIMING);
+	RUN(l, ctx, l->cuEventCreate(ev, timing ? 0 : GODDP_CU_EVENT_DISABLE_TIMING));
 }
 
 goddp_CUresult goddp_event_elapsed(goddp_lib *l, goddp_CUcontext ctx, float *ms, uintptr_t a, uintptr_t b) {
-	goddp_CUresult r = l->cuCtxSetCurrent(ctx);
-	return r ? r : l->cuEventElapsedTime(ms, (goddp_CUevent)a, (goddp_CUevent)b);
+	RUN(l, ctx, l->cuEventElapsedTime(ms, (goddp_CUevent)a, (goddp_CUevent)b));
 }
 
 long long goddp_fake_knob(goddp_lib *l, const char *name, long long value) {

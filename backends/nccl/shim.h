@@ -22,6 +22,9 @@ typedef void *goddp_CUfunction;
 #define GODDP_CUDA_ERROR_NOT_READY 600
 #define GODDP_CU_STREAM_NON_BLOCKING 0x1
 #define GODDP_CU_EVENT_DISABLE_TIMING 0x2
+#define GODDP_CU_STREAM_LEGACY ((uintptr_t)0x1)
+#define GODDP_CU_STREAM_PER_THREAD ((uintptr_t)0x2)
+#define GODDP_CU_POINTER_ATTRIBUTE_CONTEXT 1
 
 // ---- NCCL (nccl.h) ----
 #define GODDP_NCCL_UNIQUE_ID_BYTES 128
@@ -46,6 +49,9 @@ typedef struct goddp_lib {
 	goddp_CUresult (*cuDevicePrimaryCtxRetain)(goddp_CUcontext *, goddp_CUdevice);
 	goddp_CUresult (*cuDevicePrimaryCtxRelease)(goddp_CUdevice);
 	goddp_CUresult (*cuCtxSetCurrent)(goddp_CUcontext);
+	goddp_CUresult (*cuCtxGetCurrent)(goddp_CUcontext *);
+	goddp_CUresult (*cuStreamGetCtx)(goddp_CUstream, goddp_CUcontext *); // CUDA >= 9.2; may be NULL
+	goddp_CUresult (*cuPointerGetAttribute)(void *, int, goddp_CUdeviceptr);
 	goddp_CUresult (*cuStreamCreate)(goddp_CUstream *, unsigned int);
 	goddp_CUresult (*cuStreamDestroy)(goddp_CUstream);
 	goddp_CUresult (*cuStreamSynchronize)(goddp_CUstream);
@@ -75,6 +81,7 @@ typedef struct goddp_lib {
 	goddp_ncclResult_t (*ncclGetUniqueId)(goddp_ncclUniqueId *);
 	goddp_ncclResult_t (*ncclCommInitRank)(goddp_ncclComm_t *, int, goddp_ncclUniqueId, int);
 	goddp_ncclResult_t (*ncclCommDestroy)(goddp_ncclComm_t);
+	goddp_ncclResult_t (*ncclCommFinalize)(goddp_ncclComm_t); // NCCL >= 2.14; may be NULL
 	goddp_ncclResult_t (*ncclCommAbort)(goddp_ncclComm_t);
 	goddp_ncclResult_t (*ncclCommGetAsyncError)(goddp_ncclComm_t, goddp_ncclResult_t *);
 	const char *(*ncclGetErrorString)(goddp_ncclResult_t);
@@ -93,9 +100,11 @@ goddp_lib *goddp_load(const char *cuda_path, const char *nccl_path, char *err, s
 // Collective kinds of goddp_call.
 enum { GODDP_ALLREDUCE = 1, GODDP_BROADCAST, GODDP_ALLGATHER, GODDP_REDUCESCATTER };
 
-// goddp_call is one collective as the backend issues it, in one cgo call: make the comm
-// stream wait for the compute stream (if wait_compute), stage host data in, run the
-// collective, stage the result out, record the end event.
+// goddp_call is one collective as the backend issues it, in one cgo call, with ctx current
+// on the calling thread for its duration (the caller's context is restored after): check
+// that device buffers and their streams belong to ctx, make the comm stream wait for the
+// compute stream (if wait_compute) and the output's stream (if wait_out), stage host data
+// in, run the collective, stage the result out, record the end event.
 typedef struct goddp_call {
 	goddp_CUcontext ctx;
 	goddp_ncclComm_t comm;
@@ -103,7 +112,10 @@ typedef struct goddp_call {
 	uintptr_t compute_stream; // a CUstream, used when wait_compute
 	int wait_compute;
 	goddp_CUevent start_event; // recorded on compute_stream when wait_compute
-	goddp_CUevent end_event;   // recorded on comm_stream after the collective
+	uintptr_t out_stream;      // the output buffer's CUstream, used when wait_out
+	int wait_out;
+	goddp_CUevent out_event; // recorded on out_stream when wait_out
+	goddp_CUevent end_event; // recorded on comm_stream after the collective
 	int kind;
 	goddp_CUdeviceptr send, recv;
 	size_t count; // NCCL's count argument
@@ -118,12 +130,25 @@ typedef struct goddp_call {
 	// Out: which step failed and its result code.
 	const char *failed_step;
 	int failed_nccl; // 1 if the failing code is an ncclResult_t, 0 if a CUresult
+	// Out: GODDP_WRONG_* when a device buffer or a stream belongs to another context than
+	// ctx (goddp_issue then returns -1), and that context.
+	int wrong;
+	goddp_CUcontext wrong_ctx;
 } goddp_call;
+
+enum { GODDP_WRONG_COMPUTE_STREAM = 1, GODDP_WRONG_OUT_STREAM, GODDP_WRONG_SEND, GODDP_WRONG_RECV };
 
 int goddp_issue(goddp_lib *l, goddp_call *c);
 
-// Helpers that make ctx current on the calling thread first (goroutines move between
-// threads, and the driver's current context is per thread).
+// Helpers that make ctx current on the calling thread for the call and then restore the
+// caller's context (goroutines move between threads, the driver's current context is per
+// thread, and the thread's context is the caller's: Note [Caller's context]).
+goddp_CUresult goddp_ctx_enter(goddp_lib *l, goddp_CUcontext ctx, goddp_CUcontext *prev);
+goddp_CUresult goddp_ctx_leave(goddp_lib *l, goddp_CUcontext prev);
+goddp_CUresult goddp_event_create(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent *ev);
+goddp_CUresult goddp_staging_alloc(goddp_lib *l, goddp_CUcontext ctx, void **host, goddp_CUdeviceptr *dev, size_t n);
+goddp_ncclResult_t goddp_comm_finalize(goddp_lib *l, goddp_CUcontext ctx, goddp_ncclComm_t comm);
+int goddp_has_finalize(goddp_lib *l);
 goddp_CUresult goddp_event_query(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent ev);
 goddp_CUresult goddp_stream_sync(goddp_lib *l, goddp_CUcontext ctx, goddp_CUstream s);
 goddp_CUresult goddp_stream_wait(goddp_lib *l, goddp_CUcontext ctx, uintptr_t stream, goddp_CUevent ev);
@@ -164,7 +189,7 @@ long long goddp_fake_knob(goddp_lib *l, const char *name, long long value);
 
 // Thin trampolines: cgo cannot call through C function pointers, so each pointer of the
 // table the Go side calls directly has one (the caller makes the context current first,
-// on a locked OS thread).
+// on a locked OS thread: Group.onDevice).
 goddp_CUresult goddp_cuInit(goddp_lib *l);
 goddp_CUresult goddp_cuDriverGetVersion(goddp_lib *l, int *v);
 goddp_CUresult goddp_cuDeviceGetCount(goddp_lib *l, int *n);

@@ -5,7 +5,7 @@
 // (CUBLAS_POINTER_MODE_HOST, the default), as cuBLAS does.
 #include <stdlib.h>
 
-void fakecuda_enqueue(void *stream, void (*fn)(void *), void *arg);
+int fakecuda_enqueue(void *stream, void (*fn)(void *), void *arg);
 
 typedef int cublasStatus_t; // 0 CUBLAS_STATUS_SUCCESS, 7 CUBLAS_STATUS_INVALID_VALUE
 enum { OK = 0, NOT_INITIALIZED = 1, INVALID_VALUE = 7 };
@@ -60,6 +60,9 @@ cublasStatus_t cublasSgemm_v2(handle *h, int ta, int tb, int m, int n, int k, co
 		return INVALID_VALUE;
 	gemm *g = malloc(sizeof *g);
 	*g = (gemm){ta, tb, m, n, k, lda, ldb, ldc, *alpha, *beta, a, b, c};
-	fakecuda_enqueue(h->stream, gemm_fn, g);
+	if (fakecuda_enqueue(h->stream, gemm_fn, g)) { // no current context, or the stream is another's
+		free(g);
+		return 14; // CUBLAS_STATUS_INTERNAL_ERROR
+	}
 	return OK;
 }

@@ -1,9 +1,34 @@
 // fakecuda.c: a fake CUDA driver (libcuda.so.1) for the tests of backends/nccl. "Device
 // memory" is malloc'd host memory; each stream is an in-order queue run by its own thread;
 // events complete when the stream reaches them. One mutex and condition variable guard all
-// of it. Knobs (fakecuda_knob): device_count, gate_close (value: a stream; queues a task
-// that blocks until gate_open), gate_open, tasks_run (read), syncs (read: the number of
-// cuStreamSynchronize and cuEventSynchronize calls so far), kernels (read: kernels run).
+// of it.
+//
+// Contexts behave as the driver's do where the backend's bugs would hide: the current
+// context is per thread (cuCtxGetCurrent, cuCtxSetCurrent); each device has a primary
+// context (cuDevicePrimaryCtxRetain) and cuCtxCreate makes others; streams, events,
+// modules and allocations belong to the context current when they were made. An operation
+// without a current context fails with CUDA_ERROR_INVALID_CONTEXT; one on a stream of
+// another context than the current one (or an event recorded on a stream of another
+// context) fails with CUDA_ERROR_INVALID_HANDLE. cuStreamWaitEvent accepts an event of
+// any context, as the driver does. cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_CONTEXT) and
+// cuStreamGetCtx tell whose memory and streams they are.
+//
+// The legacy default stream (0 or CU_STREAM_LEGACY) is one per context and synchronises as
+// the real one does: work queued on it waits for the work already queued on the context's
+// blocking streams (created without CU_STREAM_NON_BLOCKING), and work queued on a blocking
+// stream waits for the work already queued on the legacy stream. CU_STREAM_PER_THREAD is
+// not modelled: it fails with CUDA_ERROR_INVALID_HANDLE.
+//
+// Knobs (fakecuda_knob): device_count, gate_close (value: a stream; queues a task that
+// blocks until gate_open), gate_open, tasks_run (read), syncs (read: the number of
+// cuStreamSynchronize and cuEventSynchronize calls so far), kernels (read: kernels run);
+// for the context tests, on the calling thread: ctx_create (value: a device; returns a new
+// non-primary context), ctx_primary (value: a device; returns its primary context),
+// ctx_set (value: a context or 0), ctx_get (returns the current context), mem_alloc
+// (value: bytes; allocates in the current context, returns the address), stream_create
+// (value: cuStreamCreate's flags; a stream of the current context), event_query (value:
+// an event; its cuEventQuery result), ptr_ctx (value: an address; the context of its
+// allocation, -1 if none).
 // Kernels: cuModuleLoadData accepts any image; cuModuleGetFunction knows the kernels of
 // backends/nccl/kernels and examples/gpumlp by name and runs a C version of each, on the
 // host, in stream order (see the table at the end).
@@ -14,7 +39,14 @@
 #include <time.h>
 
 typedef int CUresult;
-enum { OK = 0, ERR_INVALID_VALUE = 1, ERR_OUT_OF_MEMORY = 2, ERR_INVALID_HANDLE = 400, ERR_NOT_READY = 600 };
+enum {
+	OK = 0,
+	ERR_INVALID_VALUE = 1,
+	ERR_OUT_OF_MEMORY = 2,
+	ERR_INVALID_CONTEXT = 201,
+	ERR_INVALID_HANDLE = 400,
+	ERR_NOT_READY = 600,
+};
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
@@ -28,18 +60,45 @@ typedef struct task {
 	struct task *next;
 } task;
 
+struct stream;
+
+typedef struct context {
+	int device, primary, live;
+	struct stream *legacy; // created on first use
+	struct context *next;  // list of created (non-primary) contexts
+} context;
+
+#define MAXDEV 64
+static context primaries[MAXDEV];
+static context *created;
+static __thread context *current; // the calling thread's current context
+
 typedef struct stream {
 	task *head, *tail;
 	int busy, stop;
+	unsigned long long queued, ran; // tasks queued and run so far
+	context *ctx;
+	int blocking, legacy;
 	pthread_t th;
+	struct stream *next; // list of live streams
 } stream;
+
+static stream *streams;
 
 typedef struct event {
 	unsigned long long recorded, completed;
 	double when; // ms since the first event completed: CLOCK_MONOTONIC at the last completion
+	context *ctx;
 } event;
 
-static stream *legacy; // the NULL stream, created on first use
+// Allocations (device and pinned host), for cuPointerGetAttribute.
+typedef struct alloc {
+	uintptr_t base;
+	size_t size;
+	context *ctx;
+	struct alloc *next;
+} alloc;
+static alloc *allocs;
 
 static void *worker(void *p) {
 	stream *s = p;
@@ -56,6 +115,7 @@ static void *worker(void *p) {
 		free(t);
 		pthread_mutex_lock(&mu);
 		s->busy = 0;
+		s->ran++;
 		tasks_run++;
 		pthread_cond_broadcast(&cv);
 	}
@@ -63,34 +123,105 @@ static void *worker(void *p) {
 	return NULL;
 }
 
-static stream *new_stream(void) {
+// new_stream makes a stream of ctx; mu is held.
+static stream *new_stream(context *ctx, int blocking, int legacy) {
 	stream *s = calloc(1, sizeof *s);
+	s->ctx = ctx;
+	s->blocking = blocking;
+	s->legacy = legacy;
+	s->next = streams;
+	streams = s;
 	pthread_create(&s->th, NULL, worker, s);
 	return s;
 }
 
-// get resolves a stream handle; mu is held.
-static stream *get(void *h) {
-	if (h) return h;
-	if (!legacy) legacy = new_stream();
-	return legacy;
+static int valid_ctx(context *c) {
+	if (c >= primaries && c < primaries + MAXDEV) return c->live;
+	for (context *x = created; x; x = x->next)
+		if (x == c) return x->live;
+	return 0;
 }
 
-static void enqueue_locked(stream *s, void (*fn)(void *), void *arg) {
+static int live_stream(stream *s) {
+	for (stream *x = streams; x; x = x->next)
+		if (x == s) return 1;
+	return 0;
+}
+
+// resolve is the stream of handle h for an operation of the calling thread, whose context
+// must be current (the stream's own, for an explicit stream); mu is held.
+static stream *resolve(void *h, CUresult *r) {
+	if (!current) {
+		*r = ERR_INVALID_CONTEXT;
+		return NULL;
+	}
+	if (!h || h == (void *)1) { // the legacy default stream of the current context
+		if (!current->legacy) current->legacy = new_stream(current, 1, 1);
+		return current->legacy;
+	}
+	stream *s = h;
+	if (h == (void *)2 || !live_stream(s) || s->ctx != current) {
+		*r = ERR_INVALID_HANDLE;
+		return NULL;
+	}
+	return s;
+}
+
+static void push(stream *s, void (*fn)(void *), void *arg) {
 	task *t = calloc(1, sizeof *t);
 	t->fn = fn;
 	t->arg = arg;
 	if (s->tail) s->tail->next = t;
 	else s->head = t;
 	s->tail = t;
+	s->queued++;
+}
+
+typedef struct {
+	stream *s;
+	unsigned long long n;
+} reach;
+
+// reach_fn waits until stream r->s has run r->n tasks (streams are never freed, so a
+// destroyed one still answers: its worker ran everything queued before it exited).
+static void reach_fn(void *p) {
+	reach *r = p;
+	pthread_mutex_lock(&mu);
+	while (r->s->ran < r->n) pthread_cond_wait(&cv, &mu);
+	pthread_mutex_unlock(&mu);
+	free(r);
+}
+
+static void push_reach(stream *s, stream *on) {
+	if (on->ran >= on->queued) return;
+	reach *r = malloc(sizeof *r);
+	r->s = on;
+	r->n = on->queued;
+	push(s, reach_fn, r);
+}
+
+// enqueue_locked queues fn(arg) on s after the implicit synchronisation of the legacy
+// stream; mu is held.
+static void enqueue_locked(stream *s, void (*fn)(void *), void *arg) {
+	if (s->legacy) {
+		for (stream *b = streams; b; b = b->next)
+			if (b != s && b->ctx == s->ctx && b->blocking) push_reach(s, b);
+	} else if (s->blocking && s->ctx->legacy) {
+		push_reach(s, s->ctx->legacy);
+	}
+	push(s, fn, arg);
 	pthread_cond_broadcast(&cv);
 }
 
-// fakecuda_enqueue queues fn(arg) on a stream (for the fake NCCL).
-void fakecuda_enqueue(void *h, void (*fn)(void *), void *arg) {
+// fakecuda_enqueue queues fn(arg) on a stream of the current context (for the fake NCCL
+// and cuBLAS); it returns the CUresult.
+int fakecuda_enqueue(void *h, void (*fn)(void *), void *arg) {
+	CUresult r = OK;
 	pthread_mutex_lock(&mu);
-	enqueue_locked(get(h), fn, arg);
+	stream *s = resolve(h, &r);
+	if (s) enqueue_locked(s, fn, arg);
 	pthread_mutex_unlock(&mu);
+	return r;
 }
 
 static void gate_fn(void *arg) {
@@ -100,8 +231,53 @@ static void gate_fn(void *arg) {
 	pthread_mutex_unlock(&mu);
 }
 
+static void track(void *p, size_t n) {
+	alloc *a = calloc(1, sizeof *a);
+	a->base = (uintptr_t)p;
+	a->size = n;
+	a->ctx = current;
+	a->next = allocs;
+	allocs = a;
+}
+
+static void untrack(void *p) {
+	for (alloc **a = &allocs; *a; a = &(*a)->next)
+		if ((*a)->base == (uintptr_t)p) {
+			alloc *x = *a;
+			*a = x->next;
+			free(x);
+			return;
+		}
+}
+
+CUresult cuCtxCreate_v2(void **c, unsigned int flags, int dev);
+CUresult cuStreamCreate(void **s, unsigned int flags);
+CUresult cuEventQuery(void *p);
+CUresult cuPointerGetAttribute(void *data, int attr, unsigned long long p);
+
 long long fakecuda_knob(const char *name, long long value) {
 	long long old = -1;
+	if (!strcmp(name, "ctx_create")) {
+		void *c = NULL;
+		return cuCtxCreate_v2(&c, 0, (int)value) ? -1 : (long long)(uintptr_t)c;
+	} else if (!strcmp(name, "ctx_primary")) {
+		if (value < 0 || value >= MAXDEV) return -1;
+		return (long long)(uintptr_t)&primaries[value];
+	} else if (!strcmp(name, "ctx_set")) {
+		old = (long long)(uintptr_t)current;
+		current = (context *)(uintptr_t)value;
+		return old;
+	} else if (!strcmp(name, "ctx_get")) {
+		return (long long)(uintptr_t)current;
+	} else if (!strcmp(name, "stream_create")) {
+		void *s = NULL;
+		return cuStreamCreate(&s, (unsigned int)value) ? -1 : (long long)(uintptr_t)s;
+	} else if (!strcmp(name, "ptr_ctx")) {
+		void *c = NULL;
+		return cuPointerGetAttribute(&c, 1, (unsigned long long)value) ? -1 : (long long)(uintptr_t)c;
+	} else if (!strcmp(name, "event_query")) {
+		return cuEventQuery((void *)(uintptr_t)value);
+	}
 	pthread_mutex_lock(&mu);
 	if (!strcmp(name, "device_count")) {
 		old = device_count;
@@ -109,7 +285,10 @@ long long fakecuda_knob(const char *name, long long value) {
 	} else if (!strcmp(name, "gate_close")) {
 		old = gate_closed;
 		gate_closed = 1;
-		enqueue_locked(get((void *)(uintptr_t)value), gate_fn, NULL);
+		stream *s = (stream *)(uintptr_t)value;
+		if (!s || s == (stream *)1) s = current ? current->legacy : NULL;
+		if (s && live_stream(s)) enqueue_locked(s, gate_fn, NULL);
+		else old = -1;
 	} else if (!strcmp(name, "gate_open")) {
 		old = gate_closed;
 		gate_closed = 0;
@@ -120,6 +299,12 @@ long long fakecuda_knob(const char *name, long long value) {
 		old = syncs;
 	} else if (!strcmp(name, "kernels")) {
 		old = kernels_run;
+	} else if (!strcmp(name, "mem_alloc")) {
+		if (current) {
+			void *m = malloc(value ? (size_t)value : 1);
+			track(m, (size_t)value);
+			old = (long long)(uintptr_t)m;
+		}
 	}
 	pthread_mutex_unlock(&mu);
 	return old;
@@ -146,39 +331,134 @@ CUresult cuDeviceGetName(char *name, int len, int d) {
 	(void)d;
 	return OK;
 }
-static char contexts[64];
-CUresult cuDevicePrimaryCtxRetain(void **ctx, int d) { *ctx = &contexts[d & 63]; return OK; }
-CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return OK; }
-CUresult cuCtxSetCurrent(void *ctx) { (void)ctx; return OK; }
+
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int d) {
+	if (d < 0 || d >= MAXDEV || d >= device_count) return 101;
+	pthread_mutex_lock(&mu);
+	primaries[d].device = d;
+	primaries[d].primary = 1;
+	primaries[d].live = 1;
+	pthread_mutex_unlock(&mu);
+	*ctx = &primaries[d];
+	return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int d) { (void)d; return OK; } // stays live: other ranks may share it
+CUresult cuCtxCreate_v2(void **c, unsigned int flags, int dev) {
+	(void)flags;
+	if (dev < 0 || dev >= device_count) return 101;
+	context *x = calloc(1, sizeof *x);
+	x->device = dev;
+	x->live = 1;
+	pthread_mutex_lock(&mu);
+	x->next = created;
+	created = x;
+	pthread_mutex_unlock(&mu);
+	current = x; // cuCtxCreate makes the new context current
+	*c = x;
+	return OK;
+}
+CUresult cuCtxDestroy_v2(void *c) {
+	pthread_mutex_lock(&mu);
+	int ok = valid_ctx(c) && !((context *)c)->primary;
+	if (ok) ((context *)c)->live = 0;
+	pthread_mutex_unlock(&mu);
+	if (!ok) return ERR_INVALID_CONTEXT;
+	if (current == c) current = NULL;
+	return OK;
+}
+CUresult cuCtxSetCurrent(void *c) {
+	if (c) {
+		pthread_mutex_lock(&mu);
+		int ok = valid_ctx(c);
+		pthread_mutex_unlock(&mu);
+		if (!ok) return ERR_INVALID_CONTEXT;
+	}
+	current = c;
+	return OK;
+}
+CUresult cuCtxGetCurrent(void **c) {
+	*c = current;
+	return OK;
+}
+CUresult cuStreamGetCtx(void *h, void **c) {
+	CUresult r = OK;
+	pthread_mutex_lock(&mu);
+	if (!h || h == (void *)1) {
+		if (current) *c = current;
+		else r = ERR_INVALID_CONTEXT;
+	} else if (h == (void *)2 || !live_stream(h)) {
+		r = ERR_INVALID_HANDLE;
+	} else {
+		*c = ((stream *)h)->ctx;
+	}
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+CUresult cuPointerGetAttribute(void *data, int attr, unsigned long long p) {
+	if (attr != 1) return ERR_INVALID_VALUE; // only CU_POINTER_ATTRIBUTE_CONTEXT
+	CUresult r = ERR_INVALID_VALUE;          // not memory of the driver
+	pthread_mutex_lock(&mu);
+	for (alloc *a = allocs; a; a = a->next)
+		if (p >= a->base && p < a->base + (a->size ? a->size : 1)) {
+			*(void **)data = a->ctx;
+			r = OK;
+			break;
+		}
+	pthread_mutex_unlock(&mu);
+	return r;
+}
 
 CUresult cuStreamCreate(void **s, unsigned int flags) {
-	(void)flags;
-	*s = new_stream();
+	if (!current) return ERR_INVALID_CONTEXT;
+	pthread_mutex_lock(&mu);
+	*s = new_stream(current, !(flags & 1), 0);
+	pthread_mutex_unlock(&mu);
 	return OK;
 }
 CUresult cuStreamSynchronize(void *h) {
 	pthread_mutex_lock(&mu);
 	syncs++;
-	stream *s = get(h);
+	stream *s = h;
+	if (!h || h == (void *)1) {
+		CUresult r = OK;
+		s = resolve(h, &r);
+		if (!s) {
+			pthread_mutex_unlock(&mu);
+			return r;
+		}
+	} else if (h == (void *)2 || !live_stream(s)) {
+		pthread_mutex_unlock(&mu);
+		return ERR_INVALID_HANDLE;
+	}
 	while (s->head || s->busy) pthread_cond_wait(&cv, &mu);
 	pthread_mutex_unlock(&mu);
 	return OK;
 }
 CUresult cuStreamDestroy_v2(void *h) {
-	if (!h) return ERR_INVALID_HANDLE;
-	stream *s = h;
 	pthread_mutex_lock(&mu);
+	stream *s = h;
+	if (!h || h == (void *)1 || h == (void *)2 || !live_stream(s)) {
+		pthread_mutex_unlock(&mu);
+		return ERR_INVALID_HANDLE;
+	}
+	for (stream **x = &streams; *x; x = &(*x)->next)
+		if (*x == s) {
+			*x = s->next;
+			break;
+		}
 	s->stop = 1; // the worker runs what is queued, then exits
 	pthread_cond_broadcast(&cv);
 	pthread_mutex_unlock(&mu);
 	pthread_join(s->th, NULL);
-	free(s);
-	return OK;
+	return OK; // not freed: a legacy stream's reach_fn may still read it
 }
 
 CUresult cuEventCreate(void **e, unsigned int flags) {
 	(void)flags;
-	*e = calloc(1, sizeof(event));
+	if (!current) return ERR_INVALID_CONTEXT;
+	event *ev = calloc(1, sizeof(event));
+	ev->ctx = current;
+	*e = ev;
 	return OK;
 }
 CUresult cuEventDestroy_v2(void *e) { free(e); return OK; }
@@ -211,23 +491,32 @@ static void wait_fn(void *p) {
 	free(a);
 }
 CUresult cuEventRecord(void *e, void *h) {
-	evarg *a = malloc(sizeof *a);
+	CUresult r = OK;
 	pthread_mutex_lock(&mu);
-	a->e = e;
-	a->gen = ++a->e->recorded;
-	enqueue_locked(get(h), record_fn, a);
+	stream *s = resolve(h, &r);
+	if (s && ((event *)e)->ctx != s->ctx) r = ERR_INVALID_HANDLE; // event and stream of one context
+	if (r == OK) {
+		evarg *a = malloc(sizeof *a);
+		a->e = e;
+		a->gen = ++a->e->recorded;
+		enqueue_locked(s, record_fn, a);
+	}
 	pthread_mutex_unlock(&mu);
-	return OK;
+	return r;
 }
 CUresult cuStreamWaitEvent(void *h, void *e, unsigned int flags) {
 	(void)flags;
-	evarg *a = malloc(sizeof *a);
+	CUresult r = OK;
 	pthread_mutex_lock(&mu);
-	a->e = e;
-	a->gen = a->e->recorded; // the last record at the time of the call
-	enqueue_locked(get(h), wait_fn, a);
+	stream *s = resolve(h, &r); // the event may be of any context
+	if (s) {
+		evarg *a = malloc(sizeof *a);
+		a->e = e;
+		a->gen = a->e->recorded; // the last record at the time of the call
+		enqueue_locked(s, wait_fn, a);
+	}
 	pthread_mutex_unlock(&mu);
-	return OK;
+	return r;
 }
 CUresult cuEventQuery(void *p) {
 	event *e = p;
@@ -246,18 +535,33 @@ CUresult cuEventSynchronize(void *p) {
 }
 
 CUresult cuMemAlloc_v2(unsigned long long *p, size_t n) {
+	if (!current) return ERR_INVALID_CONTEXT;
 	void *m = malloc(n ? n : 1);
 	if (!m) return ERR_OUT_OF_MEMORY;
+	pthread_mutex_lock(&mu);
+	track(m, n);
+	pthread_mutex_unlock(&mu);
 	*p = (unsigned long long)(uintptr_t)m;
 	return OK;
 }
-CUresult cuMemFree_v2(unsigned long long p) { free((void *)(uintptr_t)p); return OK; }
+CUresult cuMemFree_v2(unsigned long long p) {
+	pthread_mutex_lock(&mu);
+	untrack((void *)(uintptr_t)p);
+	pthread_mutex_unlock(&mu);
+	free((void *)(uintptr_t)p);
+	return OK;
+}
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
 	(void)flags;
+	if (!current) return ERR_INVALID_CONTEXT;
 	*p = malloc(n ? n : 1);
-	return *p ? OK : ERR_OUT_OF_MEMORY;
+	if (!*p) return ERR_OUT_OF_MEMORY;
+	pthread_mutex_lock(&mu);
+	track(*p, n);
+	pthread_mutex_unlock(&mu);
+	return OK;
 }
-CUresult cuMemFreeHost(void *p) { free(p); return OK; }
+CUresult cuMemFreeHost(void *p) { return cuMemFree_v2((unsigned long long)(uintptr_t)p); }
 
 typedef struct {
 	void *dst;
@@ -280,8 +584,9 @@ static CUresult copy_async(void *dst, const void *src, size_t n, void *h) {
 	a->dst = dst;
 	a->src = src;
 	a->n = n;
-	fakecuda_enqueue(h, copy_fn, a);
-	return OK;
+	CUresult r = fakecuda_enqueue(h, copy_fn, a);
+	if (r) free(a);
+	return r;
 }
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long d, const void *s, size_t n, void *h) { return copy_async((void *)(uintptr_t)d, s, n, h); }
 CUresult cuMemcpyDtoHAsync_v2(void *d, unsigned long long s, size_t n, void *h) { return copy_async(d, (void *)(uintptr_t)s, n, h); }
@@ -290,14 +595,16 @@ CUresult cuMemsetD32Async(unsigned long long d, unsigned int v, size_t n, void *
 	a->dst = (void *)(uintptr_t)d;
 	a->n = n;
 	a->v = v;
-	fakecuda_enqueue(h, set32_fn, a);
-	return OK;
+	CUresult r = fakecuda_enqueue(h, set32_fn, a);
+	if (r) free(a);
+	return r;
 }
 CUresult cuGetErrorString(CUresult r, const char **s) {
 	switch (r) {
 	case OK: *s = "no error"; break;
 	case ERR_NOT_READY: *s = "device not ready"; break;
 	case ERR_INVALID_HANDLE: *s = "invalid resource handle"; break;
+	case ERR_INVALID_CONTEXT: *s = "invalid device context"; break;
 	default: *s = "fake CUDA error"; break;
 	}
 	return OK;
@@ -471,6 +778,7 @@ static const kernel kernels[] = {
 static char modules[4];
 CUresult cuModuleLoadData(void **m, const void *image) {
 	if (!image) return ERR_INVALID_VALUE;
+	if (!current) return ERR_INVALID_CONTEXT;
 	*m = modules;
 	return OK;
 }
@@ -508,6 +816,7 @@ CUresult cuLaunchKernel(void *f, unsigned int gx, unsigned int gy, unsigned int 
 	l->k = k;
 	l->threads = (unsigned long long)gx * gy * gz * bx * by * bz;
 	for (int i = 0; i < k->nargs; i++) memcpy(l->args[i], params[i], (size_t)k->size[i]); // copied at launch, as CUDA does
-	fakecuda_enqueue(h, launch_fn, l);
-	return OK;
+	CUresult r = fakecuda_enqueue(h, launch_fn, l);
+	if (r) free(l);
+	return r;
 }

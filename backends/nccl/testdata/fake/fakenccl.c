@@ -10,6 +10,16 @@
 // nccl_gate_open (while closed, collectives that start running on their streams wait
 // before reading their buffers: a slow all-reduce), nccl_collectives (read: collectives
 // performed).
+//
+// Blocking host calls, as the real library's where peers are late or dead:
+// nccl_connect_block (1: a communicator's first collective blocks inside its enqueue call,
+// ncclAllReduce and the rest, until every rank of the communicator has entered its first
+// one: the lazy connection of NCCL_RUNTIME_CONNECT=1), nccl_finalize_hang (1:
+// ncclCommFinalize, and ncclCommDestroy of a communicator not finalized, block as with a
+// peer that never finalizes; 0 releases them). ncclCommAbort of the communicator, from
+// another thread, unblocks either: the call returns ncclRemoteError. nccl_unblock fails
+// every blocked call at once (for a test to unwind after a failure); nccl_finalizes
+// (read: ncclCommFinalize calls); nccl_connecting (read: calls blocked connecting now).
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -17,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-void fakecuda_enqueue(void *stream, void (*fn)(void *), void *arg);
+int fakecuda_enqueue(void *stream, void (*fn)(void *), void *arg);
 long long fakecuda_knob(const char *name, long long value);
 
 typedef int ncclResult_t;
@@ -43,14 +53,14 @@ typedef struct {
 
 typedef struct shared {
 	ncclUniqueId id;
-	int nranks, joined, broken;
+	int nranks, joined, broken, connecting;
 	slot slots[NSLOTS];
 	struct shared *next;
 } shared;
 
 typedef struct comm {
 	shared *sh;
-	int rank, aborted, destroyed, async_err;
+	int rank, aborted, destroyed, async_err, connected, finalized;
 	unsigned long long seq;
 	struct comm *next;
 } comm;
@@ -60,8 +70,8 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static shared *shareds;
 static comm *comms; // every communicator ever created (never freed: streams may still refer to them)
 static int version = 22105;
-static int init_fail, gate_closed;
-static long long performed;
+static int init_fail, gate_closed, connect_block, finalize_hang;
+static long long performed, finalizes, unblock_gen, connecting;
 static unsigned long long id_counter;
 
 long long fake_knob(const char *name, long long value) {
@@ -83,6 +93,20 @@ long long fake_knob(const char *name, long long value) {
 		pthread_cond_broadcast(&cv);
 	} else if (!strcmp(name, "nccl_collectives")) {
 		old = performed;
+	} else if (!strcmp(name, "nccl_finalizes")) {
+		old = finalizes;
+	} else if (!strcmp(name, "nccl_connecting")) {
+		old = connecting;
+	} else if (!strcmp(name, "nccl_connect_block")) {
+		old = connect_block;
+		connect_block = (int)value;
+	} else if (!strcmp(name, "nccl_finalize_hang")) {
+		old = finalize_hang;
+		finalize_hang = (int)value;
+		pthread_cond_broadcast(&cv);
+	} else if (!strcmp(name, "nccl_unblock")) {
+		old = ++unblock_gen;
+		pthread_cond_broadcast(&cv);
 	} else if (!strcmp(name, "nccl_async_error")) {
 		old = 0;
 		for (comm *c = comms; c; c = c->next)
@@ -163,13 +187,36 @@ ncclResult_t ncclCommAbort(comm *c) {
 	return ncclSuccess;
 }
 
+// hang_finalize blocks while nccl_finalize_hang is set, until c is aborted or nccl_unblock;
+// mu is held. It returns ncclRemoteError if the wait ended otherwise than by the knob.
+static ncclResult_t hang_finalize(comm *c) {
+	long long gen = unblock_gen;
+	while (finalize_hang && !c->aborted && gen == unblock_gen) pthread_cond_wait(&cv, &mu);
+	return finalize_hang ? ncclRemoteError : ncclSuccess;
+}
+
+ncclResult_t ncclCommFinalize(comm *c) {
+	if (!c) return ncclInvalidArgument;
+	pthread_mutex_lock(&mu);
+	finalizes++;
+	if (c->aborted || c->destroyed || c->finalized) {
+		pthread_mutex_unlock(&mu);
+		return ncclInvalidUsage;
+	}
+	ncclResult_t r = hang_finalize(c);
+	if (r == ncclSuccess) c->finalized = 1;
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
 ncclResult_t ncclCommDestroy(comm *c) {
 	if (!c) return ncclInvalidArgument;
 	pthread_mutex_lock(&mu);
+	ncclResult_t r = c->finalized ? ncclSuccess : hang_finalize(c); // destroy finalizes first
 	c->destroyed = 1;
 	pthread_mutex_unlock(&mu);
 	break_comm(c);
-	return ncclSuccess;
+	return r;
 }
 
 ncclResult_t ncclCommGetAsyncError(comm *c, ncclResult_t *r) {
@@ -412,12 +459,31 @@ static ncclResult_t enqueue(comm *c, int kind, const void *send, void *recv, siz
 		pthread_mutex_unlock(&mu);
 		return ncclInvalidArgument;
 	}
+	if (connect_block && !c->connected) {
+		// The first collective connects to the peers, inside this call.
+		shared *sh = c->sh;
+		long long gen = unblock_gen;
+		sh->connecting++;
+		connecting++;
+		pthread_cond_broadcast(&cv);
+		while (sh->connecting < sh->nranks && !sh->broken && !c->aborted && gen == unblock_gen) pthread_cond_wait(&cv, &mu);
+		connecting--;
+		if (sh->connecting < sh->nranks) {
+			if (!c->async_err) c->async_err = ncclRemoteError;
+			pthread_mutex_unlock(&mu);
+			return ncclRemoteError;
+		}
+	}
+	c->connected = 1;
 	job *j = calloc(1, sizeof *j);
 	j->c = c;
 	j->seq = c->seq++;
 	j->a = (args){kind, dtype, op, root, count, send, recv};
 	pthread_mutex_unlock(&mu);
-	fakecuda_enqueue(stream, run, j);
+	if (fakecuda_enqueue(stream, run, j)) { // no current context, or a stream of another
+		free(j);
+		return ncclUnhandledCudaError;
+	}
 	return ncclSuccess;
 }
 

@@ -1,0 +1,19 @@
+//go:build cgo
+
+package nccl
+
+import (
+	"errors"
+	"time"
+	"unsafe"
+)
+
+// setTeardownTimeouts sets g's bounds of Note [Bounded teardown].
+func setTeardownTimeouts(g *Group, finalize, drain time.Duration) {
+	g.finalizeTimeout, g.drainTimeout = finalize, drain
+}
+
+// streamHandle is g's comm stream.
+func (g *Group) streamHandle() Stream { return Stream(uintptr(unsafe.Pointer(g.stream))) }
+
+func errorsIs(err, target error) bool { return errors.Is(err, target) }
