@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -509,6 +511,129 @@ func TestHierPipelinePeerLost(t *testing.T) {
 			}
 			for _, g := range groups {
 				g.Abort(nil)
+			}
+		})
+	}
+}
+
+// TestSharedBuffersLateRank (Note [Late ranks]): rank 1 stalls inside an in-place
+// all-reduce while its peers time out and abort, and rank 0's caller frees its buffer and
+// asks for another. When rank 1 wakes, its all-reduce fails instead of returning nil, it
+// has written nothing into rank 0's freed buffer, and no rank hands out arena memory any
+// more. Flat: 2 ranks, held before its first block in reduceBlocks. Hierarchical: hosts
+// a a b b, held before its last piece's hostBroadcast (every middle ring is done). A first
+// all-reduce with the hook in place but not holding matches the reference.
+func TestSharedBuffersLateRank(t *testing.T) {
+	const count = 1 << 18 // 1 MiB of float32: 16 blocks of a rank's chunk at n=2
+	for _, tc := range []struct {
+		name, at, path string
+		alg            string
+		hosts          []string
+	}{
+		{"flat", "reduceBlocks", "shm-inplace", AlgoRing, []string{"a", "a"}},
+		{"hierarchical", "hostBroadcast", "hierarchical-inplace", AlgoHier, []string{"a", "a", "b", "b"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			size := len(tc.hosts)
+			var hold atomic.Bool
+			holding, release := make(chan struct{}), make(chan struct{})
+			var releaseOnce sync.Once
+			free := func() { releaseOnce.Do(func() { close(release) }) }
+			defer free() // before the groups' cleanup, which waits for rank 1's worker
+			stallHook = func(g *group, at string) {
+				if g.rank == 1 && at == tc.at && hold.CompareAndSwap(true, false) {
+					close(holding)
+					<-release
+				}
+			}
+			t.Cleanup(func() { stallHook = nil }) // after the groups' cleanup below
+			groups := startGroupsCfg(t, size, func(r int) *Config {
+				return &Config{HostID: tc.hosts[r], Tune: TuneOff, Algorithm: tc.alg, HierPieceSize: 256 << 10, PollInterval: 20 * time.Millisecond}
+			}, nil, 500*time.Millisecond)
+			t.Cleanup(func() {
+				for _, g := range groups {
+					g.Abort(nil)
+				}
+			})
+			xs := inputs(41, size, count, procgroup.Sum)
+			bufs := make([]any, size)
+			for r, g := range groups {
+				bufs[r] = sharedBuf(t, g, procgroup.Float32, xs[r])
+			}
+			each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum)) })
+			want := reduceRef(xs, procgroup.Sum)
+			for r, g := range groups {
+				if p := g.(*group).lastPath; p != tc.path {
+					t.Fatalf("rank %d took %q, want %q", r, p, tc.path)
+				}
+				checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float32, procgroup.Sum, fromBuf(bufs[r]), want)
+			}
+
+			if tc.at == "hostBroadcast" {
+				n := 0 // hold rank 1 at its last piece
+				stallHook = func(g *group, at string) {
+					if g.rank == 1 && at == tc.at {
+						if n++; n == count*4/(256<<10) {
+							close(holding)
+							<-release
+						}
+					}
+				}
+			}
+			hold.Store(true)
+			works := make([]procgroup.Work, size)
+			for r, g := range groups {
+				works[r] = g.AllReduce(ctx, bufs[r], procgroup.Sum)
+			}
+			c, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			select {
+			case <-holding:
+			case <-c.Done():
+				t.Fatalf("rank 1 never reached %s", tc.at)
+			}
+			// Rank 1's host peers time out; the other host's ranks, whose host phases do
+			// not wait for it, may finish first, with the whole result.
+			again := make([][]float64, size) // every buffer holds want: the inputs now
+			for r := range again {
+				again[r] = want
+			}
+			for r, w := range works {
+				if r == 1 {
+					continue
+				}
+				switch err := w.Wait(c); {
+				case errors.Is(err, context.DeadlineExceeded):
+					t.Fatalf("rank %d: no result", r)
+				case err == nil && tc.hosts[r] == tc.hosts[1]:
+					t.Errorf("rank %d: nil; want it to time out or abort", r)
+				case err == nil:
+					checkClose(t, fmt.Sprintf("rank %d (other host)", r), procgroup.Float32, procgroup.Sum, fromBuf(bufs[r]), reduceRef(again, procgroup.Sum))
+				}
+			}
+			// Rank 0's caller, told of the failure, frees its buffer (its pages now read
+			// zeros) and asks for memory again.
+			a0 := groups[0].(procgroup.BufferAllocator)
+			freed := bufs[0].([]float32)
+			a0.FreeBuffer(freed)
+			b, err := a0.AllocBuffer(procgroup.Float32, count)
+			if b != nil || !errors.Is(err, procgroup.ErrAborted) {
+				t.Errorf("rank 0: AllocBuffer after the abort: %T, %v; want nil and ErrAborted", b, err)
+			}
+			if b != nil {
+				a0.FreeBuffer(b)
+			}
+			free()
+			if err := works[1].Wait(c); err == nil || !errors.Is(err, procgroup.ErrAborted) {
+				t.Errorf("rank 1, late: %v; want ErrAborted, not success", err)
+			}
+			for i, v := range freed {
+				if v != 0 {
+					t.Fatalf("rank 0's freed buffer reads %v at element %d after rank 1 woke; want zeros (rank 1 wrote into it)", v, i)
+				}
+			}
+			if b, err := groups[1].(procgroup.BufferAllocator).AllocBuffer(procgroup.Float32, 1024); b != nil || !errors.Is(err, procgroup.ErrAborted) {
+				t.Errorf("rank 1: AllocBuffer after its failure: %T, %v; want nil and ErrAborted", b, err)
 			}
 		})
 	}
