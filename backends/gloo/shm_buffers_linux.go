@@ -1,6 +1,7 @@
 package gloo
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -289,7 +290,11 @@ func (g *group) postBuffer(o *op, vmAsked bool) (inPlace, vm bool, err error) {
 			m.vmCookie = rand.Uint64() | 1
 		}
 		flag |= postVM
-		*m.u64(p + 32) = uint64(os.Getpid())
+		pid := os.Getpid()
+		if vmPIDHook != nil {
+			pid = vmPIDHook(g, pid)
+		}
+		*m.u64(p + 32) = uint64(pid)
 		*m.u64(p + 40) = uint64(uintptr(unsafe.Pointer(&o.buf[0])))
 		*m.u64(p + 48) = m.vmCookie
 		*m.u64(p + 56) = uint64(uintptr(unsafe.Pointer(&m.vmCookie)))
@@ -541,6 +546,9 @@ const (
 	postVM    = 2
 )
 
+// vmPIDHook, nil outside tests, changes the pid a rank posts for process_vm_readv.
+var vmPIDHook func(g *group, pid int) int
+
 // vmCheck makes sure, once per peer, that process_vm_readv at the peer's posted pid reads
 // the peer: it reads the word at the posted address and compares it with the cookie the
 // peer posted in shared memory. Ranks that share a network namespace but not a pid
@@ -560,9 +568,16 @@ func (g *group) vmCheck(j int, cookie uint64, at uintptr) error {
 	return nil
 }
 
-// vmRead reads len(dst) bytes at offset off of peer j's posted buffer into dst.
+// vmRead reads len(dst) bytes at offset off of peer j's posted buffer into dst. A peer
+// whose process is gone (ESRCH, where vmCheck had read it) is lost.
 func (g *group) vmRead(j int, dst []byte, off int) error {
-	return g.vmReadAt(j, dst, g.shm.peerAddr[j]+uintptr(off))
+	err := g.vmReadAt(j, dst, g.shm.peerAddr[j]+uintptr(off))
+	if errors.Is(err, unix.ESRCH) {
+		rank := g.shm.ranks[j]
+		return &PeerLostError{Rank: rank, Host: g.hosts[rank], Reporter: g.rank,
+			Err: fmt.Errorf("its process (pid %d) is gone: %w", g.shm.peerPID[j], err)}
+	}
+	return err
 }
 
 // vmReadAt reads len(dst) bytes at address at of peer j's process into dst.

@@ -7,9 +7,11 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
@@ -636,5 +638,47 @@ func TestSharedBuffersLateRank(t *testing.T) {
 				t.Errorf("rank 1: AllocBuffer after its failure: %T, %v; want nil and ErrAborted", b, err)
 			}
 		})
+	}
+}
+
+// TestVMReadvPeerGone: with Config.VMReadv, a peer whose process is gone (its posted pid
+// is that of a child that has exited: process_vm_readv fails with ESRCH) fails the
+// all-reduce with a PeerLostError naming it, not a bare errno; an all-reduce before it
+// matches the reference.
+func TestVMReadvPeerGone(t *testing.T) {
+	cmd := exec.Command("/bin/true")
+	if err := cmd.Run(); err != nil {
+		t.Skipf("no child process: %v", err)
+	}
+	gone := cmd.Process.Pid // exited and reaped
+	var swap atomic.Bool
+	vmPIDHook = func(g *group, pid int) int {
+		if g.rank == 1 && swap.Load() {
+			return gone
+		}
+		return pid
+	}
+	t.Cleanup(func() { vmPIDHook = nil }) // after the groups' cleanup below
+	groups := startGroupsTimeout(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, VMReadv: true, PollInterval: 50 * time.Millisecond}, 10*time.Second)
+	const count = 50000
+	xs := inputs(5, 2, count, procgroup.Sum)
+	bufs := []any{toBuf(procgroup.Float32, xs[0]), toBuf(procgroup.Float32, xs[1])}
+	each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum)) })
+	for r, g := range groups {
+		if p := g.(*group).lastPath; p != "shm-vm" {
+			t.Fatalf("rank %d took %q, want shm-vm", r, p)
+		}
+		checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float32, procgroup.Sum, fromBuf(bufs[r]), reduceRef(xs, procgroup.Sum))
+	}
+	swap.Store(true)
+	w0 := groups[0].AllReduce(ctx, bufs[0], procgroup.Sum)
+	w1 := groups[1].AllReduce(ctx, bufs[1], procgroup.Sum)
+	err := wait(w0)
+	var ple *PeerLostError
+	if !errors.As(err, &ple) || ple.Rank != 1 || !errors.Is(err, procgroup.ErrPeerLost) || !errors.Is(err, syscall.ESRCH) {
+		t.Errorf("rank 0: %v; want a PeerLostError naming rank 1 (ESRCH)", err)
+	}
+	if err := wait(w1); err == nil {
+		t.Errorf("rank 1: nil; want its peer's failure")
 	}
 }
