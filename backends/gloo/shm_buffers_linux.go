@@ -25,9 +25,10 @@ import (
 // The arena is a second memfd the host's leader creates with the region, one part per
 // member (Config.ShmArenaMiB), sent with it and mapped whole by every member. It is address
 // space: a page takes memory once written, and FreeBuffer gives the pages back
-// (MADV_REMOVE), so a freed buffer reads as zeros. Each rank hands out its own part, first
-// fit, page by page. The reducer allocates its buckets in the same order and sizes on every
-// rank, so whether a bucket fits comes out the same everywhere; the all-reduce checks it
+// (MADV_REMOVE; where that fails it writes zeros instead), so a freed buffer reads as
+// zeros. Each rank hands out its own part, first fit, page by page. The reducer allocates
+// its buckets in the same order and sizes on every rank, so whether a bucket fits comes
+// out the same everywhere; the all-reduce checks it
 // anyway, below. At Close anonymous zero pages replace the arena (releaseArena): the
 // memory goes, and a view of a buffer that outlives the group reads zeros, never faults.
 //
@@ -207,9 +208,15 @@ func (g *group) FreeBuffer(buf any) {
 	}
 	if n := m.heap.put(off); n > 0 {
 		base := m.me*m.arenaLen + off
-		unix.Madvise(m.arena[base:base+n], unix.MADV_REMOVE)
+		if b := m.arena[base : base+n]; madvise(b, unix.MADV_REMOVE) != nil {
+			// The pages stay: AllocBuffer promises zeros, so write them.
+			clear(b)
+		}
 	}
 }
+
+// madvise is unix.Madvise; tests make it fail.
+var madvise = unix.Madvise
 
 // releaseArena ends the arena at Close: anonymous zero pages replace it, so that the
 // memfd and its pages go, while slices of buffers still handed out (a bucket, a gradient

@@ -16,6 +16,8 @@ import (
 	"time"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/goddp/goddp/internal/kernels"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -680,5 +682,43 @@ func TestVMReadvPeerGone(t *testing.T) {
 	}
 	if err := wait(w1); err == nil {
 		t.Errorf("rank 1: nil; want its peer's failure")
+	}
+}
+
+// TestFreeBufferMadviseFails: when MADV_REMOVE fails (a test hook), FreeBuffer zeroes the
+// pages itself: the freed buffer reads zeros, and the buffer AllocBuffer hands out again
+// in its place is all zeros.
+func TestFreeBufferMadviseFails(t *testing.T) {
+	madvise = func([]byte, int) error { return syscall.EINVAL }
+	t.Cleanup(func() { madvise = unix.Madvise })
+	groups := startGroups(t, 2, &Config{Transport: TransportUnix, ShmArenaMiB: 1})
+	a := groups[0].(procgroup.BufferAllocator)
+	const count = 3000 // 3 pages of float32
+	b, err := a.AllocBuffer(procgroup.Float32, count)
+	if err != nil || b == nil {
+		t.Fatalf("AllocBuffer: %v, %v", b, err)
+	}
+	x := b.([]float32)
+	for i := range x {
+		x[i] = float32(i + 1)
+	}
+	a.FreeBuffer(x)
+	for i, v := range x {
+		if v != 0 {
+			t.Fatalf("freed buffer reads %v at %d; want zeros", v, i)
+		}
+	}
+	b, err = a.AllocBuffer(procgroup.Float32, count)
+	if err != nil || b == nil {
+		t.Fatalf("AllocBuffer again: %v, %v", b, err)
+	}
+	y := b.([]float32)
+	if uintptrOf(&y[0]) != uintptrOf(&x[0]) {
+		t.Fatalf("the second buffer is not where the first was")
+	}
+	for i, v := range y[:cap(y)] {
+		if v != 0 {
+			t.Fatalf("handed out %v at %d; want zeros", v, i)
+		}
 	}
 }
