@@ -514,7 +514,7 @@ func (g *group) AllocBuffer(dt procgroup.DType, count int) (any, error) {
 	if count == 0 || widened(dt) {
 		return nil, nil
 	}
-	return g.arenaAlloc(dt, count), nil
+	return g.sharedAlloc(dt, count)
 }
 
 // Transports reports, for each rank, how this rank exchanges data with it: "self", "shm"

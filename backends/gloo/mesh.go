@@ -54,6 +54,8 @@ type peer struct {
 	iov  [2][]byte            // writeFrame's vector (under wmu)
 	bufs net.Buffers          // a field, so that WriteTo's receiver does not escape
 
+	goneAt atomic.Int64 // alive: when it first found the peer gone with bytes unread (UnixNano)
+
 	// worker-only
 	spins    int // Note [Inline exchange]'s yields before poll: inlineSpins on this host, else 0
 	deadline time.Time
@@ -601,31 +603,43 @@ func (p *peer) sendAbort(lost int, reason string, deadline time.Time) bool {
 	return err == nil
 }
 
+// Note [Probing peers]: alive tells a dead peer from a live one by the socket: one that
+// closed its end (its FIN, the kernel's close of a killed process's Unix socket) or
+// broke (a reset) is gone, even with bytes still unread (a peek of one byte took those for
+// life). But an aborting peer writes its abort frame, which names the rank that was lost,
+// before it closes, and that frame may wait unread behind others while the goroutine that
+// reads the peer is busy elsewhere. So a peer gone with bytes unread is reported only once
+// it has been so for one PollInterval, which gives the reader (and the abort's other
+// paths: the frames to the other peers, shared memory) time to abort the group with the
+// cause, as Note [Lost on write] does for writes; a peer gone with nothing unread is
+// reported at once.
+
 // alive probes the connection without consuming data: false if the peer closed it or it
-// broke.
+// broke (Note [Probing peers]).
 func (p *peer) alive() (bool, error) {
 	if p.raw == nil {
 		return true, nil
 	}
-	var n int
+	var gone bool
+	var unread int
 	var perr error
 	// Control, not Read: Read would report the read deadline that brought us here. The
-	// byte is this call's own: the worker and crossWorker (Note [Hierarchical pipeline])
-	// may probe at once.
-	err := p.raw.Control(func(fd uintptr) {
-		var peek [1]byte
-		n, _, perr = syscall.Recvfrom(int(fd), peek[:], syscall.MSG_PEEK|syscall.MSG_DONTWAIT)
-	})
-	if err != nil {
-		return false, err
-	}
+	// worker and crossWorker (Note [Hierarchical pipeline]) may probe at once.
+	err := p.raw.Control(func(fd uintptr) { gone, unread, perr = probeConn(int(fd)) })
 	switch {
-	case perr == syscall.EAGAIN || perr == syscall.EINTR:
+	case err != nil:
+		return false, err
+	case !gone:
 		return true, nil
-	case perr != nil:
+	case unread == 0:
 		return false, perr
-	case n == 0:
-		return false, errors.New("connection closed by peer")
 	}
-	return true, nil
+	now := time.Now().UnixNano()
+	if p.goneAt.CompareAndSwap(0, now) {
+		return true, nil
+	}
+	if since := time.Duration(now - p.goneAt.Load()); since < p.g.cfg.PollInterval {
+		return true, nil
+	}
+	return false, fmt.Errorf("connection closed by peer, %d bytes left unread", unread)
 }

@@ -1,6 +1,7 @@
 package gloo
 
 import (
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -24,9 +25,10 @@ import (
 // The arena is a second memfd the host's leader creates with the region, one part per
 // member (Config.ShmArenaMiB), sent with it and mapped whole by every member. It is address
 // space: a page takes memory once written, and FreeBuffer gives the pages back
-// (MADV_REMOVE), so a freed buffer reads as zeros. Each rank hands out its own part, first
-// fit, page by page. The reducer allocates its buckets in the same order and sizes on every
-// rank, so whether a bucket fits comes out the same everywhere; the all-reduce checks it
+// (MADV_REMOVE; where that fails it writes zeros instead), so a freed buffer reads as
+// zeros. Each rank hands out its own part, first fit, page by page. The reducer allocates
+// its buckets in the same order and sizes on every rank, so whether a bucket fits comes
+// out the same everywhere; the all-reduce checks it
 // anyway, below. At Close anonymous zero pages replace the arena (releaseArena): the
 // memory goes, and a view of a buffer that outlives the group reads zeros, never faults.
 //
@@ -115,10 +117,19 @@ func (g *group) inPlaceOK() bool {
 // [Host phases in place]): the region has an arena and its members are this host's ranks.
 func (g *group) hostInPlaceOK() bool { return g.hostShm && g.shm.arena != nil }
 
-// arenaAlloc is AllocBuffer's work (Note [Shared buffers]): count (> 0) elements of dt
-// from this rank's arena part; nil when the group has no arena, when no all-reduce would
-// read it in place (the ranks neither all share it nor form Note [Hierarchical]'s hosts),
-// or when the part is full.
+// sharedAlloc is AllocBuffer's work: arenaAlloc, or an error once the group has aborted
+// (Note [Late ranks]).
+func (g *group) sharedAlloc(dt procgroup.DType, count int) (any, error) {
+	if err := g.allocAborted(); err != nil {
+		return nil, err
+	}
+	return g.arenaAlloc(dt, count), nil
+}
+
+// arenaAlloc hands out count (> 0) elements of dt from this rank's arena part (Note
+// [Shared buffers]); nil when the group has no arena, when no all-reduce would read it in
+// place (the ranks neither all share it nor form Note [Hierarchical]'s hosts), when the
+// part is full, or once the group has aborted (Note [Late ranks]).
 func (g *group) arenaAlloc(dt procgroup.DType, count int) any {
 	if !g.inPlaceOK() && !g.hostInPlaceOK() {
 		return nil
@@ -129,7 +140,7 @@ func (g *group) arenaAlloc(dt procgroup.DType, count int) any {
 	}
 	m.heap.mu.Lock()
 	defer m.heap.mu.Unlock()
-	if m.heap.closed {
+	if m.heap.closed || g.allocAborted() != nil {
 		return nil
 	}
 	off, ok := m.heap.get(count * dt.Size())
@@ -138,6 +149,44 @@ func (g *group) arenaAlloc(dt procgroup.DType, count int) any {
 	}
 	base := m.me*m.arenaLen + off
 	return kernels.Typed(dt, m.arena[base:base+count*dt.Size():base+count*dt.Size()])
+}
+
+// Note [Late ranks]: a rank can stall inside an in-place all-reduce (descheduled,
+// stopped, swapped out) while it writes its finished chunk into the peers' buffers, for
+// longer than the collective's timeout. Its peers then time out and abort, and their
+// callers see the error, free the buffers (FreeBuffer) or reuse them. When the late rank
+// wakes it must neither go on writing nor report success. So:
+//
+//   - reduceBlocks checks for an abort (shmCheck: this group's, and every member's flag
+//     in the region) before each block, and hostBroadcast before each piece: a late
+//     rank writes at most the block it was stalled in, not the rest of its chunk;
+//   - shmPhase checks for an abort also when every peer's mark is already past the
+//     target, which is what a late rank finds on waking. The rank publishes its mark
+//     before it reads the flags, and an aborting peer sets its flag towards this rank
+//     (group.abort, once the abort frame is written to this rank's socket) before its
+//     caller learns of the failure, so a rank that returns nil finished every write
+//     before any peer's caller could touch its buffer again: nil still means the
+//     result is complete. (A peer that gives up at the very moment the last mark
+//     arrives fails while the others succeed, with whole results; only an agreement
+//     round could make them all agree, and the group is aborted anyway.)
+//   - an aborted group's AllocBuffer fails instead of handing out arena memory. A late
+//     rank may still write up to one block into a buffer freed after the abort;
+//     those pages are never handed out again, and Close replaces this rank's view of
+//     the arena with zero pages (releaseArena). An error is better than falling back
+//     to nil (an ordinary slice, which a late writer could not reach either): every
+//     collective of the group fails from now on, and the caller learns why at once.
+//
+// A buffer the caller keeps after a failed all-reduce holds undefined bytes, as after
+// any failed collective; a late rank may change them until the caller closes the group.
+
+// allocAborted is AllocBuffer's error once the group has aborted (Note [Late ranks]).
+func (g *group) allocAborted() error {
+	select {
+	case <-g.aborted:
+		return fmt.Errorf("gloo: rank %d: AllocBuffer: the group has aborted, its shared memory is handed out no more: %w", g.rank, g.abortErr)
+	default:
+		return nil
+	}
 }
 
 // FreeBuffer gives back a buffer from AllocBuffer; its pages read as zeros afterwards.
@@ -159,9 +208,15 @@ func (g *group) FreeBuffer(buf any) {
 	}
 	if n := m.heap.put(off); n > 0 {
 		base := m.me*m.arenaLen + off
-		unix.Madvise(m.arena[base:base+n], unix.MADV_REMOVE)
+		if b := m.arena[base : base+n]; madvise(b, unix.MADV_REMOVE) != nil {
+			// The pages stay: AllocBuffer promises zeros, so write them.
+			clear(b)
+		}
 	}
 }
+
+// madvise is unix.Madvise; tests make it fail.
+var madvise = unix.Madvise
 
 // releaseArena ends the arena at Close: anonymous zero pages replace it, so that the
 // memfd and its pages go, while slices of buffers still handed out (a bucket, a gradient
@@ -242,7 +297,11 @@ func (g *group) postBuffer(o *op, vmAsked bool) (inPlace, vm bool, err error) {
 			m.vmCookie = rand.Uint64() | 1
 		}
 		flag |= postVM
-		*m.u64(p + 32) = uint64(os.Getpid())
+		pid := os.Getpid()
+		if vmPIDHook != nil {
+			pid = vmPIDHook(g, pid)
+		}
+		*m.u64(p + 32) = uint64(pid)
 		*m.u64(p + 40) = uint64(uintptr(unsafe.Pointer(&o.buf[0])))
 		*m.u64(p + 48) = m.vmCookie
 		*m.u64(p + 56) = uint64(uintptr(unsafe.Pointer(&m.vmCookie)))
@@ -311,7 +370,9 @@ func (g *group) inPlaceAllReduce(o *op, vm bool) error {
 	g.setChunks(len(o.buf)/es, es)
 	if !vm {
 		g.lastPath = "shm-inplace"
-		g.reduceBlocks(o, g.chunk(o.buf, r), g.offs[r], true)
+		if err := g.reduceBlocks(o, g.chunk(o.buf, r), g.offs[r], true); err != nil {
+			return err
+		}
 		return g.shmPhase(base | 3)
 	}
 	g.lastPath = "shm-vm"
@@ -365,10 +426,17 @@ const reduceBlock = 32 << 10
 // bytes at.. of this rank's buffer, ends as o.rop of those bytes over every member's
 // buffer (g.shm.peerBufs, by local index: rank order), a block at a time, divided by the
 // group's size for Avg. With bcast each finished block is also written into every peer's
-// buffer while it is still in cache.
-func (g *group) reduceBlocks(o *op, own []byte, at int, bcast bool) {
+// buffer while it is still in cache. It stops at the first block that finds the group
+// aborted (Note [Late ranks]).
+func (g *group) reduceBlocks(o *op, own []byte, at int, bcast bool) error {
 	m := g.shm
 	for a := 0; a < len(own); a += reduceBlock {
+		if stallHook != nil {
+			stallHook(g, "reduceBlocks")
+		}
+		if err := g.shmCheck(); err != nil {
+			return err
+		}
 		b := min(a+reduceBlock, len(own))
 		for j, p := range m.peerBufs {
 			if j != m.me {
@@ -386,7 +454,13 @@ func (g *group) reduceBlocks(o *op, own []byte, at int, bcast bool) {
 			}
 		}
 	}
+	return nil
 }
+
+// stallHook, nil outside tests, runs before each block of reduceBlocks and each piece
+// of hostBroadcast (at names which): a test holds a rank there to make it late (Note
+// [Late ranks]).
+var stallHook func(g *group, at string)
 
 // Note [Host phases in place]: in Note [Hierarchical], when the region's members are
 // exactly this host's ranks of the group and every one's buffer is in its arena, the two
@@ -415,6 +489,7 @@ func (g *group) hierPost(o *op) (bool, error) {
 // hostReduce is the first host phase of Note [Host phases in place], for b, the piece of
 // o.buf at byte at (Note [Hierarchical pipeline]) whose local chunks are in g.local: this
 // rank's local chunk of b ends as its sum over the host's buffers (o.rop, never Avg here).
+// After an abort it may stop short; the middle ring and the last phase then fail.
 func (g *group) hostReduce(o *op, b []byte, at int) {
 	v := &g.local // its positions are the members in rank order, as their local indices
 	g.reduceBlocks(o, v.chunk(b, v.pos), at+v.offs[v.ids[v.pos]], false)
@@ -422,8 +497,15 @@ func (g *group) hostReduce(o *op, b []byte, at int) {
 
 // hostBroadcast is the last host phase of Note [Host phases in place], for the piece b at
 // at as in hostReduce: this rank's local chunk of b, final, goes into every member's
-// buffer. The members wait for each other once, after the last piece.
+// buffer. The members wait for each other once, after the last piece. After an abort it
+// writes nothing (Note [Late ranks]); the last phase then fails.
 func (g *group) hostBroadcast(b []byte, at int) {
+	if stallHook != nil {
+		stallHook(g, "hostBroadcast")
+	}
+	if g.shmCheck() != nil {
+		return
+	}
 	m, v := g.shm, &g.local
 	own := v.chunk(b, v.pos)
 	at += v.offs[v.ids[v.pos]]
@@ -435,7 +517,8 @@ func (g *group) hostBroadcast(b []byte, at int) {
 }
 
 // shmPhase publishes this rank's state, rings the peers, and waits until every peer's
-// state has reached it.
+// state has reached it. It fails if the group has aborted, even when every peer's state
+// had reached it already (Note [Late ranks]).
 func (g *group) shmPhase(state uint64) error {
 	m := g.shm
 	atomic.StoreUint64(m.u64(m.post(m.me)), state)
@@ -455,7 +538,7 @@ func (g *group) shmPhase(state uint64) error {
 			}
 		}
 		if done {
-			return nil
+			return g.shmCheck()
 		}
 		if err := g.shmWait(v); err != nil {
 			return err
@@ -469,6 +552,9 @@ const (
 	postArena = 1
 	postVM    = 2
 )
+
+// vmPIDHook, nil outside tests, changes the pid a rank posts for process_vm_readv.
+var vmPIDHook func(g *group, pid int) int
 
 // vmCheck makes sure, once per peer, that process_vm_readv at the peer's posted pid reads
 // the peer: it reads the word at the posted address and compares it with the cookie the
@@ -489,9 +575,16 @@ func (g *group) vmCheck(j int, cookie uint64, at uintptr) error {
 	return nil
 }
 
-// vmRead reads len(dst) bytes at offset off of peer j's posted buffer into dst.
+// vmRead reads len(dst) bytes at offset off of peer j's posted buffer into dst. A peer
+// whose process is gone (ESRCH, where vmCheck had read it) is lost.
 func (g *group) vmRead(j int, dst []byte, off int) error {
-	return g.vmReadAt(j, dst, g.shm.peerAddr[j]+uintptr(off))
+	err := g.vmReadAt(j, dst, g.shm.peerAddr[j]+uintptr(off))
+	if errors.Is(err, unix.ESRCH) {
+		rank := g.shm.ranks[j]
+		return &PeerLostError{Rank: rank, Host: g.hosts[rank], Reporter: g.rank,
+			Err: fmt.Errorf("its process (pid %d) is gone: %w", g.shm.peerPID[j], err)}
+	}
+	return err
 }
 
 // vmReadAt reads len(dst) bytes at address at of peer j's process into dst.

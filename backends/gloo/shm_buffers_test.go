@@ -7,10 +7,16 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"os/exec"
 	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/goddp/goddp/internal/kernels"
 	"github.com/goddp/goddp/procgroup"
@@ -511,5 +517,208 @@ func TestHierPipelinePeerLost(t *testing.T) {
 				g.Abort(nil)
 			}
 		})
+	}
+}
+
+// TestSharedBuffersLateRank (Note [Late ranks]): rank 1 stalls inside an in-place
+// all-reduce while its peers time out and abort, and rank 0's caller frees its buffer and
+// asks for another. When rank 1 wakes, its all-reduce fails instead of returning nil, it
+// has written nothing into rank 0's freed buffer, and no rank hands out arena memory any
+// more. Flat: 2 ranks, held before its first block in reduceBlocks. Hierarchical: hosts
+// a a b b, held before its last piece's hostBroadcast (every middle ring is done). A first
+// all-reduce with the hook in place but not holding matches the reference.
+func TestSharedBuffersLateRank(t *testing.T) {
+	const count = 1 << 18 // 1 MiB of float32: 16 blocks of a rank's chunk at n=2
+	for _, tc := range []struct {
+		name, at, path string
+		alg            string
+		hosts          []string
+	}{
+		{"flat", "reduceBlocks", "shm-inplace", AlgoRing, []string{"a", "a"}},
+		{"hierarchical", "hostBroadcast", "hierarchical-inplace", AlgoHier, []string{"a", "a", "b", "b"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			size := len(tc.hosts)
+			var hold atomic.Bool
+			holding, release := make(chan struct{}), make(chan struct{})
+			var releaseOnce sync.Once
+			free := func() { releaseOnce.Do(func() { close(release) }) }
+			defer free() // before the groups' cleanup, which waits for rank 1's worker
+			stallHook = func(g *group, at string) {
+				if g.rank == 1 && at == tc.at && hold.CompareAndSwap(true, false) {
+					close(holding)
+					<-release
+				}
+			}
+			t.Cleanup(func() { stallHook = nil }) // after the groups' cleanup below
+			groups := startGroupsCfg(t, size, func(r int) *Config {
+				return &Config{HostID: tc.hosts[r], Tune: TuneOff, Algorithm: tc.alg, HierPieceSize: 256 << 10, PollInterval: 20 * time.Millisecond}
+			}, nil, 500*time.Millisecond)
+			t.Cleanup(func() {
+				for _, g := range groups {
+					g.Abort(nil)
+				}
+			})
+			xs := inputs(41, size, count, procgroup.Sum)
+			bufs := make([]any, size)
+			for r, g := range groups {
+				bufs[r] = sharedBuf(t, g, procgroup.Float32, xs[r])
+			}
+			each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum)) })
+			want := reduceRef(xs, procgroup.Sum)
+			for r, g := range groups {
+				if p := g.(*group).lastPath; p != tc.path {
+					t.Fatalf("rank %d took %q, want %q", r, p, tc.path)
+				}
+				checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float32, procgroup.Sum, fromBuf(bufs[r]), want)
+			}
+
+			if tc.at == "hostBroadcast" {
+				n := 0 // hold rank 1 at its last piece
+				stallHook = func(g *group, at string) {
+					if g.rank == 1 && at == tc.at {
+						if n++; n == count*4/(256<<10) {
+							close(holding)
+							<-release
+						}
+					}
+				}
+			}
+			hold.Store(true)
+			works := make([]procgroup.Work, size)
+			for r, g := range groups {
+				works[r] = g.AllReduce(ctx, bufs[r], procgroup.Sum)
+			}
+			c, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			select {
+			case <-holding:
+			case <-c.Done():
+				t.Fatalf("rank 1 never reached %s", tc.at)
+			}
+			// Rank 1's host peers time out; the other host's ranks, whose host phases do
+			// not wait for it, may finish first, with the whole result.
+			again := make([][]float64, size) // every buffer holds want: the inputs now
+			for r := range again {
+				again[r] = want
+			}
+			for r, w := range works {
+				if r == 1 {
+					continue
+				}
+				switch err := w.Wait(c); {
+				case errors.Is(err, context.DeadlineExceeded):
+					t.Fatalf("rank %d: no result", r)
+				case err == nil && tc.hosts[r] == tc.hosts[1]:
+					t.Errorf("rank %d: nil; want it to time out or abort", r)
+				case err == nil:
+					checkClose(t, fmt.Sprintf("rank %d (other host)", r), procgroup.Float32, procgroup.Sum, fromBuf(bufs[r]), reduceRef(again, procgroup.Sum))
+				}
+			}
+			// Rank 0's caller, told of the failure, frees its buffer (its pages now read
+			// zeros) and asks for memory again.
+			a0 := groups[0].(procgroup.BufferAllocator)
+			freed := bufs[0].([]float32)
+			a0.FreeBuffer(freed)
+			b, err := a0.AllocBuffer(procgroup.Float32, count)
+			if b != nil || !errors.Is(err, procgroup.ErrAborted) {
+				t.Errorf("rank 0: AllocBuffer after the abort: %T, %v; want nil and ErrAborted", b, err)
+			}
+			if b != nil {
+				a0.FreeBuffer(b)
+			}
+			free()
+			if err := works[1].Wait(c); err == nil || !errors.Is(err, procgroup.ErrAborted) {
+				t.Errorf("rank 1, late: %v; want ErrAborted, not success", err)
+			}
+			for i, v := range freed {
+				if v != 0 {
+					t.Fatalf("rank 0's freed buffer reads %v at element %d after rank 1 woke; want zeros (rank 1 wrote into it)", v, i)
+				}
+			}
+			if b, err := groups[1].(procgroup.BufferAllocator).AllocBuffer(procgroup.Float32, 1024); b != nil || !errors.Is(err, procgroup.ErrAborted) {
+				t.Errorf("rank 1: AllocBuffer after its failure: %T, %v; want nil and ErrAborted", b, err)
+			}
+		})
+	}
+}
+
+// TestVMReadvPeerGone: with Config.VMReadv, a peer whose process is gone (its posted pid
+// is that of a child that has exited: process_vm_readv fails with ESRCH) fails the
+// all-reduce with a PeerLostError naming it, not a bare errno; an all-reduce before it
+// matches the reference.
+func TestVMReadvPeerGone(t *testing.T) {
+	cmd := exec.Command("/bin/true")
+	if err := cmd.Run(); err != nil {
+		t.Skipf("no child process: %v", err)
+	}
+	gone := cmd.Process.Pid // exited and reaped
+	var swap atomic.Bool
+	vmPIDHook = func(g *group, pid int) int {
+		if g.rank == 1 && swap.Load() {
+			return gone
+		}
+		return pid
+	}
+	t.Cleanup(func() { vmPIDHook = nil }) // after the groups' cleanup below
+	groups := startGroupsTimeout(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, VMReadv: true, PollInterval: 50 * time.Millisecond}, 10*time.Second)
+	const count = 50000
+	xs := inputs(5, 2, count, procgroup.Sum)
+	bufs := []any{toBuf(procgroup.Float32, xs[0]), toBuf(procgroup.Float32, xs[1])}
+	each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum)) })
+	for r, g := range groups {
+		if p := g.(*group).lastPath; p != "shm-vm" {
+			t.Fatalf("rank %d took %q, want shm-vm", r, p)
+		}
+		checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float32, procgroup.Sum, fromBuf(bufs[r]), reduceRef(xs, procgroup.Sum))
+	}
+	swap.Store(true)
+	w0 := groups[0].AllReduce(ctx, bufs[0], procgroup.Sum)
+	w1 := groups[1].AllReduce(ctx, bufs[1], procgroup.Sum)
+	err := wait(w0)
+	var ple *PeerLostError
+	if !errors.As(err, &ple) || ple.Rank != 1 || !errors.Is(err, procgroup.ErrPeerLost) || !errors.Is(err, syscall.ESRCH) {
+		t.Errorf("rank 0: %v; want a PeerLostError naming rank 1 (ESRCH)", err)
+	}
+	if err := wait(w1); err == nil {
+		t.Errorf("rank 1: nil; want its peer's failure")
+	}
+}
+
+// TestFreeBufferMadviseFails: when MADV_REMOVE fails (a test hook), FreeBuffer zeroes the
+// pages itself: the freed buffer reads zeros, and the buffer AllocBuffer hands out again
+// in its place is all zeros.
+func TestFreeBufferMadviseFails(t *testing.T) {
+	madvise = func([]byte, int) error { return syscall.EINVAL }
+	t.Cleanup(func() { madvise = unix.Madvise })
+	groups := startGroups(t, 2, &Config{Transport: TransportUnix, ShmArenaMiB: 1})
+	a := groups[0].(procgroup.BufferAllocator)
+	const count = 3000 // 3 pages of float32
+	b, err := a.AllocBuffer(procgroup.Float32, count)
+	if err != nil || b == nil {
+		t.Fatalf("AllocBuffer: %v, %v", b, err)
+	}
+	x := b.([]float32)
+	for i := range x {
+		x[i] = float32(i + 1)
+	}
+	a.FreeBuffer(x)
+	for i, v := range x {
+		if v != 0 {
+			t.Fatalf("freed buffer reads %v at %d; want zeros", v, i)
+		}
+	}
+	b, err = a.AllocBuffer(procgroup.Float32, count)
+	if err != nil || b == nil {
+		t.Fatalf("AllocBuffer again: %v, %v", b, err)
+	}
+	y := b.([]float32)
+	if uintptrOf(&y[0]) != uintptrOf(&x[0]) {
+		t.Fatalf("the second buffer is not where the first was")
+	}
+	for i, v := range y[:cap(y)] {
+		if v != 0 {
+			t.Fatalf("handed out %v at %d; want zeros", v, i)
+		}
 	}
 }

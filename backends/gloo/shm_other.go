@@ -37,8 +37,9 @@ func (g *group) hostReduce(*op, []byte, int)                    { panic("gloo: n
 func (g *group) shmPhase(uint64) error                          { panic("gloo: no shared memory") }
 func (g *group) hostBroadcast([]byte, int)                      { panic("gloo: no shared memory") }
 
-// arenaAlloc has no shared memory to hand out here.
-func (g *group) arenaAlloc(procgroup.DType, int) any { return nil }
+// arenaAlloc and sharedAlloc have no shared memory to hand out here.
+func (g *group) arenaAlloc(procgroup.DType, int) any           { return nil }
+func (g *group) sharedAlloc(procgroup.DType, int) (any, error) { return nil, nil }
 
 // FreeBuffer has nothing to give back here.
 func (g *group) FreeBuffer(any) {}
