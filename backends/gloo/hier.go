@@ -1,0 +1,219 @@
+package gloo
+
+import (
+	"github.com/goddp/goddp/internal/kernels"
+	"github.com/goddp/goddp/procgroup"
+)
+
+// Note [Hierarchical]: when the group spans hosts that each run the same number L ≥ 2
+// of its ranks, an all-reduce above DirectMaxBytes (with GODDP_GLOO_ALGO auto or
+// hierarchical) runs in three rings: a reduce-scatter among the L ranks of each host,
+// leaving local rank l the host's sum of chunk l of L; an all-reduce of that chunk among
+// the H ranks with local index l, one per host, all L of them at once; and an all-gather
+// among each host's ranks. Between hosts each rank sends 2(H-1)/H of its 1/L chunk, so a
+// host's link carries 2(H-1)/H of the message each way, against 2(n-1)/n·(number of ring
+// crossings) for the flat ring: 1 against 1.5 messages at 2 hosts × 2 ranks. Avg reduces
+// as Sum and divides once, by n, after the middle ring. The host rings run through the
+// host's shared-memory slots (shmRing) when its ranks are exactly the region's members
+// (group.hostShm), else over the sockets; each host's own choice, since its host rings
+// touch no other host, but what crosses hosts is the group's (Note [Agreement]). The flat
+// ring remains for GODDP_GLOO_ALGO=ring and for uneven placements.
+
+// setupHier prepares Note [Hierarchical]'s rings when the placement allows them.
+func (g *group) setupHier() {
+	var hosts [][]int // ranks by host, in ring order (g.ring keeps each host's together)
+	for i, r := range g.ring {
+		if i == 0 || g.hostIDs[r] != g.hostIDs[g.ring[i-1]] {
+			hosts = append(hosts, nil)
+		}
+		hosts[len(hosts)-1] = append(hosts[len(hosts)-1], r)
+	}
+	L, H := len(hosts[0]), len(hosts)
+	if H < 2 || L < 2 {
+		return
+	}
+	for _, h := range hosts {
+		if len(h) != L {
+			return
+		}
+	}
+	ids := func(k int) []int {
+		s := make([]int, k)
+		for i := range s {
+			s[i] = i
+		}
+		return s
+	}
+	myHost, myLocal := g.pos/L, g.pos%L
+	cross := make([]int, H)
+	for h := range hosts {
+		cross[h] = hosts[h][myLocal]
+	}
+	g.local = ringView{n: L, pos: myLocal, ranks: hosts[myHost], ids: ids(L), offs: make([]int, L+1)}
+	g.cross = ringView{n: H, pos: myHost, ranks: cross, ids: ids(H), offs: make([]int, H+1)}
+	g.hier = true
+}
+
+// useHier reports whether an all-reduce that takes a ring takes Note [Hierarchical]'s.
+func (g *group) useHier() bool {
+	return g.hier && (g.cfg.Algorithm == AlgoAuto || g.cfg.Algorithm == AlgoHier)
+}
+
+// hierAllReduce is the all-reduce of Note [Hierarchical].
+func (g *group) hierAllReduce(o *op) error {
+	sum := &g.hierSum
+	*sum = *o
+	if o.rop == procgroup.Avg {
+		sum.rop = procgroup.Sum
+	}
+	inPlace, err := g.hierPost(o) // Note [Host phases in place]
+	if err != nil {
+		return err
+	}
+	if inPlace || g.hostShm {
+		return g.hierPipeline(o, inPlace)
+	}
+	es := o.dt.Size()
+	splitChunks(g.local.offs, len(o.buf)/es, es)
+	seq := uint32(o.seq)
+	g.seg = g.ringSegment(len(o.buf))
+	if err := g.ringReduceScatter(sum, seq, o.buf, false, &g.local); err != nil {
+		return err
+	}
+	// The all-gather below overwrites the chunks the reduce-scatter sent.
+	if err := g.waitSends(); err != nil {
+		return err
+	}
+	if err := g.crossAllReduce(crossJob{sum, g.local.chunk(o.buf, g.local.pos), o.rop == procgroup.Avg}); err != nil {
+		return err
+	}
+	if err := g.ringAllGather(seq, o.buf, false, &g.local); err != nil {
+		return err
+	}
+	return g.waitSends()
+}
+
+// Note [Hierarchical pipeline]: where the host phases run through shared memory (the
+// slots, or in place), the message is cut into pieces of about Config.HierPieceSize bytes
+// (at most hierMaxPieces), each all-reduced as in Note [Hierarchical], and the host phases
+// of one piece overlap the middle ring of another: the worker sums piece k on its host
+// and queues its middle ring, then (while that crosses the link) sums piece k+1 and
+// queues it, then waits for piece k and shares it on its host, and so on; a goroutine of
+// its own (crossWorker) runs the queued middle rings in order. Without it, the link idles
+// while a host sums and shares, and each host phase took about a third of the middle
+// ring's time on the testbed at 10 Gbit/s. Only shared memory is touched by the worker
+// meanwhile, so the sockets' worker-side state (g.tmp, g.marks, g.timer, the cross peers'
+// reads and queues) belongs to crossWorker until the last piece is back. Every rank cuts
+// the same pieces from the message's length and the group's piece (group.piece), so the
+// rings match across hosts. Where a host lacks shared memory, its host rings need the
+// sockets that crossWorker holds meanwhile, so the group cuts no pieces (Note
+// [Agreement]). Each host's ranks run the same sequence of host phases, so its slot
+// streams match too. A failure on either side aborts the group (which closes the
+// connections under a blocked read), and the worker collects every queued piece before
+// it returns.
+
+// hierMaxPieces bounds Note [Hierarchical pipeline]'s pieces per all-reduce (and sizes the
+// queues to crossWorker, so that neither side ever blocks on a send).
+const hierMaxPieces = 16
+
+// crossJob is one middle ring of Note [Hierarchical]: w (this rank's sum of its local
+// chunk, or of a piece's) is all-reduced with o among the ranks with this rank's local
+// index; with avg the result is then divided by the group's size.
+type crossJob struct {
+	o   *op
+	w   []byte
+	avg bool
+}
+
+// crossAllReduce runs job j.
+func (g *group) crossAllReduce(j crossJob) error {
+	es, seq := j.o.dt.Size(), uint32(j.o.seq)
+	splitChunks(g.cross.offs, len(j.w)/es, es)
+	if err := g.ringReduceScatter(j.o, seq, j.w, true, &g.cross); err != nil {
+		return err
+	}
+	if err := g.ringAllGather(seq, j.w, true, &g.cross); err != nil {
+		return err
+	}
+	// The cross ring sends only to its next rank; w is the caller's once that is written.
+	next := g.cross.peer(g, 1)
+	if err := g.waitDone(next, next.issued); err != nil {
+		return err
+	}
+	if j.avg {
+		kernels.Divide(j.o.dt, j.w, g.size)
+	}
+	return nil
+}
+
+// crossWorker runs Note [Hierarchical pipeline]'s middle rings as the worker queues them,
+// until the worker closes the queue.
+func (g *group) crossWorker() {
+	defer g.wg.Done()
+	for j := range g.crossJobs {
+		g.crossDone <- g.crossAllReduce(j)
+	}
+}
+
+// hierPipeline is hierAllReduce with Note [Hierarchical pipeline]: the host phases in
+// place (inPlace: every buffer of the host is in its arena, and posted) or through the
+// host's slots.
+func (g *group) hierPipeline(o *op, inPlace bool) error {
+	g.lastPath = "hierarchical"
+	if inPlace {
+		g.lastPath = "hierarchical-inplace"
+	}
+	sum, es, L := &g.hierSum, o.dt.Size(), g.local.n
+	count := len(o.buf) / es
+	P := 1
+	if ps := g.piece; ps > 0 { // Note [Agreement]
+		P = min(hierMaxPieces, max(1, len(o.buf)/ps))
+	}
+	// piece k holds elements k·count/P … (k+1)·count/P-1; it starts at byte at. Its local
+	// chunks go into g.local.offs, relative to at.
+	piece := func(k int) (at int, b []byte) {
+		lo, hi := k*count/P*es, (k+1)*count/P*es
+		splitChunks(g.local.offs, (hi-lo)/es, es)
+		return lo, o.buf[lo:hi]
+	}
+	g.seg = g.ringSegment(len(o.buf) / P)
+	sent, got := 0, 0
+	var err error
+	for k := 0; k <= P && err == nil; k++ {
+		if k < P { // sum piece k on this host, and send it across
+			at, b := piece(k)
+			if inPlace {
+				g.hostReduce(sum, b, at)
+			} else {
+				err = g.shmRing(sum, b, &g.local, 0, L-1)
+			}
+			if err == nil {
+				g.crossJobs <- crossJob{sum, g.local.chunk(b, g.local.pos), o.rop == procgroup.Avg}
+				sent++
+			}
+		}
+		if k > 0 && err == nil { // piece k-1 is back: share it on this host
+			err = <-g.crossDone
+			got++
+			if err == nil {
+				at, b := piece(k - 1)
+				if inPlace {
+					g.hostBroadcast(b, at)
+				} else {
+					err = g.shmRing(o, b, &g.local, L-1, 2*L-2)
+				}
+			}
+		}
+	}
+	if err != nil {
+		g.abort(g.opErr(o, err)) // a read crossWorker is blocked in returns
+		for ; got < sent; got++ {
+			<-g.crossDone
+		}
+		return err
+	}
+	if inPlace {
+		return g.shmPhase(o.seq<<2 | 3)
+	}
+	return nil
+}
