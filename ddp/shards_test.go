@@ -97,3 +97,22 @@ func TestBackwardShards(t *testing.T) {
 		t.Errorf("BeginBackward with Shards: Finalize says %v", err)
 	}
 }
+
+// TestShardsMismatch: ranks that disagree on Options.Shards would issue different
+// collectives; New refuses them on every rank, naming both values.
+func TestShardsMismatch(t *testing.T) {
+	c := pgtest.NewCluster(3)
+	defer c.Close()
+	errs := make([]error, 3)
+	_ = c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+		shards := []int{6, 3, 0}[rank]
+		_, errs[rank] = New(context.Background(), pg, []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}}, Options{Shards: shards})
+		return nil
+	})
+	const msg = "ddp: ranks disagree on the model: Options.Shards is 6 on rank 0 but 3 on rank 1 (rank 2 also differs from rank 0)"
+	for rank, err := range errs {
+		if !errors.Is(err, ErrMismatch) || err.Error() != msg {
+			t.Errorf("rank %d: %v, want %q", rank, err, msg)
+		}
+	}
+}
