@@ -141,14 +141,16 @@ func joinInts(v []int) string {
 // collectives) would not line up. New compares the ranks in at most three AllGathers that
 // every rank issues in the same order, deciding from the same gathered data, so all ranks
 // return the same error and none hangs:
-//  1. counts of parameters and buffers and a hash of every description (one AllGather of
-//     three int64s per rank); if they are all equal, that is the end;
+//  1. counts of parameters and buffers, a hash of every description and Options.Shards
+//     (one AllGather of four int64s per rank); if they are all equal, that is the end;
 //  2. otherwise one hash per tensor (absent ones as 0), to find the first differing tensor
 //     and the ranks that differ from rank 0 there;
 //  3. that tensor's description as a fixed-size record (element type, length, up to
 //     recDims dimensions, up to recName bytes of name), for a message that names both sides.
 //
-// A count mismatch is reported first; then the first differing parameter, then buffer.
+// A count mismatch is reported first; then the first differing parameter, then buffer;
+// then Options.Shards, since ranks that cut the batch differently would issue different
+// collectives.
 
 const (
 	recDims   = 8
@@ -159,7 +161,7 @@ const (
 
 // verify compares the ranks' models (Note [Model check]): nil if they agree, otherwise a
 // *MismatchError (or an error wrapping ErrMismatch) that every rank returns alike.
-func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error {
+func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards int) error {
 	size := pg.Size()
 	var ps, bs []desc
 	for _, d := range descs {
@@ -169,18 +171,26 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 			bs = append(bs, d)
 		}
 	}
-	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs))
+	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs), shards)
 	if err != nil {
 		return err
 	}
 	same := true
 	maxP, maxB := 0, 0
+	var otherShards []int // ranks whose Options.Shards differ from rank 0's
 	for r := 0; r < size; r++ {
-		row := sum[3*r : 3*r+3]
+		row := sum[summaryLen*r : summaryLen*r+summaryLen]
 		same = same && row[0] == sum[0] && row[1] == sum[1] && row[2] == sum[2]
 		maxP, maxB = max(maxP, int(row[0])), max(maxB, int(row[1]))
+		if row[3] != sum[3] {
+			otherShards = append(otherShards, r)
+		}
 	}
 	if same {
+		if len(otherShards) > 0 {
+			r := otherShards[0]
+			return fmt.Errorf("%w: Options.Shards is %d on rank 0 but %d on rank %d%s", ErrMismatch, sum[3], sum[summaryLen*r+3], r, alsoDiffer(otherShards[1:]))
+		}
 		return nil
 	}
 
@@ -204,15 +214,19 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc) error 
 	return tensorMismatch(ctx, pg, list[at.index], at, hs)
 }
 
+// summaryLen is the length of a rank's row in round 1 of the model check.
+const summaryLen = 4
+
 // gatherSummary runs round 1 of the model check: every rank's counts of parameters (np) and
-// buffers (nb) and a hash of all its descriptions, three int64s per rank.
-func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb int) ([]int64, error) {
+// buffers (nb), a hash of all its descriptions and its Options.Shards, summaryLen int64s per
+// rank.
+func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb, shards int) ([]int64, error) {
 	all := fnv.New64a()
 	for _, d := range descs {
 		binary.Write(all, binary.LittleEndian, d.hash())
 	}
-	mine := []int64{int64(np), int64(nb), int64(all.Sum64())}
-	sum := make([]int64, 3*pg.Size())
+	mine := []int64{int64(np), int64(nb), int64(all.Sum64()), int64(shards)}
+	sum := make([]int64, summaryLen*pg.Size())
 	if err := gather(ctx, pg, sum, mine, "model summary"); err != nil {
 		return nil, err
 	}
@@ -255,14 +269,14 @@ type site struct {
 // firstDiffering returns the first tensor whose hash differs between the ranks within the
 // common prefix of each list (the parameters first), or nil. sum is round 1's gather.
 func firstDiffering(sum []int64, hs hashTable, maxP int) *site {
-	size := len(sum) / 3
+	size := len(sum) / summaryLen
 	for _, l := range []struct {
 		k        kind
 		off, col int
 	}{{kindParam, 0, 0}, {kindBuffer, 1, maxP}} {
 		n := math.MaxInt
 		for r := 0; r < size; r++ {
-			n = min(n, int(sum[3*r+l.off]))
+			n = min(n, int(sum[summaryLen*r+l.off]))
 		}
 		for i := 0; i < n; i++ {
 			for r := 1; r < size; r++ {
@@ -278,20 +292,20 @@ func firstDiffering(sum []int64, hs hashTable, maxP int) *site {
 // countMismatch reports the first list (parameters, then buffers) whose length differs
 // between rank 0 and another rank, or nil. sum is round 1's gather.
 func countMismatch(sum []int64) error {
-	size := len(sum) / 3
+	size := len(sum) / summaryLen
 	for _, l := range []struct {
 		k   kind
 		off int
 	}{{kindParam, 0}, {kindBuffer, 1}} {
 		var diff []int
 		for r := 1; r < size; r++ {
-			if sum[3*r+l.off] != sum[l.off] {
+			if sum[summaryLen*r+l.off] != sum[l.off] {
 				diff = append(diff, r)
 			}
 		}
 		if len(diff) > 0 {
 			e := &MismatchError{Kind: l.k.String(), Index: -1, Rank: diff[0], Other: diff[1:],
-				Want: fmt.Sprint(sum[l.off]), Got: fmt.Sprint(sum[3*diff[0]+l.off])}
+				Want: fmt.Sprint(sum[l.off]), Got: fmt.Sprint(sum[summaryLen*diff[0]+l.off])}
 			noun := l.k.String()
 			if sum[l.off] != 1 {
 				noun += "s"

@@ -96,6 +96,16 @@ type Options struct {
 	// gorgoniaddp.WrapNodes). It runs on Finalize's goroutine without the DDP's lock, so it
 	// may read the DDP (Grad32, Grad64, Err); its error fails the DDP and is Finalize's.
 	AfterSync func(d *DDP) error
+	// Shards, if positive, fixes the global batch instead of the per-rank batch: each step's
+	// batch is cut into Shards logical shards, a rank runs its own (LocalShards) with
+	// BeginShard or BackwardShards, and Finalize leaves the mean over the shards of their
+	// gradients, summed in shard order, so that it is the same bits at every world size
+	// (reducer Note [Shards]). The world size must divide Shards: New refuses another
+	// with a *ShardsError listing the sizes that work. Keying the data and every random
+	// number by (shard, step), never by rank, is the trainer's part. It takes the default
+	// CommHook, a fixed BucketCapMB and host memory, without FindUnusedParameters.
+	// 0 (the default): no shards, the per-rank batch and the all-reduce.
+	Shards int
 }
 
 // validate fills in the defaults (the reducer's options from reducer.Options.WithDefaults,
@@ -124,6 +134,7 @@ func (o *Options) reducerOptions() reducer.Options {
 		Device:               o.Device,
 		Stream:               o.Stream,
 		Logger:               o.Logger,
+		Shards:               o.Shards,
 	}
 }
 
@@ -178,6 +189,12 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	if err := opts.validate(); err != nil {
 		return nil, err
 	}
+	if opts.Shards < 0 {
+		return nil, fmt.Errorf("%w: Shards %d, want 0 (no shards) or positive", ErrInvalidArgument, opts.Shards)
+	}
+	if err := reducer.CheckShards(opts.Shards, pg.Size()); err != nil { // before any collective
+		return nil, fmt.Errorf("%w: Options.Shards: %w", ErrInvalidArgument, err)
+	}
 	d := &DDP{pg: pg, opts: opts, log: opts.Logger}
 	descs := make([]desc, 0, len(params)+len(opts.Buffers))
 	d.params = make([]Param, len(params))
@@ -214,7 +231,7 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	}
 	d.opts.Buffers = d.buffers
 	if pg.Size() > 1 {
-		if err := verify(ctx, pg, descs); err != nil {
+		if err := verify(ctx, pg, descs, opts.Shards); err != nil {
 			return nil, err
 		}
 		if err := broadcastAll(ctx, pg, d.tensors(true), chunkBytes(opts.BroadcastChunkMB)); err != nil {
@@ -328,6 +345,58 @@ func (d *DDP) BeginBackward(mode SyncMode) {
 		return
 	}
 	d.phase = next
+}
+
+// BeginShard starts the backward pass of shard s, one of this rank's (LocalShards), with
+// Options.Shards; it takes BeginBackward's place. Report the pass's gradients with
+// GradReady (each shard's own gradient: the DDP keeps every shard's apart and scales
+// nothing), then begin the rank's next shard; after the last of them, Finalize leaves in
+// each Param.Grad the mean over all the step's shards. The shards may run in any order,
+// each once per step. Like BeginBackward it never blocks and returns nothing: a shard
+// that is not this rank's, a shard run twice, a shard's pass that did not report every
+// parameter, or a missing shard at Finalize fails the DDP, and Finalize returns the error.
+// BackwardShards runs the whole loop.
+func (d *DDP) BeginShard(s int) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch d.phase {
+	case phaseFailed, phaseClosed:
+		return
+	case phaseFinalizing:
+		d.failLocked(fmt.Errorf("BeginShard during Finalize: %w", ErrPhase))
+		return
+	}
+	sync, err := d.r.BeginShard(s)
+	if err != nil {
+		d.failLocked(err)
+		return
+	}
+	d.phase = phaseAccumulate
+	if sync {
+		d.phase = phaseSync
+	}
+}
+
+// LocalShards returns the shards this rank runs with Options.Shards, [lo, hi): rank r of
+// a world of n runs [r·Shards/n, (r+1)·Shards/n). Without Shards it returns 0, 0.
+func (d *DDP) LocalShards() (lo, hi int) { return d.r.LocalShards() }
+
+// BackwardShards runs one step's backward with Options.Shards: for each of this rank's
+// shards in order, BeginShard and backward(shard), which must compute that shard's
+// micro-batch and report every gradient with GradReady; then Finalize(ctx). An error of
+// backward fails the DDP (see DDP).
+func (d *DDP) BackwardShards(ctx context.Context, backward func(shard int) error) error {
+	lo, hi := d.LocalShards()
+	if hi == lo {
+		return d.fail(fmt.Errorf("%w: BackwardShards without Options.Shards: use Backward", ErrInvalidArgument))
+	}
+	for s := lo; s < hi; s++ {
+		d.BeginShard(s)
+		if err := backward(s); err != nil {
+			return d.fail(fmt.Errorf("backward of shard %d: %w", s, err))
+		}
+	}
+	return d.Finalize(ctx)
 }
 
 // GradReady reports parameter i's gradient of the current backward pass (once per pass,

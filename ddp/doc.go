@@ -107,6 +107,33 @@
 // pass fails the DDP (ErrMarkedTwice): report a shared parameter once, after its
 // contributions are summed.
 //
+// # Shards (the same bits at every world size)
+//
+// With Options.Shards = L the global batch is fixed, not the per-rank batch: each step's
+// batch is L logical shards, rank r of a world of n runs shards [r·L/n, (r+1)·L/n)
+// (LocalShards), and Finalize leaves the mean over the L shards of their gradients, summed
+// in shard order, the same bits at every world size that divides L (New refuses another
+// with a *ShardsError listing the sizes that work; reducer Note [Shards]). BackwardShards
+// runs one step's backward, a pass per shard, then Finalize; BeginShard does it pass by
+// pass, for adapters:
+//
+//	for step := 0; step < steps; step++ {
+//		err := d.BackwardShards(ctx, func(shard int) error {
+//			forward(x[step][shard])          // the shard's micro-batch: keyed by (step, shard), never the rank
+//			backward2(mw2)                   // the shard's own mean gradient, unscaled
+//			d.GradReady(1, mw2)
+//			backward1(mw1)
+//			return d.GradReady(0, mw1)
+//		})
+//		if err != nil {
+//			return err
+//		}
+//		sgd(w1, gw1); sgd(w2, gw2) // the mean over the L shards
+//	}
+//
+// Every pass must report every parameter (there is no FindUnusedParameters with Shards),
+// and random numbers (dropout, say) are the trainer's to key by (step, shard) too.
+//
 // # Errors
 //
 // BeginBackward returns nothing, and an adapter's hook cannot return an error: their errors

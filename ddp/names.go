@@ -25,6 +25,10 @@ type IterStats = reducer.IterStats
 // AutoBucketCap, as Options.BucketCapMB, lets the DDP choose its bucket layout.
 const AutoBucketCap = reducer.AutoBucketCap
 
+// ShardsError is New's error for Options.Shards that the world size does not divide:
+// Fit lists the world sizes that work.
+type ShardsError = reducer.ShardsError
+
 // AutoPlan is what the automatic bucket sizing measured and chose.
 type AutoPlan = reducer.AutoPlan
 

@@ -63,11 +63,17 @@
 // of rank 0's order, a host buffer), and Close (which drains the stream before freeing the
 // buckets).
 //
+// With Options.Shards = L the step's batch is L logical shards, and the result is the same
+// bits at every world size that divides L: each rank runs its shards (LocalShards), one
+// pass each begun with BeginShard instead of BeginBackward; the last pass's buckets are
+// gathered, and Finalize sums the shards in shard order and divides by L (Note [Shards]).
+//
 // With Options.BucketCapMB = AutoBucketCap the reducer chooses the caps itself from its
 // first three synced passes and the step model of package bucket/sim (Note [Auto buckets]);
 // AutoPlan says what it chose.
 //
 // Design notes: Note [Bucket order] and Note [Accumulation window] (Machine), Note
-// [Rebuild] (Reducer.rebuild), Note [Auto buckets] (autotune.go), Note [Bucket assignment]
+// [Rebuild] (Reducer.rebuild), Note [Auto buckets] (autotune.go), Note [Shards]
+// (shards.go), Note [Bucket assignment]
 // (package bucket), Note [Step model] (package bucket/sim).
 package reducer

@@ -448,6 +448,16 @@ func (m *Machine) SetBuckets(buckets []bucket.Bucket) error {
 	return nil
 }
 
+// Missing is an *UnusedError naming the parameters not reported in the current (or last)
+// backward pass, Sync or Accumulate, or nil if every parameter was; it does not fail the
+// machine. (A driver that gives each pass buffers of its own needs every pass complete.)
+func (m *Machine) Missing() error {
+	if m.nOrder == len(m.params) {
+		return nil
+	}
+	return m.unusedError()
+}
+
 // unusedError names the parameters not ready in the current synced backward, or is nil.
 func (m *Machine) unusedError() error {
 	e := &UnusedError{Iter: m.iter}

@@ -91,6 +91,9 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 			*u += (bk.Len + bucketAlign/8 - 1) &^ (bucketAlign/8 - 1)
 			s.view.Buffer = s.f64
 		}
+		if r.sh != nil {
+			s.sh = r.sh.newShardBufs(bk.Len, bk.DType == procgroup.Float64, r.pg.Size())
+		}
 	}
 	if r.lay != nil {
 		for b := range r.slots {

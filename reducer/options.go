@@ -39,6 +39,14 @@ type Options struct {
 	Stream procgroup.Stream
 	// Logger receives the rare log lines (layout, rebuild); nil means zap.NewNop().
 	Logger *zap.Logger
+	// Shards, if positive, cuts each step's global batch into that many logical shards and
+	// makes the averaged gradient the same bits at every world size (Note [Shards]): the
+	// world size must divide Shards (CheckShards), each rank runs its shards with
+	// BeginShard instead of BeginBackward, and Finalize leaves the mean over the shards
+	// of their gradients, summed in shard order. 0: no shards (the all-reduce of
+	// CommHook). It takes the default CommHook, fixed bucket caps and host gradients,
+	// without FindUnusedParameters.
+	Shards int
 }
 
 // WithDefaults returns o with its zero fields set to their defaults: BucketCapMB 25,
@@ -68,6 +76,25 @@ func (o *Options) validate() error {
 	}
 	if o.BucketCapMB == AutoBucketCap && o.Device {
 		return fmt.Errorf("%w: AutoBucketCap is not available with Options.Device yet: give BucketCapMB", ErrInvalidArgument)
+	}
+	if o.Shards < 0 {
+		return fmt.Errorf("%w: Shards %d, want 0 (no shards) or positive", ErrInvalidArgument, o.Shards)
+	}
+	if o.Shards > 0 {
+		var with string
+		switch {
+		case o.CommHook != AllReduceHook():
+			with = "a CommHook (the shards are gathered and summed in shard order instead)"
+		case o.BucketCapMB == AutoBucketCap:
+			with = "AutoBucketCap (give BucketCapMB)"
+		case o.Device:
+			with = "Options.Device (not yet)"
+		case o.FindUnusedParameters:
+			with = "FindUnusedParameters (every shard's pass must report every parameter)"
+		}
+		if with != "" {
+			return fmt.Errorf("%w: Shards cannot be combined with %s", ErrInvalidArgument, with)
+		}
 	}
 	return nil
 }

@@ -35,6 +35,7 @@ type slot struct {
 	view BucketView
 	work procgroup.Work // the bucket's in-flight reduction, nil when not launched
 	seen bool           // its completion was recorded in the stats
+	sh   *shardBufs     // with Options.Shards (Note [Shards])
 }
 
 // Reducer averages gradients across the ranks of a ProcessGroup: the driver of a Machine.
@@ -58,8 +59,9 @@ type Reducer struct {
 	log     *zap.Logger
 	params  []Param
 	bparams []bucket.Param
-	inv32   float32 // 1 / world size
+	inv32   float32 // 1 / world size (1 with Options.Shards: the fold divides)
 	inv64   float64
+	sh      *shardState // with Options.Shards (Note [Shards]); its step fields are guarded by mu
 
 	mu       sync.Mutex // guards the fields below
 	m        *Machine
@@ -160,6 +162,13 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	if h, ok := opts.CommHook.(DividingHook); ok && h.DividesByWorldSize() {
 		r.inv32, r.inv64 = 1, 1 // the hook averages the local sums itself
 	}
+	if opts.Shards > 0 {
+		if err := CheckShards(opts.Shards, pg.Size()); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrInvalidArgument, err)
+		}
+		r.sh = newShardState(opts.Shards, pg.Rank(), pg.Size())
+		r.inv32, r.inv64 = 1, 1 // each shard's gradient is kept as it is; the fold divides
+	}
 	r.order64 = make([]int64, len(params))
 	if err := r.setLayout(r.m.Layout()); err != nil {
 		r.freeDevice()
@@ -211,6 +220,14 @@ func (r *Reducer) BeginBackward(mode Mode) error {
 	if r.closed {
 		return ErrClosed
 	}
+	if r.sh != nil {
+		return fmt.Errorf("%w: BeginBackward with Options.Shards: begin each shard's pass with BeginShard", ErrInvalidArgument)
+	}
+	return r.beginLocked(mode)
+}
+
+// beginLocked is BeginBackward's work. r.mu must be held.
+func (r *Reducer) beginLocked(mode Mode) error {
 	if err := r.m.BeginBackward(mode); err != nil {
 		return r.afterMachineErr(err)
 	}
@@ -243,8 +260,9 @@ func (r *Reducer) BeginBackward(mode Mode) error {
 }
 
 // GradReady copies parameter i's freshly computed gradient (a float32 parameter's) into its
-// bucket slot, divided by the world size — or adds it there, after an Accumulate pass — and
-// launches every bucket this completes, in bucket order. It never blocks on communication.
+// bucket slot, divided by the world size — or adds it there, after an Accumulate pass; with
+// Options.Shards it copies it, undivided, into the running shard's buffer — and launches
+// every bucket this completes, in bucket order. It never blocks on communication.
 // grad is only read, and may be reused once GradReady returns.
 func (r *Reducer) GradReady(i int, grad []float32) error {
 	t0 := time.Now()
@@ -261,8 +279,12 @@ func (r *Reducer) GradReady(i int, grad []float32) error {
 		return r.afterMachineErr(err)
 	}
 	a := acts[0] // always the copy
-	dst := bucket.View(r.slots[a.Bucket].f32, r.lay.Where[i])
-	scaleInto(dst, grad, r.inv32, a.Add)
+	s := &r.slots[a.Bucket]
+	buf, add := s.f32, a.Add
+	if s.sh != nil { // the running shard's own buffer, overwritten (Note [Shards])
+		buf, add = s.sh.in32[r.sh.cur*len(buf):][:len(buf)], false
+	}
+	scaleInto(bucket.View(buf, r.lay.Where[i]), grad, r.inv32, add)
 	r.afterCopy(i, acts[1:], t0)
 	return nil
 }
@@ -283,8 +305,12 @@ func (r *Reducer) GradReady64(i int, grad []float64) error {
 		return r.afterMachineErr(err)
 	}
 	a := acts[0]
-	dst := bucket.View(r.slots[a.Bucket].f64, r.lay.Where[i])
-	scaleInto(dst, grad, r.inv64, a.Add)
+	s := &r.slots[a.Bucket]
+	buf, add := s.f64, a.Add
+	if s.sh != nil {
+		buf, add = s.sh.in64[r.sh.cur*len(buf):][:len(buf)], false
+	}
+	scaleInto(bucket.View(buf, r.lay.Where[i]), grad, r.inv64, add)
 	r.afterCopy(i, acts[1:], t0)
 	return nil
 }
@@ -347,7 +373,11 @@ func (r *Reducer) launch(b int, now time.Time) time.Time {
 	// The launch time is taken before the call: a collective may complete inside it, and
 	// its exact completion time (finishedAt) must not come before its launch.
 	t := time.Now()
-	s.work = r.opts.CommHook.Launch(context.Background(), r.pg, &s.view)
+	if s.sh != nil {
+		s.work = r.launchShards(s)
+	} else {
+		s.work = r.opts.CommHook.Launch(context.Background(), r.pg, &s.view)
+	}
 	st.BucketLaunched[b] = t.Sub(st.Start)
 	return t
 }
@@ -398,6 +428,11 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 		return ErrClosed
 	}
 	now := time.Now()
+	if r.sh != nil {
+		if err := r.checkShardsRun(); err != nil {
+			return err
+		}
+	}
 	acts, err := r.m.Finalize()
 	if err != nil {
 		return r.afterMachineErr(err)
@@ -438,6 +473,9 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 				}
 				st.FinalizeEnd = time.Since(st.Start)
 				r.finished = true
+				if r.sh != nil {
+					r.sh.endStep()
+				}
 				if r.auto != nil && st.Mode == Sync {
 					r.auto.passDone(r, st)
 				}
@@ -483,7 +521,9 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 // r.mu must be held.
 func (r *Reducer) unpack(b int) error {
 	s := &r.slots[b]
-	if err := r.opts.CommHook.Finish(&s.view); err != nil {
+	if s.sh != nil {
+		r.foldShards(s)
+	} else if err := r.opts.CommHook.Finish(&s.view); err != nil {
 		return fmt.Errorf("reducer: backward %d: bucket %d: comm hook: %w", r.m.Iter(), b, err)
 	}
 	if r.opts.GradientAsBucketView {

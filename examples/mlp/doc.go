@@ -12,6 +12,8 @@
 //	ddprun --nproc_per_node 2 ./examples/mlp                        # 2 ranks, batch 16 each
 //	ddprun --nproc_per_node 2 ./examples/mlp -- --accum_steps 4     # 3 of 4 micro-batches under NoSync
 //	go run ./examples/mlp --no_ddp --batch_size 32                  # one process, the same global batch
+//	ddprun --nproc_per_node 3 ./examples/mlp -- --global_batch_size 24 --micro_batch_size 4
+//	                                      # 6 shards: the same params_crc32 on 1, 2, 3 or 6 ranks
 //
 // Without --no_ddp each process is one rank of the group its launcher describes (ddprun,
 // torchrun-style variables, srun, mpirun; see ddp.InitProcessGroup), on --backend (gloo).
@@ -21,6 +23,14 @@
 // so W ranks with --batch_size B and --accum_steps K see the data of one --no_ddp process
 // with --batch_size B·K·W, and end with the same parameters up to float32 rounding (the
 // tests check 2 ranks against one process to 1e-6).
+//
+// With --global_batch_size B --micro_batch_size m (instead of --batch_size and
+// --accum_steps) the step's batch is L = B/m logical shards (ddp.Options.Shards): shard s
+// of step t holds the m samples from (t·L + s)·m on, whichever rank runs it, and the ranks'
+// gradients are summed in shard order, so every world size that divides L ends with the
+// same bits, and so does --no_ddp, which runs the L shards and sums them the same way
+// itself. A world size that does not divide L is refused at start, naming the sizes that
+// work.
 //
 // Output: rank 0 prints the loss of the global batch every --log_every steps; every rank
 // ends with "params_crc32=<8 hex>", the CRC-32 (IEEE) of its final parameters'

@@ -30,6 +30,17 @@ type flags struct {
 	backend    string
 	noDDP      bool
 	saveParams string
+	global     int // --global_batch_size: samples per step over all ranks (with --micro_batch_size)
+	micro      int // --micro_batch_size: samples per logical shard
+}
+
+// shards is the number of logical shards of a step's batch, L = global/micro; 0 without
+// --global_batch_size.
+func (f flags) shards() int {
+	if f.micro == 0 {
+		return 0
+	}
+	return f.global / f.micro
 }
 
 func parseFlags(args []string, stderr io.Writer) (flags, error) {
@@ -48,8 +59,20 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.StringVar(&f.backend, "backend", "gloo", "process group backend")
 	fs.BoolVar(&f.noDDP, "no_ddp", false, "one process, no process group, the same --batch_size")
 	fs.StringVar(&f.saveParams, "save_params", "", "rank 0 writes the final parameters (little-endian float32) to this file")
+	fs.IntVar(&f.global, "global_batch_size", 0, "samples per step over all ranks, cut into global/micro logical shards whose sum is the same bits at every world size (with --micro_batch_size; instead of --batch_size and --accum_steps)")
+	fs.IntVar(&f.micro, "micro_batch_size", 0, "samples per logical shard (with --global_batch_size)")
 	if err := fs.Parse(args); err != nil {
 		return f, err
+	}
+	set := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	if set["global_batch_size"] || set["micro_batch_size"] {
+		switch {
+		case f.global <= 0 || f.micro <= 0 || f.global%f.micro != 0:
+			return f, fmt.Errorf("--global_batch_size %d, --micro_batch_size %d: want both positive, the global batch a multiple of the micro-batch", f.global, f.micro)
+		case set["batch_size"] || set["accum_steps"]:
+			return f, fmt.Errorf("--global_batch_size and --micro_batch_size fix the batch: drop --batch_size and --accum_steps")
+		}
 	}
 	switch {
 	case fs.NArg() > 0:
@@ -118,10 +141,17 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			params[i] = ddp.Param{Name: m.names[i], Data: m.params[i], Grad: m.grads[i]}
 		}
 		var err error // New checks the ranks' models agree and copies rank 0's parameters
-		if d, err = ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB}); err != nil {
+		opts := ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards()}
+		if d, err = ddp.New(ctx, pg, params, opts); err != nil {
+			if f.shards() > 0 {
+				return nil, fmt.Errorf("--global_batch_size %d / --micro_batch_size %d: %w", f.global, f.micro, err)
+			}
 			return nil, err
 		}
 		defer d.Close()
+	}
+	if f.shards() > 0 {
+		return m, trainShards(ctx, f, pg, d, m, stdout)
 	}
 	ready := func(i int) { // backward reports parameter i's micro-batch gradient
 		if d != nil {
@@ -178,6 +208,79 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		}
 	}
 	return m, nil
+}
+
+// trainShards is train's loop with --global_batch_size: the step's batch is L logical
+// shards of --micro_batch_size samples, shard s of step t holding the samples from
+// (t·L + s)·micro on whatever rank runs it, and ddp sums the shards' gradients in shard
+// order (ddp.Options.Shards). With a nil d, one process runs every shard and sums them the
+// same way itself: the first shard's gradient, plus each next one in order, times 1/L.
+func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp.DDP, m *mlp, stdout io.Writer) error {
+	L := f.shards()
+	lo, hi := 0, L
+	if d != nil {
+		lo, hi = d.LocalShards()
+	}
+	losses, all := make([]float32, hi-lo), make([]float32, L) // per shard: its mean loss
+	xs, ys := make([]float32, f.micro*inputs), make([]float32, f.micro)
+	first := false // alone: the step's first shard is copied, the next ones added
+	ready := func(i int) {
+		switch {
+		case d != nil:
+			d.GradReady(i, m.micro[i]) // an error comes back from Finalize
+		case first:
+			copy(m.grads[i], m.micro[i])
+		default:
+			for k, g := range m.micro[i] {
+				m.grads[i][k] += g
+			}
+		}
+	}
+	step := 0
+	shard := func(s int) error {
+		samples(f.seed, (step*L+s)*f.micro, f.micro, xs, ys)
+		losses[s-lo] = m.forwardBackward(xs, ys, 1, ready) // the shard's own mean
+		return nil
+	}
+	inv := 1 / float32(L)
+	for ; step < f.steps; step++ {
+		if d != nil {
+			if err := d.BackwardShards(ctx, shard); err != nil { // m.grads: the mean over the shards
+				return err
+			}
+		} else {
+			for s := range L {
+				first = s == 0
+				_ = shard(s)
+			}
+			for _, g := range m.grads {
+				for k := range g {
+					g[k] *= inv
+				}
+			}
+		}
+		m.sgd(float32(f.lr))
+
+		if f.logEvery > 0 && (step%f.logEvery == 0 || step == f.steps-1) {
+			copy(all, losses)
+			if pg != nil { // every rank takes part: the shards' losses, summed in shard order
+				if err := pg.AllGather(ctx, all, losses).Wait(ctx); err != nil {
+					return err
+				}
+			}
+			l := all[0]
+			for _, v := range all[1:] {
+				l += v
+			}
+			if pg == nil || pg.Rank() == 0 {
+				fmt.Fprintf(stdout, "step %d loss %.6f\n", step, l*inv)
+			}
+		}
+	}
+	if pg != nil { // leave together, as train does
+		return pg.Barrier(ctx).Wait(ctx)
+	}
+	return nil
 }
 
 // paramBytes is p's little-endian float32 bytes.

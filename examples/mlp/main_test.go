@@ -201,6 +201,103 @@ func trainRanks(t *testing.T, size int, args string) [][]float32 {
 	return params
 }
 
+// buildDDPRun builds the real ddprun into a temporary folder.
+func buildDDPRun(t *testing.T) string {
+	t.Helper()
+	ddprun := filepath.Join(t.TempDir(), "ddprun")
+	if out, err := exec.Command(goTool(), "build", "-o", ddprun, "github.com/goddp/goddp/cmd/ddprun").CombinedOutput(); err != nil {
+		t.Fatalf("building ddprun: %v\n%s", err, out)
+	}
+	return ddprun
+}
+
+// ddprunTrainer runs n ranks of this trainer (this test binary) under ddprun with args, and
+// returns each rank's last line of stdout ("rank0" → line), and its stdout and stderr.
+func ddprunTrainer(t *testing.T, ddprun string, n int, args string) (last map[string]string, stdout, stderr string, err error) {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, ddprun, append([]string{"--standalone", "--nproc_per_node", fmt.Sprint(n), exe, "--"}, strings.Fields(args)...)...)
+	cmd.Env = append(os.Environ(), asMainEnv+"=1")
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err = cmd.Run()
+	last = map[string]string{}
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		if rank, rest, ok := strings.Cut(line, "]: "); ok {
+			last[strings.TrimPrefix(rank, "[")] = rest
+		}
+	}
+	return last, out.String(), errOut.String(), err
+}
+
+// shardArgs: 6 logical shards of 4 samples (a global batch of 24), buckets of about 100
+// bytes (so that each step gathers several), 8 steps.
+const shardArgs = "--hidden_size 16 --steps 8 --log_every 7 --lr 0.3 --global_batch_size 24 --micro_batch_size 4 --bucket_cap_mb 0.0001 --first_bucket_cap_mb 0.0001"
+
+// TestShardsSameBitsAtEveryWorldSize launches this trainer under the real ddprun with 6
+// logical shards at world sizes 1, 2, 3 and 6, and checks that every rank of every run
+// ends with one params_crc32 and prints the same losses, and that it is the crc of one
+// process (--no_ddp) that runs the 6 shards and sums their gradients in shard order itself.
+// The same global batch with today's all-reduce (3 ranks, --batch_size 4 --accum_steps 2:
+// the same samples in each step) ends with another crc, so the comparison can tell.
+func TestShardsSameBitsAtEveryWorldSize(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun")
+	}
+	ddprun := buildDDPRun(t)
+	var out bytes.Buffer
+	m, err := train(context.Background(), mustParse(t, shardArgs+" --no_ddp"), nil, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("params_crc32=%08x", crc32.ChecksumIEEE(paramBytes(m.flat())))
+	losses := strings.TrimSpace(out.String())
+	for _, n := range []int{1, 2, 3, 6} {
+		last, stdout, stderr, err := ddprunTrainer(t, ddprun, n, shardArgs)
+		if err != nil {
+			t.Fatalf("world %d: ddprun: %v\nstdout:\n%s\nstderr:\n%s", n, err, stdout, stderr)
+		}
+		if len(last) != n {
+			t.Fatalf("world %d: last lines of %d ranks: %q", n, len(last), last)
+		}
+		for rank, line := range last {
+			if line != want {
+				t.Errorf("world %d: %s ends with %q; one process with the same 6 shards: %q", n, rank, line, want)
+			}
+		}
+		for _, l := range strings.Split(losses, "\n") {
+			if !strings.Contains(stdout, "[rank0]: "+l+"\n") {
+				t.Errorf("world %d: rank 0 does not print the one process's %q:\n%s", n, l, stdout)
+			}
+		}
+	}
+	last, stdout, stderr, err := ddprunTrainer(t, ddprun, 3, strings.ReplaceAll(shardArgs, "--global_batch_size 24 --micro_batch_size 4", "--batch_size 4 --accum_steps 2"))
+	if err != nil {
+		t.Fatalf("today's all-reduce: ddprun: %v\nstdout:\n%s\nstderr:\n%s", err, stdout, stderr)
+	}
+	if last["rank0"] == want || !strings.HasPrefix(last["rank0"], "params_crc32=") {
+		t.Errorf("today's all-reduce over 3 ranks ends with %q, the shards' crc %q: the comparison cannot tell\nstdout:\n%s", last["rank0"], want, stdout)
+	}
+}
+
+// TestShardsWorldSizeRefused: 4 ranks cannot share 6 shards; every rank fails at start
+// with an error that says which world sizes work.
+func TestShardsWorldSizeRefused(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun")
+	}
+	_, stdout, stderr, err := ddprunTrainer(t, buildDDPRun(t), 4, shardArgs)
+	const msg = "mlp: --global_batch_size 24 / --micro_batch_size 4: ddp: invalid argument: Options.Shards: 6 shards cannot be spread over a world of 4 ranks: every rank runs the same number of shards, so the world size must divide 6; world sizes that work: 1, 2, 3, 6"
+	if err == nil || !strings.Contains(stdout+stderr, msg) || strings.Contains(stdout, "params_crc32=") {
+		t.Fatalf("ddprun: %v, want a failure saying %q\nstdout:\n%s\nstderr:\n%s", err, msg, stdout, stderr)
+	}
+}
+
 func goTool() string {
 	if p := filepath.Join(os.Getenv("GOROOT"), "bin", "go"); os.Getenv("GOROOT") != "" {
 		if _, err := os.Stat(p); err == nil {
@@ -208,4 +305,26 @@ func goTool() string {
 		}
 	}
 	return "go"
+}
+
+// TestShardFlags: --global_batch_size and --micro_batch_size are checked together, and
+// refuse --batch_size and --accum_steps beside them.
+func TestShardFlags(t *testing.T) {
+	if f := mustParse(t, "--global_batch_size 24 --micro_batch_size 4"); f.shards() != 6 {
+		t.Errorf("24 / 4: %d shards", f.shards())
+	}
+	if f := mustParse(t, "--batch_size 4"); f.shards() != 0 {
+		t.Errorf("without --global_batch_size: %d shards", f.shards())
+	}
+	for args, want := range map[string]string{
+		"--global_batch_size 24":                                      "--global_batch_size 24, --micro_batch_size 0: want both positive",
+		"--micro_batch_size 4":                                        "--global_batch_size 0, --micro_batch_size 4: want both positive",
+		"--global_batch_size 25 --micro_batch_size 4":                 "the global batch a multiple of the micro-batch",
+		"--global_batch_size 24 --micro_batch_size 4 --batch_size 8":  "drop --batch_size and --accum_steps",
+		"--global_batch_size 24 --micro_batch_size 4 --accum_steps 2": "drop --batch_size and --accum_steps",
+	} {
+		if _, err := parseFlags(strings.Fields(args), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want an error saying %q", args, err, want)
+		}
+	}
 }
