@@ -183,7 +183,7 @@ func (g *group) hierPipeline(o *op, inPlace bool) error {
 		if k < P { // sum piece k on this host, and send it across
 			at, b := piece(k)
 			if inPlace {
-				g.hostReduce(sum, b, at)
+				err = g.hostReduce(sum, b, at)
 			} else {
 				err = g.shmRing(sum, b, &g.local, 0, L-1)
 			}
@@ -198,7 +198,7 @@ func (g *group) hierPipeline(o *op, inPlace bool) error {
 			if err == nil {
 				at, b := piece(k - 1)
 				if inPlace {
-					g.hostBroadcast(b, at)
+					err = g.hostBroadcast(b, at)
 				} else {
 					err = g.shmRing(o, b, &g.local, L-1, 2*L-2)
 				}

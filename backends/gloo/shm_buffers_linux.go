@@ -489,22 +489,24 @@ func (g *group) hierPost(o *op) (bool, error) {
 // hostReduce is the first host phase of Note [Host phases in place], for b, the piece of
 // o.buf at byte at (Note [Hierarchical pipeline]) whose local chunks are in g.local: this
 // rank's local chunk of b ends as its sum over the host's buffers (o.rop, never Avg here).
-// After an abort it may stop short; the middle ring and the last phase then fail.
-func (g *group) hostReduce(o *op, b []byte, at int) {
+// After an abort it stops short and returns the abort's error, which hierPipeline
+// must not pass over: the unreduced chunk would go to the middle ring, whose peers on
+// other hosts may not have seen the abort yet, and they would sum it as if complete.
+func (g *group) hostReduce(o *op, b []byte, at int) error {
 	v := &g.local // its positions are the members in rank order, as their local indices
-	g.reduceBlocks(o, v.chunk(b, v.pos), at+v.offs[v.ids[v.pos]], false)
+	return g.reduceBlocks(o, v.chunk(b, v.pos), at+v.offs[v.ids[v.pos]], false)
 }
 
 // hostBroadcast is the last host phase of Note [Host phases in place], for the piece b at
 // at as in hostReduce: this rank's local chunk of b, final, goes into every member's
 // buffer. The members wait for each other once, after the last piece. After an abort it
 // writes nothing (Note [Late ranks]); the last phase then fails.
-func (g *group) hostBroadcast(b []byte, at int) {
+func (g *group) hostBroadcast(b []byte, at int) error {
 	if stallHook != nil {
 		stallHook(g, "hostBroadcast")
 	}
-	if g.shmCheck() != nil {
-		return
+	if err := g.shmCheck(); err != nil {
+		return err
 	}
 	m, v := g.shm, &g.local
 	own := v.chunk(b, v.pos)
@@ -514,6 +516,7 @@ func (g *group) hostBroadcast(b []byte, at int) {
 			copy(p[at:at+len(own)], own)
 		}
 	}
+	return nil
 }
 
 // shmPhase publishes this rank's state, rings the peers, and waits until every peer's

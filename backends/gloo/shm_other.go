@@ -33,9 +33,9 @@ func (g *group) inPlaceOK() bool                                { return false }
 func (g *group) ownsShared([]byte) bool                         { return false }
 func (g *group) hostInPlaceOK() bool                            { return false }
 func (g *group) hierPost(*op) (bool, error)                     { return false, nil }
-func (g *group) hostReduce(*op, []byte, int)                    { panic("gloo: no shared memory") }
+func (g *group) hostReduce(*op, []byte, int) error              { panic("gloo: no shared memory") }
 func (g *group) shmPhase(uint64) error                          { panic("gloo: no shared memory") }
-func (g *group) hostBroadcast([]byte, int)                      { panic("gloo: no shared memory") }
+func (g *group) hostBroadcast([]byte, int) error                { panic("gloo: no shared memory") }
 
 // arenaAlloc and sharedAlloc have no shared memory to hand out here.
 func (g *group) arenaAlloc(procgroup.DType, int) any           { return nil }
