@@ -160,8 +160,11 @@ func (g *group) agreeShm(ctx context.Context) error {
 	if !g.hostShm {
 		lacks[g.rank] = 1
 	}
-	if err := g.submitPath(ctx, lacks, procgroup.Max, "direct").Wait(ctx); err != nil {
-		return fmt.Errorf("agreeing on shared memory: %w", err)
+	// Part of New: bounded like the rest of its set-up, not by the collective timeout.
+	actx, cancel := context.WithTimeout(ctx, g.opts.ConnectTimeout)
+	defer cancel()
+	if err := g.submitPath(actx, lacks, procgroup.Max, "direct").Wait(actx); err != nil {
+		return fmt.Errorf("agreeing on shared memory (bounded by %s, %s): %w", g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv, err)
 	}
 	var without []int
 	for j, l := range lacks {

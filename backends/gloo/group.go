@@ -429,13 +429,17 @@ func (g *group) abort(cause error) {
 		}
 		deadline := time.Now().Add(300 * time.Millisecond)
 		for _, p := range g.peers {
-			if p != nil && p.rank != lost {
-				if p.sendAbort(lost, cause.Error(), deadline) {
-					// Note [Shared memory]: a peer that got the frame also gets
-					// the abort where it waits on shared memory.
-					g.shmAbort(p.rank, lost, cause.Error())
-				}
+			if p == nil {
+				continue
 			}
+			if p.rank != lost {
+				p.sendAbort(lost, cause.Error(), deadline)
+			}
+			// Note [Shared memory]: a peer of the region also gets the abort where it
+			// waits on shared memory, whether or not its frame went out in time and
+			// even if it is the rank named lost: a late rank must see it before it
+			// touches buffers that this rank's caller may free (Note [Late ranks]).
+			g.shmAbort(p.rank, lost, cause.Error())
 		}
 		g.shmWake()
 		g.shutdown()
