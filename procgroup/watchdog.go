@@ -1,7 +1,6 @@
 package procgroup
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -38,9 +37,10 @@ type WatchdogOptions struct {
 	// not joined it. Zero means $GODDP_STALL_WARN, else DefaultStallWarn (at most half of
 	// Timeout).
 	WarnAfter time.Duration
-	// Interval is the period at which the watchdog checks the oldest pending collective,
-	// publishes this rank's progress and polls the group's abort flag in the store
-	// (default WarnAfter/4, at most 1 s, at least 10 ms).
+	// Interval is the period at which the watchdog checks the oldest pending collective
+	// and polls the group's abort flag in the store (default WarnAfter/4, at most 1 s, at
+	// least 10 ms). A change in this rank's progress is published in the store within
+	// Interval/10, and at most once per Interval/10 (Note [Stall report]).
 	Interval time.Duration
 	// Host names this rank's machine in reports (default os.Hostname()).
 	Host string
@@ -219,13 +219,14 @@ func peek(ctx context.Context, s Store, key string) ([]byte, error) {
 // bounds each of them.
 //
 // The collectives are numbered 1, 2, ... in issue order (invalid calls, which fail at once
-// with ErrInvalidArgument, take no number). One goroutine wakes every opts.Interval; it
-// publishes this rank's last issued and last completed numbers and its host in store (only
-// when they changed: nothing is written per collective), and polls the group's abort flag.
-// When the oldest pending collective has waited opts.WarnAfter, it reads every rank's
-// progress and logs the ranks that have not issued it (Note [Stall report]); at
-// opts.Timeout it sets the abort flag with a *CollectiveTimeoutError, aborts pg with it,
-// and every other rank's watchdog, seeing the flag, aborts its own group with a
+// with ErrInvalidArgument, take no number). One goroutine publishes this rank's last issued
+// and last completed numbers and its host in store within opts.Interval/10 of a change (at
+// most once per Interval/10, whatever the rate of collectives), and every opts.Interval
+// polls the group's abort flag. When the oldest pending collective has waited
+// opts.WarnAfter, it reads every rank's progress and logs the ranks that have not issued it
+// (Note [Stall report]); at opts.Timeout it sets the abort flag with a
+// *CollectiveTimeoutError, aborts pg with it, and every other rank's watchdog, seeing the
+// flag, aborts its own group with a
 // *RemoteAbortError (so a rank stuck outside any collective fails too: its next collective
 // fails at once, and opts.OnAbort is called).
 //
@@ -249,6 +250,7 @@ func WithWatchdog(pg ProcessGroup, store Store, opts WatchdogOptions) (ProcessGr
 		log:  opts.Logger.With(zap.String("component", "watchdog")),
 		ctx:  ctx,
 		stop: cancel,
+		kick: make(chan struct{}, 1),
 	}
 	// The first publication is synchronous, so that a peer's report never finds this rank
 	// unknown once the group exists.
@@ -259,9 +261,20 @@ func WithWatchdog(pg ProcessGroup, store Store, opts WatchdogOptions) (ProcessGr
 }
 
 // Note [Stall report]: a rank has "joined" collective #s when its published Issued is at
-// least s. The report is only as fresh as the last publication (opts.Interval), which is why
-// Interval is kept well below WarnAfter. Stall reports, timeouts and the abort flag use the
-// store only when something is wrong, or once per Interval.
+// least s, and the report gives its published Completed. A rank that is stuck cannot
+// publish (a rank frozen by SIGSTOP runs no code at all), so the report is only true if
+// every rank published its progress before it stopped, promptly. Publishing once per
+// Interval would leave up to an Interval of completions unpublished (and report a rank
+// frozen within its first Interval as having completed #0). So the monitor publishes on
+// change, with a hold-off: after a publication it waits publishDelay (Interval/10) before
+// the next, then publishes the first change at once. It learns of that change by waiting
+// on the oldest pending work's Done channel and on kick, which issue signals without
+// blocking; while it holds off it watches neither, so however fast collectives complete it
+// wakes about once per publishDelay and writes at most one key per publishDelay (after a
+// failed write it waits an Interval). The caller's path gains one non-blocking channel send
+// per collective. A rank that stopped more than publishDelay (plus a store round trip)
+// after its last change is reported exactly. Stall reports, timeouts and the abort flag
+// use the store only when something is wrong, or once per Interval.
 
 type pendingWork struct {
 	seq   int64
@@ -288,10 +301,16 @@ type watchdog struct {
 	pending   []pendingWork // issue order; works complete in that order
 	cause     error         // the watchdog's abort reason, once known
 
+	// kick is signalled (without blocking) by issue, so that the monitor publishes the
+	// change (Note [Stall report]).
+	kick chan struct{}
+
 	// Owned by the monitor goroutine (and WithWatchdog before it starts).
-	published []byte
-	warned    int64 // the last sequence number reported as stalled
-	fired     bool  // the watchdog has aborted the group
+	published               bool      // pubIssued and pubCompleted are in the store
+	pubIssued, pubCompleted int64     // the progress last published
+	nextPub                 time.Time // no publication before this (Note [Stall report])
+	warned                  int64     // the last sequence number reported as stalled
+	fired                   bool      // the watchdog has aborted the group
 }
 
 var _ ProcessGroup = (*watchdog)(nil)
@@ -313,13 +332,23 @@ func (w *watchdog) issue(op CollectiveOp, call func() Work) Work {
 		w.issued++
 		if len(w.pending) == 0 {
 			w.completed = w.issued
+			w.signal()
 			return w.wrap(wk)
 		}
 	default:
 		w.issued++
 	}
 	w.pending = append(w.pending, pendingWork{seq: w.issued, op: op, start: time.Now(), work: wk})
+	w.signal()
 	return w.wrap(wk)
+}
+
+// signal tells the monitor that this rank's progress changed, without blocking.
+func (w *watchdog) signal() {
+	select {
+	case w.kick <- struct{}{}:
+	default:
+	}
 }
 
 func (w *watchdog) wrap(wk Work) Work { return &wdWork{Work: wk, w: w} }
@@ -368,17 +397,75 @@ func (w *watchdog) shutdown() {
 	})
 }
 
+// publishDelay is the hold-off between two publications of this rank's progress, and so
+// the bound on how stale a publication is (Note [Stall report]).
+func (w *watchdog) publishDelay() time.Duration { return max(w.opts.Interval/10, time.Millisecond) }
+
 func (w *watchdog) run() {
 	defer w.wg.Done()
 	t := time.NewTicker(w.opts.Interval)
 	defer t.Stop()
+	hold := time.NewTimer(time.Hour)
+	hold.Stop()
+	defer hold.Stop()
 	for {
+		// Note [Stall report]: wait for a change, or for the end of the hold-off.
+		var kick, done <-chan struct{}
+		var held <-chan time.Time
+		if !w.fired {
+			if d := time.Until(w.nextPub); d > 0 {
+				hold.Reset(d)
+				held = hold.C
+			} else {
+				kick, done = w.kick, w.oldestDone()
+			}
+		}
 		select {
 		case <-w.ctx.Done():
 			return
 		case now := <-t.C:
 			w.check(now)
+		case <-kick:
+			w.flush()
+		case <-done:
+			w.flush()
+		case <-held:
+			w.flush()
 		}
+	}
+}
+
+// oldestDone is the Done channel of the oldest pending work (nil if none).
+func (w *watchdog) oldestDone() <-chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.pending) == 0 {
+		return nil
+	}
+	return w.pending[0].work.Done()
+}
+
+// retire moves completed works from pending to w.completed and returns the oldest work
+// still pending (zero if none). w.mu must be held.
+func (w *watchdog) retire() pendingWork {
+	for len(w.pending) > 0 && isDone(w.pending[0].work) {
+		w.completed = w.pending[0].seq
+		w.pending[0] = pendingWork{}
+		w.pending = w.pending[1:]
+	}
+	if len(w.pending) == 0 {
+		return pendingWork{}
+	}
+	return w.pending[0]
+}
+
+// flush retires completed works and publishes this rank's progress if it changed.
+func (w *watchdog) flush() {
+	w.mu.Lock()
+	w.retire()
+	w.mu.Unlock()
+	if !w.fired {
+		w.publish()
 	}
 }
 
@@ -386,15 +473,7 @@ func (w *watchdog) run() {
 // abort flag, report a stall or time out the oldest pending collective.
 func (w *watchdog) check(now time.Time) {
 	w.mu.Lock()
-	for len(w.pending) > 0 && isDone(w.pending[0].work) {
-		w.completed = w.pending[0].seq
-		w.pending[0] = pendingWork{}
-		w.pending = w.pending[1:]
-	}
-	var oldest pendingWork
-	if len(w.pending) > 0 {
-		oldest = w.pending[0]
-	}
+	oldest := w.retire()
 	w.mu.Unlock()
 	if w.fired {
 		return
@@ -456,23 +535,30 @@ func (w *watchdog) fire(cause error) {
 // storeTimeout bounds each store call of the watchdog, so a dead store never wedges it.
 func (w *watchdog) storeTimeout() time.Duration { return max(w.opts.Interval, 2*time.Second) }
 
-// publish writes this rank's progress if it changed since the last time.
+// publish writes this rank's progress if it changed since the last time, and holds off
+// the next publication for publishDelay.
 func (w *watchdog) publish() {
 	w.mu.Lock()
-	v := fmt.Appendf(nil, "%d %d %s", w.issued, w.completed, w.opts.Host)
+	issued, completed := w.issued, w.completed
 	w.mu.Unlock()
-	if bytes.Equal(v, w.published) {
+	if w.published && issued == w.pubIssued && completed == w.pubCompleted {
 		return
 	}
+	v := fmt.Appendf(nil, "%d %d %s", issued, completed, w.opts.Host)
 	ctx, cancel := context.WithTimeout(w.ctx, w.storeTimeout())
 	defer cancel()
-	if err := w.store.Set(ctx, wdStatusKey+strconv.Itoa(w.rank), v); err != nil {
+	err := w.store.Set(ctx, wdStatusKey+strconv.Itoa(w.rank), v)
+	if err != nil {
+		// Retried at the next round: a store that fails or hangs must not keep the
+		// monitor from its checks.
+		w.nextPub = time.Now().Add(w.opts.Interval)
 		if w.ctx.Err() == nil {
 			w.log.Debug("cannot publish progress", zap.Error(err))
 		}
 		return
 	}
-	w.published = v
+	w.nextPub = time.Now().Add(w.publishDelay())
+	w.published, w.pubIssued, w.pubCompleted = true, issued, completed
 }
 
 // pollAbort returns the error of another rank's abort, if the flag is set.

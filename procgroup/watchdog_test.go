@@ -374,3 +374,83 @@ func TestWatchdogBadArguments(t *testing.T) {
 		t.Errorf("WithDebug(nil): err = %v", err)
 	}
 }
+
+// countingStore counts the Sets of one key.
+type countingStore struct {
+	procgroup.Store
+	key  string
+	sets atomic.Int64
+}
+
+func (s *countingStore) Set(ctx context.Context, key string, v []byte) error {
+	if key == s.key {
+		s.sets.Add(1)
+	}
+	return s.Store.Set(ctx, key, v)
+}
+
+// TestWatchdogPublishRate: a rank's progress reaches the store within the publication
+// bound (Interval/10) of its last change, and a fast stream of collectives costs at most
+// one store write per Interval/10, not one per collective.
+func TestWatchdogPublishRate(t *testing.T) {
+	const n, count = 2, 64
+	const interval = 200 * time.Millisecond
+	const delay = interval / 10
+	const collectives = 20000
+	w := newWorld(t, "cluster", n)
+	store := &countingStore{Store: w.wdStore(), key: "progress/0"}
+	gs := make([]procgroup.ProcessGroup, n)
+	for r := range gs {
+		gs[r] = mustWatchdog(t, w.inner[r], store, procgroup.WatchdogOptions{
+			Timeout: time.Minute, Interval: interval, Host: "h", LookupEnv: noEnv,
+		})
+	}
+	defer closeAll(gs)
+	ctx := testCtx(t)
+	ins, sum := randomInputs(3, n, count)
+	errs := make([]error, n)
+	start := time.Now()
+	runRanks(gs, func(r int, pg procgroup.ProcessGroup) {
+		for i := range collectives {
+			buf := append([]float64(nil), ins[r]...)
+			if err := pg.AllReduce(ctx, buf, procgroup.Sum).Wait(ctx); err != nil {
+				errs[r] = fmt.Errorf("allreduce #%d: %w", i+1, err)
+				return
+			}
+			if err := checkSum(buf, sum); err != nil {
+				errs[r] = fmt.Errorf("allreduce #%d: %w", i+1, err)
+				return
+			}
+		}
+	})
+	last := time.Now()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	// The final progress is in the store soon after the last change.
+	want := fmt.Sprintf("%d %d h", collectives, collectives)
+	var got []byte
+	for {
+		v, _, err := store.CompareAndSet(ctx, "progress/0", []byte("\x00"), []byte("\x00"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got = v; string(got) == want {
+			break
+		}
+		if time.Since(last) > delay+time.Second {
+			t.Fatalf("rank 0's progress in the store is %q %v after its last collective, want %q", got, time.Since(last), want)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Logf("published %v after the last collective", time.Since(last).Round(time.Millisecond))
+	elapsed := last.Sub(start)
+	sets := store.sets.Load()
+	// The first publication, one per hold-off, one per Interval round, and the last one.
+	bound := 3 + int64(elapsed/delay) + int64(elapsed/interval)
+	t.Logf("%d collectives in %v: %d publications (bound %d)", collectives, elapsed.Round(time.Millisecond), sets, bound)
+	if sets > bound || sets >= collectives {
+		t.Errorf("%d publications of rank 0's progress for %d collectives in %v, want at most %d",
+			sets, collectives, elapsed, bound)
+	}
+}
