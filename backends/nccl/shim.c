@@ -66,7 +66,9 @@ goddp_lib *goddp_load(const char *cuda_path, const char *nccl_path, char *err, s
 	LOAD(l->cuda_handle, cuCtxSetCurrent, 0, 1);
 	LOAD(l->cuda_handle, cuCtxGetCurrent, 0, 1);
 	LOAD(l->cuda_handle, cuPointerGetAttribute, 0, 1);
-	*(void **)(&l->cuStreamGetCtx) = sym(l->cuda_handle, "cuStreamGetCtx", 1); // optional
+	// Optional, and by its plain name: cuStreamGetCtx_v2 (CUDA 12.5) is another API, with a
+	// third argument (CUgreenCtx *), not a new ABI of this one.
+	*(void **)(&l->cuStreamGetCtx) = sym(l->cuda_handle, "cuStreamGetCtx", 0);
 	LOAD(l->cuda_handle, cuStreamCreate, 0, 1);
 	LOAD(l->cuda_handle, cuStreamDestroy, 1, 1);
 	LOAD(l->cuda_handle, cuStreamSynchronize, 0, 1);

@@ -50,7 +50,7 @@ typedef struct goddp_lib {
 	goddp_CUresult (*cuDevicePrimaryCtxRelease)(goddp_CUdevice);
 	goddp_CUresult (*cuCtxSetCurrent)(goddp_CUcontext);
 	goddp_CUresult (*cuCtxGetCurrent)(goddp_CUcontext *);
-	goddp_CUresult (*cuStreamGetCtx)(goddp_CUstream, goddp_CUcontext *); // CUDA >= 9.2; may be NULL
+	goddp_CUresult (*cuStreamGetCtx)(goddp_CUstream, goddp_CUcontext *); // CUDA >= 9.2, not _v2; may be NULL
 	goddp_CUresult (*cuPointerGetAttribute)(void *, int, goddp_CUdeviceptr);
 	goddp_CUresult (*cuStreamCreate)(goddp_CUstream *, unsigned int);
 	goddp_CUresult (*cuStreamDestroy)(goddp_CUstream);
