@@ -275,3 +275,62 @@ func TestGatherScatterWaitForOutputStream(t *testing.T) {
 		})
 	}
 }
+
+// TestStreamGetCtxPlainABI: the owner check of a device buffer's stream must call
+// cuStreamGetCtx, not cuStreamGetCtx_v2, which CUDA 12.5 drivers export with a third
+// argument (CUgreenCtx *) and write through it: called with two arguments it writes
+// through whatever the third register holds. The fake exports both, as the real driver
+// does, and counts their calls.
+func TestStreamGetCtxPlainABI(t *testing.T) {
+	l := fake(t)
+	const n = 257
+	gs := startGroups(t, 2, 0)
+	rng := rand.New(rand.NewPCG(7, 8))
+	ins := make([][]float32, len(gs))
+	want := make([]float32, n)
+	for r := range gs {
+		ins[r] = make([]float32, n)
+		for i := range ins[r] {
+			ins[r][i] = float32(rng.Float64()*2 - 1)
+		}
+	}
+	for i := range want {
+		want[i] = ins[0][i] + ins[1][i] // two terms: the order does not matter
+	}
+	plain, v2 := l.knob("stream_get_ctx", 0), l.knob("stream_get_ctx_v2", 0)
+	got := make([][]float32, len(gs))
+	each(t, gs, func(r int, g *Group) error {
+		s, err := g.NewStream()
+		if err != nil {
+			return err
+		}
+		defer g.DestroyStream(s)
+		buf, err := g.Alloc(procgroup.Float32, n)
+		if err != nil {
+			return err
+		}
+		defer g.Free(buf)
+		buf.Stream = s
+		if err := g.CopyIn(buf, ins[r]); err != nil {
+			return err
+		}
+		if err := waitT(t, g.AllReduce(context.Background(), buf, procgroup.Sum)); err != nil {
+			return err
+		}
+		got[r] = make([]float32, n)
+		return g.CopyOut(got[r], buf)
+	})
+	if d := l.knob("stream_get_ctx_v2", 0) - v2; d != 0 {
+		t.Errorf("cuStreamGetCtx_v2 (three arguments) called %d times through the two-argument cuStreamGetCtx pointer", d)
+	}
+	if d := l.knob("stream_get_ctx", 0) - plain; d < 2 {
+		t.Errorf("cuStreamGetCtx called %d times for 2 ranks' device all-reduces, want at least 2 (the stream's owner is checked)", d)
+	}
+	for r := range gs {
+		for i := range want {
+			if got[r][i] != want[i] {
+				t.Fatalf("rank %d [%d] = %v, want %v", r, i, got[r][i], want[i])
+			}
+		}
+	}
+}

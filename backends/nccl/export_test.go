@@ -17,3 +17,7 @@ func setTeardownTimeouts(g *Group, finalize, drain time.Duration) {
 func (g *Group) streamHandle() Stream { return Stream(uintptr(unsafe.Pointer(g.stream))) }
 
 func errorsIs(err, target error) bool { return errors.Is(err, target) }
+
+// waitStuck waits for g's teardown goroutines that were given up on inside NCCL (Note
+// [Bounded teardown]) to return, once the test has unblocked the fake.
+func waitStuck(g *Group) { g.stuck.Wait() }

@@ -48,15 +48,17 @@ const (
 // long as a peer is late or dead. So g.mu, which the watchdog and Abort need, is held only
 // to read and update the group's state, never across an NCCL call or a blocking CUDA call
 // (PyTorch's ProcessGroupNCCL takes its mutex likewise only to read the communicator).
-// Issuing is serialised by g.issueMu instead, held across the NCCL call (collectives must
+// Issuing is serialised by g.issueSem instead, held across the NCCL call (collectives must
 // reach NCCL, and the comm stream, in sequence order), which neither the watchdog nor Abort
-// takes. A work joins g.pending before its NCCL call, not yet issued: the watchdog enforces
+// waits for unboundedly; an issuer waiting for it gives up when the group aborts or its ctx
+// ends. A work joins g.pending before its NCCL call, not yet issued: the watchdog enforces
 // its timeout and context while the call blocks. The communicator's own calls
 // (ncclCommGetAsyncError, ncclCommAbort, ncclCommFinalize, ncclCommDestroy) are made by the
 // watchdog alone, so that none of them races the abort that frees the communicator; Abort
 // only marks the group aborted and wakes the watchdog, whose ncclCommAbort unblocks an
-// issuer stuck inside NCCL (after a grace in which an issuer not stuck finishes: see
-// finishAbort).
+// issuer stuck inside NCCL. The gate of shim.h (Note [Communicator gate]) tells the
+// watchdog whether an issuer is inside its NCCL call, and keeps one that is not from
+// entering it once the abort has begun (see finishAbort).
 type Group struct {
 	rank, size int
 	opts       procgroup.Options
@@ -78,12 +80,18 @@ type Group struct {
 	commGone bool
 	closeErr error
 
-	issueMu sync.Mutex // serialises issuing, across the NCCL call (Note [No NCCL call under the lock])
+	issueSem chan struct{} // size 1: serialises issuing, across the NCCL call (Note [No NCCL call under the lock])
 	// Out of the Group (which holds Go pointers, so cgo may not be handed pointers into it),
-	// allocated once: the call being issued (guarded by issueMu), and the watchdog's
-	// out-parameter of ncclCommGetAsyncError.
+	// allocated once: the call being issued (guarded by issueSem), the watchdog's
+	// out-parameter of ncclCommGetAsyncError, and the gate (Note [Communicator gate] in
+	// shim.h), only ever accessed atomically, in C.
 	cc     *C.goddp_call
 	asyncR *C.goddp_ncclResult_t
+	gate   *C.int
+
+	// stuck counts the goroutines of the teardown still inside an NCCL call (ncclCommAbort,
+	// ncclCommFinalize, ncclCommDestroy) that was given up on (Note [Bounded teardown]).
+	stuck sync.WaitGroup
 
 	mu       sync.Mutex // guards the fields below; never held across an NCCL call
 	state    int
@@ -141,7 +149,8 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		pool: map[int][]*staging{},
 		kick: make(chan struct{}, 1), stop: make(chan struct{}), loopDone: make(chan struct{}),
 		finalizeTimeout: defaultFinalizeTimeout, drainTimeout: defaultDrainTimeout,
-		cc: new(C.goddp_call), asyncR: new(C.goddp_ncclResult_t),
+		cc: new(C.goddp_call), asyncR: new(C.goddp_ncclResult_t), gate: new(C.int),
+		issueSem: make(chan struct{}, 1),
 	}
 	l, err := loadLib(libPaths(cfg))
 	if err != nil {
@@ -569,7 +578,7 @@ func asBytes[T any](s []T) []byte {
 }
 
 // issue queues c on the comm stream. Called with nothing locked; the NCCL call is made
-// under g.issueMu alone (Note [No NCCL call under the lock]).
+// under g.issueSem alone (Note [No NCCL call under the lock]).
 func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 	if ctx == nil {
 		ctx = context.Background()
@@ -580,7 +589,9 @@ func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 	if c.dt == procgroup.BFloat16 && !atLeast(g.lib.ncclVersion, 2, 10) {
 		return g.failed(c.op, fmt.Errorf("%w: bfloat16 needs NCCL 2.10 or later, have %s", procgroup.ErrInvalidArgument, versionString(g.lib.ncclVersion)))
 	}
-	g.issueMu.Lock()
+	if err := g.lockIssue(ctx, c.op); err != nil {
+		return g.failed(c.op, err)
+	}
 	g.mu.Lock()
 	var err error
 	switch {
@@ -591,7 +602,7 @@ func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 	}
 	if err != nil {
 		g.mu.Unlock()
-		g.issueMu.Unlock()
+		g.unlockIssue()
 		return g.failed(c.op, err)
 	}
 	g.seq++
@@ -613,14 +624,47 @@ func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 		w.issued = true // not on failure: its end event, never recorded, would read as complete
 		g.mu.Unlock()
 	}
-	g.issueMu.Unlock()
-	if err != nil {
+	g.unlockIssue()
+	switch {
+	case err == errGateClosed:
+		// The watchdog is aborting the group; it fails the work, pending since before.
+	case err != nil:
 		g.abort(fmt.Errorf("nccl: rank %d (%s): %s #%d: %w", g.rank, g.host, c.op, w.seq, err), false)
-	} else {
+	default:
 		g.kickLoop() // a watchdog waiting for this work's call to return polls it at once
 	}
 	return w
 }
+
+// lockIssue takes g.issueSem. While another issuer holds it (one stuck in NCCL, perhaps),
+// it gives up when the group aborts, failing with the abort's error, or when ctx ends,
+// which aborts the group: this rank's collectives would no longer match its peers'.
+func (g *Group) lockIssue(ctx context.Context, op procgroup.CollectiveOp) error {
+	select {
+	case g.issueSem <- struct{}{}:
+		return nil
+	default:
+	}
+	select {
+	case g.issueSem <- struct{}{}:
+		return nil
+	case <-g.stop:
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		return g.abortErr
+	case <-ctx.Done():
+		const what = "waiting for the collective before it to be issued"
+		g.abort(fmt.Errorf("nccl: rank %d (%s): %s: %s: %w", g.rank, g.host, op, what, ctx.Err()), true)
+		return fmt.Errorf("%w: %s: %w", procgroup.ErrAborted, what, ctx.Err())
+	}
+}
+
+// unlockIssue releases g.issueSem.
+func (g *Group) unlockIssue() { <-g.issueSem }
+
+// errGateClosed: the issuer found the gate closed and made no NCCL call (Note
+// [Communicator gate] in shim.h).
+var errGateClosed = errors.New("nccl: the communicator is being aborted")
 
 // prepareLocked acquires the work's events and staging and fills in its goddp_call. g.mu
 // is held (the driver calls here, on a pool miss, do not block).
@@ -665,12 +709,14 @@ func (g *Group) prepareLocked(w *Work, c *call, cc *C.goddp_call) error {
 }
 
 // enqueue makes the one cgo call that queues the collective: it may block inside NCCL.
-// g.issueMu is held, g.mu is not.
+// g.issueSem is held, g.mu is not.
 func (g *Group) enqueue(cc *C.goddp_call, c *call) error {
-	r := C.goddp_issue(g.lib.p, cc)
+	r := C.goddp_issue(g.lib.p, cc, g.gate)
 	switch {
 	case r == 0:
 		return nil
+	case r == C.GODDP_ISSUE_GATE_CLOSED:
+		return errGateClosed
 	case cc.wrong != 0:
 		what := [...]string{C.GODDP_WRONG_COMPUTE_STREAM: fmt.Sprintf("the input's stream %#x", uintptr(c.stream)),
 			C.GODDP_WRONG_OUT_STREAM: fmt.Sprintf("the output's stream %#x", uintptr(c.outStream)),

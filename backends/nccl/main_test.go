@@ -40,6 +40,15 @@ func TestMain(m *testing.M) {
 			os.Setenv(EnvNCCLLib, filepath.Join(dir, "libnccl.so.2"))
 		}
 		code := m.Run()
+		if !gpuMode {
+			// Every test ends with the fake's count of calls on a freed communicator at 0.
+			if l, err := loadLib(libPaths(&Config{})); err == nil {
+				if n := l.knob("nccl_use_after_free", 0); n != 0 {
+					fmt.Fprintf(os.Stderr, "fakenccl: %d NCCL calls on an aborted or destroyed communicator\n", n)
+					code = 1
+				}
+			}
+		}
 		if code == 0 {
 			if err := goleak.Find(); err != nil {
 				fmt.Fprintln(os.Stderr, "goleak:", err)

@@ -66,7 +66,9 @@ goddp_lib *goddp_load(const char *cuda_path, const char *nccl_path, char *err, s
 	LOAD(l->cuda_handle, cuCtxSetCurrent, 0, 1);
 	LOAD(l->cuda_handle, cuCtxGetCurrent, 0, 1);
 	LOAD(l->cuda_handle, cuPointerGetAttribute, 0, 1);
-	*(void **)(&l->cuStreamGetCtx) = sym(l->cuda_handle, "cuStreamGetCtx", 1); // optional
+	// Optional, and by its plain name: cuStreamGetCtx_v2 (CUDA 12.5) is another API, with a
+	// third argument (CUgreenCtx *), not a new ABI of this one.
+	*(void **)(&l->cuStreamGetCtx) = sym(l->cuda_handle, "cuStreamGetCtx", 0);
 	LOAD(l->cuda_handle, cuStreamCreate, 0, 1);
 	LOAD(l->cuda_handle, cuStreamDestroy, 1, 1);
 	LOAD(l->cuda_handle, cuStreamSynchronize, 0, 1);
@@ -222,7 +224,9 @@ static int check_owners(goddp_lib *l, goddp_call *c) {
 		}                                   \
 	} while (0)
 
-static int issue(goddp_lib *l, goddp_call *c) {
+static int nccl_call(goddp_lib *l, goddp_call *c);
+
+static int issue(goddp_lib *l, goddp_call *c, int *gate) {
 	if (check_owners(l, c)) return -1;
 	if (c->wait_compute) {
 		STEP(l->cuEventRecord(c->start_event, (goddp_CUstream)c->compute_stream), "cuEventRecord (compute stream)", 0);
@@ -236,28 +240,17 @@ static int issue(goddp_lib *l, goddp_call *c) {
 		STEP(l->cuMemcpyHtoDAsync(c->dev + c->h2d_off, (char *)c->host + c->h2d_off, c->h2d_bytes, c->comm_stream),
 		     "cuMemcpyHtoDAsync", 0);
 	if (c->count > 0) {
-		switch (c->kind) {
-		case GODDP_ALLREDUCE:
-			STEP(l->ncclAllReduce((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->op, c->comm, c->comm_stream),
-			     "ncclAllReduce", 1);
-			break;
-		case GODDP_BROADCAST:
-			STEP(l->ncclBroadcast((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->root, c->comm, c->comm_stream),
-			     "ncclBroadcast", 1);
-			break;
-		case GODDP_ALLGATHER:
-			STEP(l->ncclAllGather((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->comm, c->comm_stream),
-			     "ncclAllGather", 1);
-			break;
-		case GODDP_REDUCESCATTER:
-			STEP(l->ncclReduceScatter((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->op, c->comm, c->comm_stream),
-			     "ncclReduceScatter", 1);
-			break;
-		default:
-			c->failed_step = "unknown collective";
+		// Note [Communicator gate]: enter the NCCL call only if the watchdog has not
+		// closed the gate, and say so while inside it.
+		int open = 0;
+		if (!__atomic_compare_exchange_n(gate, &open, GODDP_GATE_IN_CALL, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+			c->failed_step = "the communicator (aborted)";
 			c->failed_nccl = 1;
-			return 4; // ncclInvalidArgument
+			return GODDP_ISSUE_GATE_CLOSED;
 		}
+		int r = nccl_call(l, c);
+		__atomic_fetch_and(gate, ~GODDP_GATE_IN_CALL, __ATOMIC_SEQ_CST);
+		if (r) return r;
 	}
 	if (c->d2h_bytes > 0)
 		STEP(l->cuMemcpyDtoHAsync((char *)c->host + c->d2h_off, c->dev + c->d2h_off, c->d2h_bytes, c->comm_stream),
@@ -266,7 +259,34 @@ static int issue(goddp_lib *l, goddp_call *c) {
 	return 0;
 }
 
-int goddp_issue(goddp_lib *l, goddp_call *c) {
+// nccl_call makes the collective's NCCL call.
+static int nccl_call(goddp_lib *l, goddp_call *c) {
+	switch (c->kind) {
+	case GODDP_ALLREDUCE:
+		STEP(l->ncclAllReduce((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->op, c->comm, c->comm_stream),
+		     "ncclAllReduce", 1);
+		break;
+	case GODDP_BROADCAST:
+		STEP(l->ncclBroadcast((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->root, c->comm, c->comm_stream),
+		     "ncclBroadcast", 1);
+		break;
+	case GODDP_ALLGATHER:
+		STEP(l->ncclAllGather((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->comm, c->comm_stream),
+		     "ncclAllGather", 1);
+		break;
+	case GODDP_REDUCESCATTER:
+		STEP(l->ncclReduceScatter((const void *)c->send, (void *)c->recv, c->count, c->dtype, c->op, c->comm, c->comm_stream),
+		     "ncclReduceScatter", 1);
+		break;
+	default:
+		c->failed_step = "unknown collective";
+		c->failed_nccl = 1;
+		return 4; // ncclInvalidArgument
+	}
+	return 0;
+}
+
+int goddp_issue(goddp_lib *l, goddp_call *c, int *gate) {
 	c->failed_step = NULL;
 	c->failed_nccl = 0;
 	c->wrong = 0;
@@ -274,10 +294,14 @@ int goddp_issue(goddp_lib *l, goddp_call *c) {
 	goddp_CUcontext prev = NULL;
 	STEP(l->cuCtxGetCurrent(&prev), "cuCtxGetCurrent", 0);
 	if (prev != c->ctx) STEP(l->cuCtxSetCurrent(c->ctx), "cuCtxSetCurrent", 0);
-	int r = issue(l, c);
+	int r = issue(l, c, gate);
 	if (prev != c->ctx) (void)l->cuCtxSetCurrent(prev);
 	return r;
 }
+
+int goddp_gate_close(int *gate) { return __atomic_fetch_or(gate, GODDP_GATE_CLOSED, __ATOMIC_SEQ_CST); }
+
+int goddp_gate_load(int *gate) { return __atomic_load_n(gate, __ATOMIC_SEQ_CST); }
 
 goddp_CUresult goddp_event_query(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent ev) { RUN(l, ctx, l->cuEventQuery(ev)); }
 

@@ -50,7 +50,7 @@ typedef struct goddp_lib {
 	goddp_CUresult (*cuDevicePrimaryCtxRelease)(goddp_CUdevice);
 	goddp_CUresult (*cuCtxSetCurrent)(goddp_CUcontext);
 	goddp_CUresult (*cuCtxGetCurrent)(goddp_CUcontext *);
-	goddp_CUresult (*cuStreamGetCtx)(goddp_CUstream, goddp_CUcontext *); // CUDA >= 9.2; may be NULL
+	goddp_CUresult (*cuStreamGetCtx)(goddp_CUstream, goddp_CUcontext *); // CUDA >= 9.2, not _v2; may be NULL
 	goddp_CUresult (*cuPointerGetAttribute)(void *, int, goddp_CUdeviceptr);
 	goddp_CUresult (*cuStreamCreate)(goddp_CUstream *, unsigned int);
 	goddp_CUresult (*cuStreamDestroy)(goddp_CUstream);
@@ -138,7 +138,17 @@ typedef struct goddp_call {
 
 enum { GODDP_WRONG_COMPUTE_STREAM = 1, GODDP_WRONG_OUT_STREAM, GODDP_WRONG_SEND, GODDP_WRONG_RECV };
 
-int goddp_issue(goddp_lib *l, goddp_call *c);
+// Note [Communicator gate]: an int per group, shared by the issuer and the watchdog, and
+// changed only atomically. goddp_issue sets GODDP_GATE_IN_CALL right before its NCCL call
+// and clears it right after, and makes no NCCL call (returning GODDP_ISSUE_GATE_CLOSED)
+// once GODDP_GATE_CLOSED is set; goddp_gate_close sets GODDP_GATE_CLOSED and returns the
+// gate as it was, so the watchdog knows whether an issuer is inside NCCL when it aborts.
+enum { GODDP_GATE_IN_CALL = 1, GODDP_GATE_CLOSED = 2 };
+#define GODDP_ISSUE_GATE_CLOSED (-2)
+
+int goddp_issue(goddp_lib *l, goddp_call *c, int *gate);
+int goddp_gate_close(int *gate);
+int goddp_gate_load(int *gate);
 
 // Helpers that make ctx current on the calling thread for the call and then restore the
 // caller's context (goroutines move between threads, the driver's current context is per

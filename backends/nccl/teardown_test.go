@@ -5,6 +5,7 @@ package nccl
 import (
 	"context"
 	"errors"
+	"runtime"
 	"testing"
 	"time"
 
@@ -149,5 +150,217 @@ func TestAbortBoundedWhenStreamDoesNotDrain(t *testing.T) {
 	within(t, hangBound, "Abort with a comm stream that does not drain", func() { l.knob("gate_open", 0) },
 		func() { g.Abort(nil) })
 	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1")
+	gs[1].Abort(nil)
+}
+
+// waitKnob polls the fake's knob until it reads want, or fails the test after hangBound
+// (calling unblock first).
+func waitKnob(t *testing.T, l *lib, knob string, want int64, unblock func()) {
+	t.Helper()
+	for deadline := time.Now().Add(hangBound); l.knob(knob, 0) != want; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			unblock()
+			t.Fatalf("the fake's %s never reached %d", knob, want)
+		}
+	}
+}
+
+// recvWork receives the work of an issuing goroutine, or fails the test after hangBound.
+func recvWork(t *testing.T, got <-chan procgroup.Work, what string, unblock func()) procgroup.Work {
+	t.Helper()
+	select {
+	case w := <-got:
+		return w
+	case <-time.After(hangBound):
+		unblock()
+		t.Fatalf("%s did not return", what)
+		return nil
+	}
+}
+
+// TestAbortSparesSlowIssuer: an issuer is slow before its NCCL call (here the fake driver
+// holds it in cuMemcpyHtoDAsync: a large staging copy, a descheduled thread) while Abort
+// runs, well past abortGrace. The communicator may be aborted (which frees it), but the
+// issuer must then make no NCCL call on it: the fake counts calls on a freed communicator.
+func TestAbortSparesSlowIssuer(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	before := l.knob("nccl_use_after_free", 0)
+	release := func() { l.knob("h2d_hold", 0) }
+	defer release()
+	l.knob("h2d_hold", 1)
+	got := make(chan procgroup.Work, 1)
+	go func() { got <- gs[0].AllReduce(context.Background(), []float32{1, 2, 3}, procgroup.Sum) }()
+	waitKnob(t, l, "h2d_held", 1, release)
+	aborted := make(chan struct{})
+	go func() {
+		defer close(aborted)
+		gs[0].Abort(errors.New("shutting down"))
+	}()
+	time.Sleep(4 * abortGrace)
+	release()
+	w := recvWork(t, got, "AllReduce", release)
+	select {
+	case <-aborted:
+	case <-time.After(hangBound):
+		t.Fatal("Abort did not return once the issuer went on")
+	}
+	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1", "shutting down")
+	if n := l.knob("nccl_use_after_free", 0) - before; n != 0 {
+		t.Fatalf("%d NCCL calls on the communicator after ncclCommAbort freed it", n)
+	}
+	gs[1].Abort(nil)
+}
+
+// TestIssuerBehindStuckOneFailsOnAbort: with one issuer stuck (outside NCCL, where the
+// abort cannot reach it), a later collective of the aborted group fails at once with the
+// abort's error instead of queueing behind it forever.
+func TestIssuerBehindStuckOneFailsOnAbort(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	g := gs[0]
+	setTeardownTimeouts(g, time.Second, 200*time.Millisecond)
+	release := func() { l.knob("h2d_hold", 0) }
+	defer release()
+	l.knob("h2d_hold", 1)
+	got := make(chan procgroup.Work, 1)
+	go func() { got <- g.AllReduce(context.Background(), []float32{1}, procgroup.Sum) }()
+	waitKnob(t, l, "h2d_held", 1, release)
+	cause := errors.New("a peer died")
+	within(t, hangBound, "Abort with an issuer stuck outside NCCL", release, func() { g.Abort(cause) })
+	var w2 procgroup.Work
+	within(t, 2*time.Second, "AllReduce behind a stuck issuer, the group aborted", release, func() {
+		w2 = g.AllReduce(context.Background(), []float32{2}, procgroup.Sum)
+	})
+	wantErr(t, waitT(t, w2), procgroup.ErrAborted, "allreduce", "a peer died")
+	release()
+	w := recvWork(t, got, "the stuck AllReduce", release)
+	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1")
+	gs[1].Abort(nil)
+}
+
+// TestIssuerBehindStuckOneHonoursCtx: a collective queued behind a stuck issuer gives up
+// when its ctx ends, aborting the group (its collectives would no longer match its
+// peers'), and the stuck one fails too once it goes on.
+func TestIssuerBehindStuckOneHonoursCtx(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	g := gs[0]
+	release := func() { l.knob("h2d_hold", 0) }
+	defer release()
+	l.knob("h2d_hold", 1)
+	got := make(chan procgroup.Work, 1)
+	go func() { got <- g.AllReduce(context.Background(), []float32{1}, procgroup.Sum) }()
+	waitKnob(t, l, "h2d_held", 1, release)
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	var w2 procgroup.Work
+	within(t, 2*time.Second, "AllReduce behind a stuck issuer, its ctx ended", release, func() {
+		w2 = g.AllReduce(ctx, []float32{2}, procgroup.Sum)
+	})
+	wantErr(t, waitT(t, w2), context.DeadlineExceeded, "allreduce", "waiting for the collective before it")
+	wantErr(t, w2.Err(), procgroup.ErrAborted)
+	release()
+	w := recvWork(t, got, "the stuck AllReduce", release)
+	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1", "waiting for the collective before it")
+	gs[1].Abort(nil)
+}
+
+// TestCloseKeepsDeviceWhileFinalizeRuns: a finalize that even ncclCommAbort does not
+// unblock is still inside NCCL when Close gives up on it. Close must return, bounded, with
+// an error, and leave the device resources (the comm stream among them) allocated rather
+// than free them under the call.
+func TestCloseKeepsDeviceWhileFinalizeRuns(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	each(t, gs, func(r int, g *Group) error {
+		return waitT(t, g.AllReduce(context.Background(), []float32{float32(r)}, procgroup.Sum))
+	})
+	for _, g := range gs {
+		setTeardownTimeouts(g, 200*time.Millisecond, 300*time.Millisecond)
+	}
+	release := func() { l.knob("nccl_finalize_hang", 0) }
+	defer release()
+	l.knob("nccl_finalize_hang", 2)
+	var err error
+	within(t, hangBound, "Close with a finalize that the abort does not unblock", release, func() { err = gs[0].Close() })
+	wantErr(t, err, procgroup.ErrTimeout, "rank 0", "ncclCommFinalize did not complete within 200ms", "left allocated")
+	if l.knob("stream_live", int64(gs[0].streamHandle())) != 1 {
+		t.Error("Close destroyed the comm stream while ncclCommFinalize was still running")
+	}
+	release()
+	waitStuck(gs[0])
+	if err := gs[1].Close(); err != nil {
+		t.Fatalf("rank 1's Close, the peer finalizing normally again: %v", err)
+	}
+}
+
+// TestAbortBoundedWhenAbortHangs: ncclCommAbort itself does not return (NVIDIA/nccl#829).
+// Abort must still return within its bound, failing the pending work, and Close then says
+// which call is stuck.
+func TestAbortBoundedWhenAbortHangs(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	g := gs[0]
+	setTeardownTimeouts(g, time.Second, 200*time.Millisecond)
+	release := func() { l.knob("nccl_abort_hang", 0) }
+	defer release()
+	w := g.AllReduce(context.Background(), []float32{1}, procgroup.Sum) // the peer never comes
+	l.knob("nccl_abort_hang", 1)
+	within(t, 3*time.Second, "Abort with an ncclCommAbort that does not return", release, func() { g.Abort(nil) })
+	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1")
+	wantErr(t, g.Close(), procgroup.ErrTimeout, "rank 0", "ncclCommAbort did not return within 200ms")
+	release()
+	waitStuck(g)
+	gs[1].Abort(nil)
+}
+
+// TestCloseBoundedWhenAbortHangs: Close past its finalize deadline aborts the
+// communicator; an ncclCommAbort that does not return must not hold Close either.
+func TestCloseBoundedWhenAbortHangs(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	each(t, gs, func(r int, g *Group) error {
+		return waitT(t, g.AllReduce(context.Background(), []float32{float32(r)}, procgroup.Sum))
+	})
+	g := gs[0]
+	setTeardownTimeouts(g, 200*time.Millisecond, 200*time.Millisecond)
+	release := func() {
+		l.knob("nccl_abort_hang", 0)
+		l.knob("nccl_finalize_hang", 0)
+	}
+	defer release()
+	l.knob("nccl_finalize_hang", 1)
+	l.knob("nccl_abort_hang", 1)
+	var err error
+	within(t, 3*time.Second, "Close with a finalize and an ncclCommAbort that do not return", release, func() { err = g.Close() })
+	wantErr(t, err, procgroup.ErrTimeout, "rank 0", "ncclCommAbort did not return within 200ms")
+	release()
+	waitStuck(g)
+	gs[1].Abort(nil)
+}
+
+// TestAbortWaitsForCallInProgress: Abort while an issuer is inside an NCCL call that is
+// not waiting for peers (slow host work in the call): the watchdog must let it return
+// before ncclCommAbort, since only one thread may operate a communicator at a time (the
+// fake counts an abort during a running call).
+func TestAbortWaitsForCallInProgress(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	before := l.knob("nccl_use_after_free", 0)
+	defer l.knob("nccl_enqueue_delay_us", l.knob("nccl_enqueue_delay_us", int64(abortGrace/time.Microsecond/2)))
+	got := make(chan procgroup.Work, 1)
+	go func() { got <- gs[0].AllReduce(context.Background(), []float32{1, 2}, procgroup.Sum) }()
+	for deadline := time.Now().Add(hangBound); l.knob("nccl_in_call", 0) != 1; runtime.Gosched() { // the call lasts abortGrace/2
+		if time.Now().After(deadline) {
+			t.Fatal("the all-reduce never entered ncclAllReduce")
+		}
+	}
+	within(t, hangBound, "Abort while a collective's call runs", func() {}, func() { gs[0].Abort(nil) })
+	w := recvWork(t, got, "AllReduce", func() {})
+	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1")
+	if n := l.knob("nccl_use_after_free", 0) - before; n != 0 {
+		t.Fatalf("ncclCommAbort ran while the collective's NCCL call did (%d)", n)
+	}
 	gs[1].Abort(nil)
 }

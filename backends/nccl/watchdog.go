@@ -29,12 +29,17 @@ const (
 // waits for the peers to finish their operations) and then destroys it; past
 // finalizeTimeout the watchdog aborts it instead (ncclCommAbort, from another thread,
 // unblocks a finalize or destroy that waits for a peer) and Close returns an error wrapping
-// procgroup.ErrTimeout. After ncclCommAbort, or before the device resources are freed,
-// the comm stream is drained by polling an event recorded at its end, for at most
-// drainTimeout (never cuStreamSynchronize, which an abort cannot interrupt). If an issuer
-// is still inside NCCL, or the stream has not drained, by then, the group's device memory,
-// events and stream are left allocated rather than freed under a kernel that may still use
-// them, and a warning says so.
+// procgroup.ErrTimeout. ncclCommAbort itself may not return (NVIDIA/nccl#829): it runs on
+// a goroutine of its own, waited for drainTimeout at most. After ncclCommAbort, or before
+// the device resources are freed, the comm stream is drained by polling an event recorded
+// at its end, for at most drainTimeout (never cuStreamSynchronize, which an abort cannot
+// interrupt). If by then ncclCommAbort, an issuer's NCCL call, ncclCommFinalize or
+// ncclCommDestroy has not returned, or the stream has not drained, the group's device
+// memory, events and stream are left allocated rather than freed under a call or a kernel
+// that may still use them, a warning says so, and Close's error too; the goroutines given
+// up on are counted in g.stuck. Without ncclCommFinalize (NCCL before 2.14) Close calls
+// ncclCommDestroy alone, and a destroy that hangs cannot be aborted (it is freeing the
+// communicator): Close then returns past its deadline, leaving the resources allocated.
 const (
 	defaultFinalizeTimeout = 30 * time.Second
 	defaultDrainTimeout    = 10 * time.Second
@@ -70,8 +75,11 @@ func (g *Group) watchdog() {
 		}
 		if head == nil {
 			if state == stateClosing {
-				g.closeErr = g.finalize()
-				g.release(time.Now().Add(g.drainTimeout))
+				quiet, err := g.finalize()
+				g.closeErr = err
+				if quiet {
+					g.release(time.Now().Add(g.drainTimeout))
+				}
 				return
 			}
 			select {
@@ -186,32 +194,36 @@ func (g *Group) complete(w *Work) {
 	w.Complete(nil)
 }
 
-// abortGrace is how long the watchdog lets an issuer finish its NCCL call before it aborts
-// the communicator under it (Note [No NCCL call under the lock]).
+// abortGrace is how long the watchdog lets an issuer that is inside its NCCL call finish
+// it before it aborts the communicator under it (Note [Communicator gate] in shim.h).
 const abortGrace = 50 * time.Millisecond
 
 // finishAbort aborts the communicator, waits (bounded) for an issuer inside NCCL to return
 // and for the comm stream to drain, fails every pending work and releases the group.
 //
-// ncclCommAbort frees the communicator, so it must not come just before an issuer's call
-// (which may have checked the state before the abort): the watchdog first takes g.issueMu,
-// waiting up to abortGrace, and aborts holding it, so that no call can start meanwhile.
-// An issuer still inside NCCL after abortGrace is blocked there (a call that does not wait
-// for peers returns within microseconds), and the abort is what unblocks it.
+// ncclCommAbort frees the communicator, so no NCCL call may start on it after the abort,
+// nor be running during it unless the abort is what unblocks it. The watchdog first closes
+// the gate (Note [Communicator gate]): an issuer that has not yet entered its NCCL call
+// then makes none, however long it takes to get there (a large host copy, a descheduled
+// thread). An issuer found inside its call gets abortGrace to return; one still inside
+// after it is blocked there (waiting for peers), and the abort is what unblocks it.
 func (g *Group) finishAbort() {
 	deadline := time.Now().Add(g.drainTimeout)
-	held := g.lockIssuer(time.Now().Add(abortGrace))
+	aborted := true
 	if g.comm != nil && !g.commGone {
 		g.commGone = true
-		C.goddp_comm_abort(g.lib.p, g.cuCtx, g.comm)
+		if C.goddp_gate_close(g.gate)&C.GODDP_GATE_IN_CALL != 0 {
+			grace := time.Now().Add(abortGrace)
+			for d := 10 * time.Microsecond; C.goddp_gate_load(g.gate)&C.GODDP_GATE_IN_CALL != 0 && time.Now().Before(grace); d = min(2*d, time.Millisecond) {
+				time.Sleep(d)
+			}
+		}
+		aborted = g.abortComm(deadline)
 	}
-	if !held {
-		held = g.lockIssuer(deadline)
+	quiet := aborted && g.lockIssuer(deadline)
+	if quiet {
+		g.unlockIssue() // later issuers see the group aborted and make no call
 	}
-	if held {
-		g.issueMu.Unlock() // later issuers see the group aborted and make no call
-	}
-	quiet := held
 	drained := quiet && g.drain(deadline)
 	g.mu.Lock()
 	pend := g.pending
@@ -225,6 +237,11 @@ func (g *Group) finishAbort() {
 		w.Complete(fmt.Errorf("nccl: rank %d: %s #%d: %w", g.rank, w.op, w.seq, err))
 	}
 	switch {
+	case !aborted:
+		g.closeErr = fmt.Errorf("nccl: rank %d (%s): ncclCommAbort did not return within %v; the group's device resources are left allocated: %w",
+			g.rank, g.host, g.drainTimeout, procgroup.ErrTimeout)
+		g.log.Warn("nccl: ncclCommAbort did not return; the group's device resources are left allocated",
+			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
 	case !quiet:
 		g.log.Warn("nccl: a collective's NCCL call did not return after ncclCommAbort; the group's device resources are left allocated",
 			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
@@ -236,12 +253,35 @@ func (g *Group) finishAbort() {
 	}
 }
 
-// lockIssuer takes g.issueMu, which an issuer holds across its NCCL call, polling until
+// abortComm calls ncclCommAbort, which some NCCL versions may not return from
+// (NVIDIA/nccl#829), on a goroutine of its own (counted in g.stuck) and waits for it until
+// deadline; it reports whether the call returned. The gate must be closed.
+func (g *Group) abortComm(deadline time.Time) bool {
+	done := make(chan struct{})
+	g.stuck.Add(1)
+	go func() {
+		defer g.stuck.Done()
+		defer close(done)
+		C.goddp_comm_abort(g.lib.p, g.cuCtx, g.comm)
+	}()
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
+	select {
+	case <-done:
+		return true
+	case <-timer.C:
+		return false
+	}
+}
+
+// lockIssuer takes g.issueSem, which an issuer holds across its NCCL call, polling until
 // deadline; it reports whether it holds it.
 func (g *Group) lockIssuer(deadline time.Time) bool {
 	for d := 10 * time.Microsecond; ; d = min(2*d, time.Millisecond) {
-		if g.issueMu.TryLock() {
+		select {
+		case g.issueSem <- struct{}{}:
 			return true
+		default:
 		}
 		if time.Now().After(deadline) {
 			return false
@@ -285,19 +325,23 @@ const (
 
 // finalize finalizes and destroys the communicator under g.finalizeTimeout (Note [Bounded
 // teardown]); past it, or if ncclCommFinalize fails, the communicator is aborted. It
-// returns Close's error.
-func (g *Group) finalize() error {
+// returns whether the communicator's calls have all returned (else the device resources
+// must stay allocated) and Close's error.
+func (g *Group) finalize() (quiet bool, err error) {
 	if g.comm == nil || g.commGone {
-		return nil
+		return true, nil
 	}
 	g.commGone = true
+	C.goddp_gate_close(g.gate) // no collective now (the group is closing): none ever again
 	type result struct {
 		step string
 		r    C.goddp_ncclResult_t
 	}
 	done := make(chan result, 1)
 	var claim atomic.Int32
+	g.stuck.Add(1)
 	go func() {
+		defer g.stuck.Done()
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
 		if r := C.goddp_comm_finalize(g.lib.p, g.cuCtx, g.comm); r != 0 {
@@ -315,32 +359,54 @@ func (g *Group) finalize() error {
 	}()
 	timer := time.NewTimer(g.finalizeTimeout)
 	defer timer.Stop()
-	step := "ncclCommDestroy"
-	if C.goddp_has_finalize(g.lib.p) != 0 {
-		step = "ncclCommFinalize"
-	}
-	var err error
+	timedOut := false
 	select {
 	case res := <-done:
 		if res.r != 0 {
-			return fmt.Errorf("nccl: rank %d (%s): closing: %w", g.rank, g.host, g.lib.ncclErr(res.step, res.r))
+			return true, fmt.Errorf("nccl: rank %d (%s): closing: %w", g.rank, g.host, g.lib.ncclErr(res.step, res.r))
 		}
-		return nil
+		return true, nil
 	case <-g.stop: // Abort during Close: no error of Close's own
 	case <-timer.C:
+		timedOut = true
+	}
+	deadline := time.Now().Add(g.drainTimeout)
+	// The finalize, if any, is still running: abort it. A destroy cannot be.
+	aborted := claim.CompareAndSwap(freeUnclaimed, freeByAbort)
+	step := "ncclCommDestroy"
+	if aborted {
+		step = "ncclCommFinalize"
+	}
+	if aborted && !g.abortComm(deadline) { // the abort unblocks the finalize
+		g.log.Warn("nccl: ncclCommAbort did not return at Close; the group's device resources are left allocated",
+			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
+		return false, fmt.Errorf("nccl: rank %d (%s): closing: ncclCommAbort did not return within %v; the group's device resources are left allocated: %w",
+			g.rank, g.host, g.drainTimeout, procgroup.ErrTimeout)
+	}
+	switch {
+	case timedOut && aborted:
 		err = fmt.Errorf("nccl: rank %d (%s): closing: %s did not complete within %v (a peer that does not close?); the communicator was aborted: %w",
 			g.rank, g.host, step, g.finalizeTimeout, procgroup.ErrTimeout)
+	case timedOut:
+		err = fmt.Errorf("nccl: rank %d (%s): closing: %s did not complete within %v (a peer that does not close?): %w",
+			g.rank, g.host, step, g.finalizeTimeout, procgroup.ErrTimeout)
 	}
-	if claim.CompareAndSwap(freeUnclaimed, freeByAbort) {
-		C.goddp_comm_abort(g.lib.p, g.cuCtx, g.comm) // unblocks the finalize
-	}
-	timer.Reset(g.drainTimeout)
+	timer.Reset(time.Until(deadline))
 	select {
 	case <-done:
+		return true, err
 	case <-timer.C:
-		g.log.Warn("nccl: the communicator's finalize or destroy did not return after ncclCommAbort", zap.Int("rank", g.rank))
 	}
-	return err
+	// Still inside ncclCommFinalize (one that the abort did not unblock) or
+	// ncclCommDestroy (which nothing can interrupt): the stream, events and memory it may
+	// still use stay allocated.
+	g.log.Warn("nccl: the communicator's finalize or destroy did not return; the group's device resources are left allocated",
+		zap.String("call", step), zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
+	if err == nil {
+		return false, fmt.Errorf("nccl: rank %d (%s): closing: %s did not return within %v; the group's device resources are left allocated: %w",
+			g.rank, g.host, step, g.drainTimeout, procgroup.ErrTimeout)
+	}
+	return false, fmt.Errorf("%w; %s did not return after %v more, so the group's device resources are left allocated", err, step, g.drainTimeout)
 }
 
 // release frees the device resources once the comm stream has drained by deadline.

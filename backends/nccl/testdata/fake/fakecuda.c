@@ -28,7 +28,10 @@
 // (value: bytes; allocates in the current context, returns the address), stream_create
 // (value: cuStreamCreate's flags; a stream of the current context), event_query (value:
 // an event; its cuEventQuery result), ptr_ctx (value: an address; the context of its
-// allocation, -1 if none).
+// allocation, -1 if none), stream_live (value: a stream; 1 if not destroyed), h2d_hold
+// (1: cuMemcpyHtoDAsync blocks its caller, on the host, until h2d_hold 0), h2d_held (read:
+// callers blocked so), stream_get_ctx and stream_get_ctx_v2 (read: calls of
+// cuStreamGetCtx and of cuStreamGetCtx_v2, which has the real one's three arguments).
 // Kernels: cuModuleLoadData accepts any image; cuModuleGetFunction knows the kernels of
 // backends/nccl/kernels and examples/gpumlp by name and runs a C version of each, on the
 // host, in stream order (see the table at the end).
@@ -53,6 +56,8 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static int device_count = 8;
 static int gate_closed;
 static long long tasks_run, syncs, kernels_run;
+static long long stream_get_ctx_calls, stream_get_ctx_v2_calls;
+static int h2d_hold, h2d_held;
 
 typedef struct task {
 	void (*fn)(void *);
@@ -299,6 +304,18 @@ long long fakecuda_knob(const char *name, long long value) {
 		old = syncs;
 	} else if (!strcmp(name, "kernels")) {
 		old = kernels_run;
+	} else if (!strcmp(name, "stream_get_ctx")) {
+		old = stream_get_ctx_calls;
+	} else if (!strcmp(name, "stream_get_ctx_v2")) {
+		old = stream_get_ctx_v2_calls;
+	} else if (!strcmp(name, "stream_live")) {
+		old = live_stream((stream *)(uintptr_t)value) ? 1 : 0;
+	} else if (!strcmp(name, "h2d_hold")) {
+		old = h2d_hold;
+		h2d_hold = (int)value;
+		pthread_cond_broadcast(&cv);
+	} else if (!strcmp(name, "h2d_held")) {
+		old = h2d_held;
 	} else if (!strcmp(name, "mem_alloc")) {
 		if (current) {
 			void *m = malloc(value ? (size_t)value : 1);
@@ -380,9 +397,8 @@ CUresult cuCtxGetCurrent(void **c) {
 	*c = current;
 	return OK;
 }
-CUresult cuStreamGetCtx(void *h, void **c) {
+static CUresult stream_get_ctx(void *h, void **c) {
 	CUresult r = OK;
-	pthread_mutex_lock(&mu);
 	if (!h || h == (void *)1) {
 		if (current) *c = current;
 		else r = ERR_INVALID_CONTEXT;
@@ -391,7 +407,24 @@ CUresult cuStreamGetCtx(void *h, void **c) {
 	} else {
 		*c = ((stream *)h)->ctx;
 	}
+	return r;
+}
+CUresult cuStreamGetCtx(void *h, void **c) {
+	pthread_mutex_lock(&mu);
+	stream_get_ctx_calls++;
+	CUresult r = stream_get_ctx(h, c);
 	pthread_mutex_unlock(&mu);
+	return r;
+}
+// cuStreamGetCtx_v2 (CUDA 12.5) is another API than cuStreamGetCtx, as in the real
+// driver: it also returns the stream's green context (none here) through its third
+// argument, which it writes.
+CUresult cuStreamGetCtx_v2(void *h, void **c, void **green) {
+	pthread_mutex_lock(&mu);
+	stream_get_ctx_v2_calls++;
+	CUresult r = stream_get_ctx(h, c);
+	pthread_mutex_unlock(&mu);
+	if (!r) *green = NULL;
 	return r;
 }
 CUresult cuPointerGetAttribute(void *data, int attr, unsigned long long p) {
@@ -588,7 +621,17 @@ static CUresult copy_async(void *dst, const void *src, size_t n, void *h) {
 	if (r) free(a);
 	return r;
 }
-CUresult cuMemcpyHtoDAsync_v2(unsigned long long d, const void *s, size_t n, void *h) { return copy_async((void *)(uintptr_t)d, s, n, h); }
+CUresult cuMemcpyHtoDAsync_v2(unsigned long long d, const void *s, size_t n, void *h) {
+	pthread_mutex_lock(&mu);
+	if (h2d_hold) { // a slow host call (a descheduled thread, a driver lock)
+		h2d_held++;
+		pthread_cond_broadcast(&cv);
+		while (h2d_hold) pthread_cond_wait(&cv, &mu);
+		h2d_held--;
+	}
+	pthread_mutex_unlock(&mu);
+	return copy_async((void *)(uintptr_t)d, s, n, h);
+}
 CUresult cuMemcpyDtoHAsync_v2(void *d, unsigned long long s, size_t n, void *h) { return copy_async(d, (void *)(uintptr_t)s, n, h); }
 CUresult cuMemsetD32Async(unsigned long long d, unsigned int v, size_t n, void *h) {
 	cparg *a = malloc(sizeof *a);

@@ -20,12 +20,25 @@
 // another thread, unblocks either: the call returns ncclRemoteError. nccl_unblock fails
 // every blocked call at once (for a test to unwind after a failure); nccl_finalizes
 // (read: ncclCommFinalize calls); nccl_connecting (read: calls blocked connecting now).
+// nccl_finalize_hang 2: as 1, but ncclCommAbort does not unblock them. nccl_abort_hang
+// (1: ncclCommAbort blocks until 0, as in NVIDIA/nccl#829). nccl_enqueue_delay_us: host
+// work of every collective's call before it queues (a slow call that does not wait for
+// peers); nccl_in_call (read: threads inside a collective's call now).
+//
+// A communicator that ncclCommAbort or ncclCommDestroy has begun to free is poisoned: any
+// later call on it (a collective, ncclCommGetAsyncError, ncclCommFinalize, ncclCommDestroy,
+// ncclCommAbort) fails, is printed, and is counted in nccl_use_after_free (read), which the
+// tests check. A call already inside the library when the abort comes is not: the abort is
+// what unblocks it; but ncclCommAbort while a collective's call runs on the communicator
+// without waiting for peers (only one thread may operate a communicator at a time) is
+// counted there too.
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 int fakecuda_enqueue(void *stream, void (*fn)(void *), void *arg);
 long long fakecuda_knob(const char *name, long long value);
@@ -61,6 +74,7 @@ typedef struct shared {
 typedef struct comm {
 	shared *sh;
 	int rank, aborted, destroyed, async_err, connected, finalized;
+	int in_call, blocked; // threads inside a collective's enqueue; of them, waiting for peers
 	unsigned long long seq;
 	struct comm *next;
 } comm;
@@ -70,8 +84,19 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static shared *shareds;
 static comm *comms; // every communicator ever created (never freed: streams may still refer to them)
 static int version = 22105;
-static int init_fail, gate_closed, connect_block, finalize_hang;
-static long long performed, finalizes, unblock_gen, connecting;
+static int init_fail, gate_closed, connect_block, finalize_hang, abort_hang, enqueue_delay_us;
+static long long in_calls;
+static long long performed, finalizes, unblock_gen, connecting, use_after_free;
+
+// gone reports (and counts, and prints) a call on a communicator that ncclCommAbort or
+// ncclCommDestroy has freed, or is freeing: the real library would read freed memory.
+// mu is held.
+static int gone(comm *c, const char *fn) {
+	if (!c->aborted && !c->destroyed) return 0;
+	use_after_free++;
+	fprintf(stderr, "fakenccl: %s on the %s communicator of rank %d\n", fn, c->destroyed ? "destroyed" : "aborted", c->rank);
+	return 1;
+}
 static unsigned long long id_counter;
 
 long long fake_knob(const char *name, long long value) {
@@ -103,6 +128,17 @@ long long fake_knob(const char *name, long long value) {
 	} else if (!strcmp(name, "nccl_finalize_hang")) {
 		old = finalize_hang;
 		finalize_hang = (int)value;
+		pthread_cond_broadcast(&cv);
+	} else if (!strcmp(name, "nccl_use_after_free")) {
+		old = use_after_free;
+	} else if (!strcmp(name, "nccl_enqueue_delay_us")) {
+		old = enqueue_delay_us;
+		enqueue_delay_us = (int)value;
+	} else if (!strcmp(name, "nccl_in_call")) {
+		old = in_calls;
+	} else if (!strcmp(name, "nccl_abort_hang")) {
+		old = abort_hang;
+		abort_hang = (int)value;
 		pthread_cond_broadcast(&cv);
 	} else if (!strcmp(name, "nccl_unblock")) {
 		old = ++unblock_gen;
@@ -181,9 +217,20 @@ static void break_comm(comm *c) {
 ncclResult_t ncclCommAbort(comm *c) {
 	if (!c) return ncclInvalidArgument;
 	pthread_mutex_lock(&mu);
+	if (gone(c, "ncclCommAbort")) {
+		pthread_mutex_unlock(&mu);
+		return ncclInvalidUsage;
+	}
+	if (c->in_call > c->blocked) { // NCCL: one thread at a time may operate a communicator
+		use_after_free++;
+		fprintf(stderr, "fakenccl: ncclCommAbort of rank %d while a collective runs on it, not waiting for peers\n", c->rank);
+	}
 	c->aborted = 1;
+	c->sh->broken = 1;
+	pthread_cond_broadcast(&cv);
+	long long gen = unblock_gen;
+	while (abort_hang && gen == unblock_gen) pthread_cond_wait(&cv, &mu); // NVIDIA/nccl#829
 	pthread_mutex_unlock(&mu);
-	break_comm(c);
 	return ncclSuccess;
 }
 
@@ -191,7 +238,7 @@ ncclResult_t ncclCommAbort(comm *c) {
 // mu is held. It returns ncclRemoteError if the wait ended otherwise than by the knob.
 static ncclResult_t hang_finalize(comm *c) {
 	long long gen = unblock_gen;
-	while (finalize_hang && !c->aborted && gen == unblock_gen) pthread_cond_wait(&cv, &mu);
+	while (finalize_hang && (finalize_hang == 2 || !c->aborted) && gen == unblock_gen) pthread_cond_wait(&cv, &mu);
 	return finalize_hang ? ncclRemoteError : ncclSuccess;
 }
 
@@ -199,7 +246,7 @@ ncclResult_t ncclCommFinalize(comm *c) {
 	if (!c) return ncclInvalidArgument;
 	pthread_mutex_lock(&mu);
 	finalizes++;
-	if (c->aborted || c->destroyed || c->finalized) {
+	if (gone(c, "ncclCommFinalize") || c->finalized) {
 		pthread_mutex_unlock(&mu);
 		return ncclInvalidUsage;
 	}
@@ -212,6 +259,10 @@ ncclResult_t ncclCommFinalize(comm *c) {
 ncclResult_t ncclCommDestroy(comm *c) {
 	if (!c) return ncclInvalidArgument;
 	pthread_mutex_lock(&mu);
+	if (gone(c, "ncclCommDestroy")) {
+		pthread_mutex_unlock(&mu);
+		return ncclInvalidUsage;
+	}
 	ncclResult_t r = c->finalized ? ncclSuccess : hang_finalize(c); // destroy finalizes first
 	c->destroyed = 1;
 	pthread_mutex_unlock(&mu);
@@ -221,6 +272,10 @@ ncclResult_t ncclCommDestroy(comm *c) {
 
 ncclResult_t ncclCommGetAsyncError(comm *c, ncclResult_t *r) {
 	pthread_mutex_lock(&mu);
+	if (gone(c, "ncclCommGetAsyncError")) {
+		pthread_mutex_unlock(&mu);
+		return ncclInvalidUsage;
+	}
 	*r = c->async_err;
 	pthread_mutex_unlock(&mu);
 	return ncclSuccess;
@@ -446,12 +501,34 @@ out:
 	free(j);
 }
 
+static ncclResult_t enqueue_in(comm *c, int kind, const void *send, void *recv, size_t count, int dtype, int op, int root, void *stream);
+
+// enqueue is a collective's host call: it takes nccl_enqueue_delay_us of host work (not
+// waiting for peers) before it queues the collective.
 static ncclResult_t enqueue(comm *c, int kind, const void *send, void *recv, size_t count, int dtype, int op, int root, void *stream) {
 	if (!c) return ncclInvalidArgument;
+	pthread_mutex_lock(&mu);
+	c->in_call++;
+	in_calls++;
+	int delay = enqueue_delay_us;
+	pthread_mutex_unlock(&mu);
+	if (delay) {
+		struct timespec ts = {delay / 1000000, (long)(delay % 1000000) * 1000};
+		nanosleep(&ts, NULL);
+	}
+	ncclResult_t r = enqueue_in(c, kind, send, recv, count, dtype, op, root, stream);
+	pthread_mutex_lock(&mu);
+	c->in_call--;
+	in_calls--;
+	pthread_mutex_unlock(&mu);
+	return r;
+}
+
+static ncclResult_t enqueue_in(comm *c, int kind, const void *send, void *recv, size_t count, int dtype, int op, int root, void *stream) {
 	if (!esize(dtype) || op < 0 || op > 4) return ncclInvalidArgument;
 	if (count > 0 && (!send || !recv)) return ncclInvalidArgument;
 	pthread_mutex_lock(&mu);
-	if (c->aborted || c->destroyed) {
+	if (gone(c, "a collective")) {
 		pthread_mutex_unlock(&mu);
 		return ncclInvalidUsage;
 	}
@@ -465,8 +542,10 @@ static ncclResult_t enqueue(comm *c, int kind, const void *send, void *recv, siz
 		long long gen = unblock_gen;
 		sh->connecting++;
 		connecting++;
+		c->blocked++;
 		pthread_cond_broadcast(&cv);
 		while (sh->connecting < sh->nranks && !sh->broken && !c->aborted && gen == unblock_gen) pthread_cond_wait(&cv, &mu);
+		c->blocked--;
 		connecting--;
 		if (sh->connecting < sh->nranks) {
 			if (!c->async_err) c->async_err = ncclRemoteError;
