@@ -81,6 +81,11 @@ func TestRoundTrip(t *testing.T) {
 	if steps, err := List(dir); err != nil || !slices.Equal(steps, []int64{5, 4}) {
 		t.Fatalf("files: steps %v, %v; want [5 4]", steps, err)
 	}
+	// A temporary file of a write a crash interrupted goes at the next Restore.
+	tmp := filepath.Join(dir, ".ckpt-123.tmp")
+	if err := os.WriteFile(tmp, []byte("partial"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	got := newState(4)
 	step, err := newCk(t, nil, Options{Dir: dir, Resume: true}, got, 4).Restore(context.Background())
 	if err != nil || step != 5 {
@@ -88,6 +93,9 @@ func TestRoundTrip(t *testing.T) {
 	}
 	if !got.equal(want) {
 		t.Fatalf("read back %+v, wrote %+v", got, want)
+	}
+	if _, err := os.Stat(tmp); !os.IsNotExist(err) {
+		t.Errorf("stale temporary file still there: %v", err)
 	}
 }
 
@@ -100,7 +108,9 @@ func TestCorruptNewestSkipped(t *testing.T) {
 		at   func(n int) int // the byte to flip, of n
 	}{
 		{"data", func(n int) int { return n - 10 }},
-		{"shape", func(n int) int { return 8 + 4 + 8 + 4 + 4 + len("--seed") + 4 + 1 + 4 + 4 + len("data.next_sample") + 8 + 4 + len("opt.step") + 8 + 4 + 4 + 1 + 4 }},
+		{"shape", func(n int) int {
+			return 8 + 4 + 8 + 4 + 4 + len("--seed") + 4 + 1 + 4 + 4 + len("data.next_sample") + 8 + 4 + len("opt.step") + 8 + 4 + 4 + 1 + 4
+		}},
 		{"crc", func(n int) int { return n - 1 }},
 		{"cut", nil},
 	} {
