@@ -228,8 +228,11 @@ func TestTorchrunKillRestart(t *testing.T) {
 		t.Skip("torchrun not found (Debian: apt-get install python3-torch): skipped")
 	}
 	want := uninterrupted(t, ckptArgs)
-	flags := []string{"--nnodes", "1", "--nproc_per_node", "2", "--max_restarts", "1", "--standalone", "--no_python", "--tee", "3"}
-	stdout, stderr, err := launch(t, torchrun, flags, []string{killEnv + "=1:7", "PYTHONWARNINGS=ignore"}, ckptArgs+" --checkpoint_dir "+t.TempDir())
+	// As in examples/transformer's launcher tests: Debian's torch 1.13 under Python 3.11
+	// needs --redirects and --tee other than 0; the agent looks at its workers every 0.2 s.
+	flags := []string{"--redirects", "1", "--tee", "1", "--log_dir", t.TempDir(), "--monitor_interval", "0.2", "--no_python",
+		"--standalone", "--nnodes", "1", "--nproc_per_node", "2", "--max_restarts", "1"}
+	stdout, stderr, err := launch(t, torchrun, flags, []string{killEnv + "=1:7"}, ckptArgs+" --checkpoint_dir "+t.TempDir())
 	if err != nil {
 		t.Fatalf("torchrun: %v\nstdout:\n%s\nstderr:\n%s", err, stdout, stderr)
 	}
