@@ -134,6 +134,22 @@
 // Every pass must report every parameter (there is no FindUnusedParameters with Shards),
 // and random numbers (dropout, say) are the trainer's to key by (step, shard) too.
 //
+// With package ddp/checkpoint the trainer registers its state once (parameters, optimizer
+// state, the data position in global samples) and saves it after synced steps; a restart by
+// ddprun or torchrun --max_restarts, at this world size or another that divides L, resumes
+// from it with the same bits as the uninterrupted run:
+//
+//	ck, err := checkpoint.New(pg, checkpoint.Options{Dir: dir})
+//	ck.Float32("w1", w1, hidden, in) // … every parameter, and the optimizer's state
+//	ck.Int64("data.next_sample", &next)
+//	start, err := ck.Restore(ctx) // every rank; 0: a fresh start
+//	for step := start; step < steps; step++ {
+//		// d.BackwardShards(ctx, …), the optimizer, next += globalBatch
+//		if (step+1)%every == 0 {
+//			err = ck.Save(int64(step + 1)) // rank 0 writes
+//		}
+//	}
+//
 // # Errors
 //
 // BeginBackward returns nothing, and an adapter's hook cannot return an error: their errors

@@ -3,8 +3,8 @@
 # interruption gives the reference params_crc32; then, for each RANK:STEP pair, the same run
 # under `ddprun --max_restarts 1` has that rank's process killed with a real `kill -9` (its
 # pid read from the rank<R>.pid file the trainer writes in its --checkpoint_dir) as soon as
-# rank 0 reports the step; ddprun restarts the group, the trainer resumes from its newest
-# checkpoint agreed by all ranks, and the run's final params_crc32 must equal the reference.
+# rank 0 reports the step; ddprun restarts the group, the trainer resumes from its
+# newest readable checkpoint, and the run's final params_crc32 must equal the reference.
 # Prints the table (rank, step, the last step rank 0 finished before the kill, the step
 # resumed from, crc, equal?) and exits 1 if any row differs.
 #

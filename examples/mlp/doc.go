@@ -32,6 +32,14 @@
 // itself. A world size that does not divide L is refused at start, naming the sizes that
 // work.
 //
+// --checkpoint_dir DIR makes rank 0 write the parameters and the data position (the run's
+// next sample) every --checkpoint_every steps and after the last, with package
+// ddp/checkpoint; a launcher's restart (ddprun or torchrun --max_restarts), or --resume,
+// continues from the newest readable one. With --global_batch_size the checkpoint holds no
+// world size, so a run checkpointed by 3 ranks resumes on 2, on 1 or with --no_ddp and
+// ends with the uninterrupted run's bits; with --batch_size it resumes at its own world
+// size only.
+//
 // Output: rank 0 prints the loss of the global batch every --log_every steps; every rank
 // ends with "params_crc32=<8 hex>", the CRC-32 (IEEE) of its final parameters'
 // little-endian float32 bytes in registration order, the same on every rank.

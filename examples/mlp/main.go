@@ -32,6 +32,10 @@ type flags struct {
 	saveParams string
 	global     int // --global_batch_size: samples per step over all ranks (with --micro_batch_size)
 	micro      int // --micro_batch_size: samples per logical shard
+
+	checkpointDir string // --checkpoint_dir (empty: none)
+	ckptEvery     int
+	resume        bool
 }
 
 // shards is the number of logical shards of a step's batch, L = global/micro; 0 without
@@ -61,6 +65,9 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.StringVar(&f.saveParams, "save_params", "", "rank 0 writes the final parameters (little-endian float32) to this file")
 	fs.IntVar(&f.global, "global_batch_size", 0, "samples per step over all ranks, cut into global/micro logical shards whose sum is the same bits at every world size (with --micro_batch_size; instead of --batch_size and --accum_steps)")
 	fs.IntVar(&f.micro, "micro_batch_size", 0, "samples per logical shard (with --global_batch_size)")
+	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "rank 0 checkpoints here; every rank resumes from here on a launcher's restart or with --resume (empty: none)")
+	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and after the last)")
+	fs.BoolVar(&f.resume, "resume", false, "resume from the newest checkpoint in --checkpoint_dir, if there is one")
 	if err := fs.Parse(args); err != nil {
 		return f, err
 	}
@@ -82,6 +89,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 			f.hidden, f.batch, f.accum, f.steps, f.logEvery)
 	case !(f.bucketMB > 0) || !(f.firstMB > 0):
 		return f, fmt.Errorf("--bucket_cap_mb %v, --first_bucket_cap_mb %v must be positive", f.bucketMB, f.firstMB)
+	case f.ckptEvery <= 0 || (f.resume && f.checkpointDir == ""):
+		return f, fmt.Errorf("--checkpoint_every %d must be positive; --resume needs --checkpoint_dir", f.ckptEvery)
 	}
 	return f, nil
 }
@@ -104,6 +113,9 @@ func main() {
 // run checks the output file, joins the launcher's group (without --no_ddp) and trains.
 func run(ctx context.Context, f flags, stdout io.Writer) error {
 	if err := outpath.File("--save_params", f.saveParams); err != nil { // before training, not after it
+		return err
+	}
+	if err := outpath.Dir("--checkpoint_dir", f.checkpointDir); err != nil {
 		return err
 	}
 	var pg procgroup.ProcessGroup
@@ -150,8 +162,13 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		}
 		defer d.Close()
 	}
+	var next int64 // the data position: the run's next sample, over the global batch
+	k, start, err := restoreCkpt(ctx, f, pg, m, &next, stdout)
+	if err != nil {
+		return nil, err
+	}
 	if f.shards() > 0 {
-		return m, trainShards(ctx, f, pg, d, m, stdout)
+		return m, trainShards(ctx, f, pg, d, m, k, start, &next, stdout)
 	}
 	ready := func(i int) { // backward reports parameter i's micro-batch gradient
 		if d != nil {
@@ -163,7 +180,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		}
 	}
 	xs, ys := make([]float32, f.batch*inputs), make([]float32, f.batch)
-	for step := range f.steps {
+	for step := start; step < f.steps; step++ {
 		if d == nil {
 			for _, g := range m.grads {
 				clear(g)
@@ -178,7 +195,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 				}
 				d.BeginBackward(mode)
 			}
-			first := ((step*f.accum+micro)*world + rank) * f.batch
+			first := int(next) + (micro*world+rank)*f.batch
 			samples(f.seed, first, f.batch, xs, ys)
 			// The DDP sums the micro-batches' gradients: scaling by 1/accum is ours.
 			loss += m.forwardBackward(xs, ys, 1/float32(f.accum), ready)
@@ -189,6 +206,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			}
 		}
 		m.sgd(float32(f.lr))
+		next += int64(f.accum * world * f.batch)
 
 		if f.logEvery > 0 && (step%f.logEvery == 0 || step == f.steps-1) {
 			l := []float32{loss}
@@ -201,6 +219,9 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 				fmt.Fprintf(stdout, "step %d loss %.6f\n", step, l[0])
 			}
 		}
+		if err := k.after(rank, step); err != nil {
+			return nil, err
+		}
 	}
 	if pg != nil { // leave together: no rank closes while a peer may still be finishing
 		if err := pg.Barrier(ctx).Wait(ctx); err != nil {
@@ -210,12 +231,13 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 	return m, nil
 }
 
-// trainShards is train's loop with --global_batch_size: the step's batch is L logical
-// shards of --micro_batch_size samples, shard s of step t holding the samples from
-// (t·L + s)·micro on whatever rank runs it, and ddp sums the shards' gradients in shard
-// order (ddp.Options.Shards). With a nil d, one process runs every shard and sums them the
-// same way itself: the first shard's gradient, plus each next one in order, times 1/L.
-func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp.DDP, m *mlp, stdout io.Writer) error {
+// trainShards is train's loop with --global_batch_size from step start: the step's batch
+// is L logical shards of --micro_batch_size samples, shard s of step t holding the samples
+// from *next + s·micro (the data position, t·L·micro) on whatever rank runs it, and ddp
+// sums the shards' gradients in shard order (ddp.Options.Shards). With a nil d, one
+// process runs every shard and sums them the same way itself: the first shard's gradient,
+// plus each next one in order, times 1/L.
+func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp.DDP, m *mlp, k *ckpt, start int, next *int64, stdout io.Writer) error {
 	L := f.shards()
 	lo, hi := 0, L
 	if d != nil {
@@ -236,9 +258,12 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 			}
 		}
 	}
-	step := 0
+	step, rank := start, 0
+	if pg != nil {
+		rank = pg.Rank()
+	}
 	shard := func(s int) error {
-		samples(f.seed, (step*L+s)*f.micro, f.micro, xs, ys)
+		samples(f.seed, int(*next)+s*f.micro, f.micro, xs, ys)
 		losses[s-lo] = m.forwardBackward(xs, ys, 1, ready) // the shard's own mean
 		return nil
 	}
@@ -260,6 +285,7 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 			}
 		}
 		m.sgd(float32(f.lr))
+		*next += int64(L * f.micro)
 
 		if f.logEvery > 0 && (step%f.logEvery == 0 || step == f.steps-1) {
 			copy(all, losses)
@@ -272,9 +298,12 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 			for _, v := range all[1:] {
 				l += v
 			}
-			if pg == nil || pg.Rank() == 0 {
+			if rank == 0 {
 				fmt.Fprintf(stdout, "step %d loss %.6f\n", step, l*inv)
 			}
+		}
+		if err := k.after(rank, step); err != nil {
+			return err
 		}
 	}
 	if pg != nil { // leave together, as train does

@@ -26,6 +26,7 @@ const asMainEnv = "GODDP_MLP_TEST_AS_MAIN"
 
 func TestMain(m *testing.M) {
 	if os.Getenv(asMainEnv) == "1" {
+		killHook() // GODDP_MLP_TEST_KILL: a rank's kill -9 at a step
 		main()
 		os.Exit(0)
 	}

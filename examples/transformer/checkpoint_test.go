@@ -10,7 +10,8 @@ import (
 	"strings"
 	"testing"
 
-	"go.uber.org/zap"
+	"github.com/goddp/goddp/ddp/checkpoint"
+	"github.com/goddp/goddp/procgroup"
 )
 
 // trainEdit is trainArgs with the flags passed through edit first; it returns the error.
@@ -43,14 +44,14 @@ func assertSame(t *testing.T, what string, want, got []float32) {
 	}
 }
 
-func assertSteps(t *testing.T, dir string, rank int, want ...int) {
+func assertSteps(t *testing.T, dir string, want ...int64) {
 	t.Helper()
-	got, err := listCheckpoints(dir, rank)
+	got, err := checkpoint.List(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !slices.Equal(got, want) {
-		t.Fatalf("rank %d's checkpoints: steps %v, want %v", rank, got, want)
+		t.Fatalf("checkpoints: steps %v, want %v", got, want)
 	}
 }
 
@@ -58,7 +59,7 @@ const ckptBase = tinyFlags + " --batch_size 2 --warmup_steps 0 --checkpoint_ever
 
 // TestCheckpointCorruptNewest: a newest checkpoint that is damaged (a flipped byte, cut
 // short, empty) is skipped and the run resumes from the one before, ending bit for bit where
-// the uninterrupted run does; each rank keeps only its two newest files.
+// the uninterrupted run does; only the two newest files stay.
 func TestCheckpointCorruptNewest(t *testing.T) {
 	want, _ := trainArgs(t, tinyFlags+" --batch_size 2 --warmup_steps 0 --bench_steps 8")
 	for _, c := range []struct {
@@ -79,8 +80,8 @@ func TestCheckpointCorruptNewest(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			dir := t.TempDir()
 			trainArgs(t, ckptBase+" --bench_steps 6 --checkpoint_dir "+dir)
-			assertSteps(t, dir, 0, 6, 4)
-			if err := c.corrupt(filepath.Join(dir, ckptName(0, 6))); err != nil {
+			assertSteps(t, dir, 6, 4)
+			if err := c.corrupt(filepath.Join(dir, checkpoint.FileName(6))); err != nil {
 				t.Fatal(err)
 			}
 			got, out := trainArgs(t, ckptBase+" --bench_steps 8 --resume --checkpoint_dir "+dir)
@@ -88,14 +89,14 @@ func TestCheckpointCorruptNewest(t *testing.T) {
 				t.Fatalf("did not resume from step 4:\n%s", out)
 			}
 			assertSame(t, "resumed after a corrupt newest checkpoint", want, got)
-			assertSteps(t, dir, 0, 8, 6)
+			assertSteps(t, dir, 8, 6)
 		})
 	}
 	t.Run("all corrupt", func(t *testing.T) {
 		dir := t.TempDir()
 		trainArgs(t, ckptBase+" --bench_steps 6 --checkpoint_dir "+dir)
-		for _, s := range []int{4, 6} {
-			if err := os.Truncate(filepath.Join(dir, ckptName(0, s)), 7); err != nil {
+		for _, s := range []int64{4, 6} {
+			if err := os.Truncate(filepath.Join(dir, checkpoint.FileName(s)), 7); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -118,7 +119,7 @@ func TestCheckpointFreshStart(t *testing.T) {
 			t.Fatalf("%s: did not start at step 0:\n%s", dir, out)
 		}
 		assertSame(t, "fresh start", want, got)
-		assertSteps(t, dir, 0, 3, 2)
+		assertSteps(t, dir, 3, 2)
 		if b, err := os.ReadFile(filepath.Join(dir, "rank0.pid")); err != nil || strings.TrimSpace(string(b)) != fmt.Sprint(os.Getpid()) {
 			t.Errorf("pid file: %q, %v", b, err)
 		}
@@ -163,56 +164,58 @@ func TestCheckpointRestartCount(t *testing.T) {
 	}
 }
 
-// TestDDPResumeAgreement: the ranks resume from the newest step every rank has a readable
-// checkpoint of, whatever each rank's own newest is, and end bit for bit where the
-// uninterrupted run does.
+// TestDDPResumeAgreement: the ranks resume from the newest checkpoint any of them can
+// read, whichever directory it is in (ranks on hosts without a shared file system get the
+// state from the rank that has it), and end bit for bit where the uninterrupted run does;
+// a checkpoint of another model fails every rank, naming the tensor.
 func TestDDPResumeAgreement(t *testing.T) {
 	args := tinyDDPFlags + " --batch_size 2 --warmup_steps 0 --checkpoint_every 2 --bench_steps "
 	want, _ := trainRanks(t, 2, args+"8")
+	wide := t.TempDir() // a checkpoint of a wider model
+	trainRanks(t, 2, strings.Replace(args, "--hidden_size 16", "--hidden_size 8", 1)+"2 --checkpoint_dir "+wide)
 	for _, c := range []struct {
 		name  string
-		setup func(dir string) error // after the 6 first steps: every rank has steps 6 and 4
+		dirs  func(dir string) ([2]string, error) // after the 6 first steps: dir has steps 6 and 4
 		start int
-		err   string // an error every rank must report instead
+		err   string // an error rank 1 must report instead (rank 0: that rank 1 cannot resume)
 	}{
-		{"rank 1 died before writing step 6", func(dir string) error {
-			return os.Remove(filepath.Join(dir, ckptName(1, 6)))
+		{"newest corrupt", func(dir string) ([2]string, error) {
+			return [2]string{dir, dir}, os.Truncate(filepath.Join(dir, checkpoint.FileName(6)), 100)
 		}, 4, ""},
-		{"rank 0's newest corrupt", func(dir string) error {
-			return os.Truncate(filepath.Join(dir, ckptName(0, 6)), 100)
-		}, 4, ""},
-		{"rank 1 has none", func(dir string) error {
-			return errJoin(os.Remove(filepath.Join(dir, ckptName(1, 6))), os.Remove(filepath.Join(dir, ckptName(1, 4))))
+		{"rank 1's directory empty", func(dir string) ([2]string, error) {
+			return [2]string{dir, t.TempDir()}, nil
+		}, 6, ""},
+		{"rank 0's directory empty", func(dir string) ([2]string, error) {
+			return [2]string{t.TempDir(), dir}, nil
+		}, 6, ""},
+		{"all unreadable", func(dir string) ([2]string, error) {
+			return [2]string{dir, dir}, errJoin(os.Truncate(filepath.Join(dir, checkpoint.FileName(6)), 0), os.Truncate(filepath.Join(dir, checkpoint.FileName(4)), 9))
 		}, 0, ""},
-		{"rank 0 lacks the agreed step", func(dir string) error {
-			return errJoin(os.Remove(filepath.Join(dir, ckptName(1, 6))), os.Truncate(filepath.Join(dir, ckptName(0, 4)), 100))
-		}, -1, "resuming from step 4"},
+		{"another model on rank 1", func(dir string) ([2]string, error) {
+			return [2]string{dir, wide}, nil
+		}, -1, `tensor "0.weight" has shape [8 8], in this model [16 16]`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			dir := t.TempDir()
 			trainRanks(t, 2, args+"6 --checkpoint_dir "+dir)
-			assertSteps(t, dir, 0, 6, 4)
-			assertSteps(t, dir, 1, 6, 4)
-			if err := c.setup(dir); err != nil {
+			assertSteps(t, dir, 6, 4)
+			dirs, err := c.dirs(dir)
+			if err != nil {
 				t.Fatal(err)
 			}
+			edit := func(rank int, _ procgroup.ProcessGroup, f *flags) { f.checkpointDir = dirs[rank] }
 			resume := args + "8 --resume --checkpoint_dir " + dir
 			if c.err != "" {
-				_, outs, errs := runRanks(t, 2, resume, nil)
-				for r, err := range errs {
-					if err == nil || !strings.Contains(err.Error(), c.err) {
-						t.Errorf("rank %d: %v, want an error with %q\n%s", r, err, c.err, outs[r])
-					}
+				_, outs, errs := runRanks(t, 2, resume, edit)
+				if errs[1] == nil || !strings.Contains(errs[1].Error(), c.err) {
+					t.Errorf("rank 1: %v, want an error with %q\n%s", errs[1], c.err, outs[1])
 				}
-				if errs[0] != nil && !strings.Contains(errs[0].Error(), "corrupt") && !strings.Contains(errs[0].Error(), "bytes") {
-					t.Errorf("rank 0's error does not say what is wrong with its file: %v", errs[0])
-				}
-				if errs[1] != nil && !strings.Contains(errs[1].Error(), "ranks [0]") {
-					t.Errorf("rank 1's error does not name rank 0: %v", errs[1])
+				if errs[0] == nil || !strings.Contains(errs[0].Error(), "ranks [1] cannot resume") {
+					t.Errorf("rank 0's error does not name rank 1: %v", errs[0])
 				}
 				return
 			}
-			ps, outs := trainRanks(t, 2, resume)
+			ps, outs := trainRanksWith(t, 2, resume, edit)
 			if s := fmt.Sprintf(" start_step=%d\n", c.start); !strings.Contains(outs[0], s) {
 				t.Fatalf("want%s:\n%s", s, outs[0])
 			}
@@ -230,45 +233,4 @@ func errJoin(errs ...error) error {
 		}
 	}
 	return nil
-}
-
-// TestCheckpointFormat: a checkpoint reads back what was written; a file of another model
-// size is refused before it is read.
-func TestCheckpointFormat(t *testing.T) {
-	dir := t.TempDir()
-	const n = 1000
-	c := &checkpoint{hdr: ckptHeader{Step: 12, N: n, OptStep: 11, Seed: 3, World: 4, Batch: 5, Accum: 6, Rank: 2}}
-	c.params, c.m, c.v = make([]float32, n), make([]float32, n), make([]float32, n)
-	for i := range n {
-		c.params[i], c.m[i], c.v[i] = float32(i)*0.5-7, float32(i)*1e-3, float32(i)*1e-6+1e-9
-	}
-	if err := writeCheckpoint(dir, c); err != nil {
-		t.Fatal(err)
-	}
-	got, err := readCheckpoint(filepath.Join(dir, ckptName(2, 12)), n)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got.hdr != c.hdr || got.optStep != 11 || !slices.Equal(got.params, c.params) || !slices.Equal(got.m, c.m) || !slices.Equal(got.v, c.v) {
-		t.Fatalf("read back %+v", got.hdr)
-	}
-	if _, err := readCheckpoint(filepath.Join(dir, ckptName(2, 12)), n+1); err == nil || !strings.Contains(err.Error(), "truncated or not this model's") {
-		t.Errorf("wrong size: %v", err)
-	}
-	// Stale temporary files of an interrupted write are removed on the next start.
-	tmp := filepath.Join(dir, ".rank0-123.tmp")
-	if err := os.WriteFile(tmp, []byte("partial"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	f, err := parseFlags(strings.Fields(ckptBase+" --resume --checkpoint_dir "+dir), &bytes.Buffer{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	// (rank 0 has no checkpoint in dir: restore touches neither the optimizer nor the log)
-	if _, err := restore(context.Background(), f, world{0, 1}, nil, make([]float32, 10), nil, zap.NewNop()); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := os.Stat(tmp); !os.IsNotExist(err) {
-		t.Errorf("stale temporary file still there: %v", err)
-	}
 }

@@ -39,16 +39,19 @@
 //
 // # Checkpoints and restarts
 //
-// With --checkpoint_dir every rank saves its parameters, AdamW's state and the step (with
-// the seed, the data position) every --checkpoint_every steps and after the last one, to
-// rank<R>-step<S>.ckpt, atomically (temporary file, fsync, rename, directory fsync), keeping
-// its two newest files; it also writes rank<R>.pid there. With --resume, or by itself when
-// ddprun --max_restarts restarts the group (TORCHELASTIC_RESTART_COUNT > 0), it continues
-// from the newest step every rank has a readable checkpoint of (a corrupt newest file falls
-// back to the one before; none at all, or an empty or missing directory, is a fresh start).
-// Data and reductions are deterministic, so a run whose ranks are killed and restarted ends
-// with the same params_crc32 as an uninterrupted one (scripts/kill_test.sh): see Note
-// [Checkpoints] and Note [Resume] in checkpoint.go.
+// With --checkpoint_dir rank 0 saves the parameters, AdamW's state and the step (with the
+// seed, the data and dropout position) every --checkpoint_every steps and after the last
+// one, to step<S>.ckpt, with package ddp/checkpoint: atomically (temporary file, fsync,
+// rename, directory fsync), keeping the two newest files; every rank also writes
+// rank<R>.pid there. With --resume, or by itself when ddprun or torchrun --max_restarts
+// restarts the group (TORCHELASTIC_RESTART_COUNT > 0), every rank continues from the
+// newest checkpoint any rank can read (a corrupt newest file falls back to the one before;
+// none at all, or an empty or missing directory, is a fresh start; a rank whose directory
+// lacks it gets the state from one that has it). Data and reductions are deterministic, so
+// a run whose ranks are killed and restarted ends with the same params_crc32 as an
+// uninterrupted one (scripts/kill_test.sh). This trainer's data depend on the world size,
+// so a checkpoint resumes at its own world size only: see Note [Checkpoints] in
+// checkpoint.go.
 //
 // # Seeing where the time goes
 //

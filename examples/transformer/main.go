@@ -427,6 +427,7 @@ type trainer struct {
 	sync   gradSync               // local or d
 	g      *model.Graph
 	opt    *optim.AdamW
+	ck     *ckpt // with --checkpoint_dir
 	obs    *observer
 	stdout io.Writer
 
@@ -470,7 +471,11 @@ func (t *trainer) resume(ctx context.Context, log *zap.Logger) (int, error) {
 	if f.checkpointDir == "" {
 		return 0, nil
 	}
-	start, err := restore(ctx, f, w, t.pg, t.m.Data32(), t.opt, log)
+	var err error
+	if t.ck, err = newCkpt(f, w, t.pg, t.m, t.opt, log); err != nil {
+		return 0, err
+	}
+	start, err := t.ck.restore(ctx, f, w)
 	if err != nil {
 		return 0, err
 	}
@@ -528,7 +533,7 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	}
 	if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
 		end := t.obs.tr.Span("checkpoint")
-		if err := saveCheckpoint(f, t.w, step+1, t.m.Data32(), t.opt); err != nil {
+		if err := t.ck.save(step + 1); err != nil {
 			return err
 		}
 		end()
@@ -689,8 +694,6 @@ func paramsCRC32(p []float32) uint32 {
 	}
 	return h.Sum32()
 }
-
-func crc32Update(crc uint32, b []byte) uint32 { return crc32.Update(crc, crc32.IEEETable, b) }
 
 // reportAuto prints the automatic bucket sizing's choice (rank 0, --bucket_cap_mb auto) and
 // writes its measurements to --auto_profile.
