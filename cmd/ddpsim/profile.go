@@ -126,5 +126,3 @@ func median(xs []float64) float64 {
 	}
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
-
-// summary is goddp's part of sweep-report's summary.csv: the median ms/step per cap and

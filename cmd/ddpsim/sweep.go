@@ -9,13 +9,14 @@ import (
 	"strings"
 )
 
-// with auto, the compute-only ms/step (0 where missing), and each cap's P(best) (Note
-// [Resolved best] in cmd/sweep-report; nil in a summary without the column).
+// summary is goddp's part of sweep-report's summary.csv: the median ms/step per cap and
+// with auto, and each cap's P(best) (Note [Resolved best] in cmd/sweep-report; nil in a
+// summary without the column).
 type summary struct {
-	caps          map[float64]float64
-	auto, compute float64
-	pBest         map[float64]float64
-	layouts       []measuredLayout // from -layouts
+	caps    map[float64]float64
+	auto    float64
+	pBest   map[float64]float64
+	layouts []measuredLayout // from -layouts
 }
 
 // measuredLayout is one row of a sweep's layouts.csv: the caps that ran one bucket layout,
@@ -108,9 +109,6 @@ func readSummary(path string) (summary, error) {
 		ms, err := strconv.ParseFloat(r[2], 64)
 		if err != nil {
 			return summary{}, fmt.Errorf("%s: ms/step %q: %w", path, r[2], err)
-		}
-		if v, err := strconv.ParseFloat(r[7], 64); err == nil && v > 0 {
-			s.compute = v
 		}
 		if r[1] == "auto" {
 			s.auto = ms
