@@ -458,10 +458,8 @@ func (s *state) drain() {
 
 // SearchOptions bound Best's search.
 type SearchOptions struct {
-	// MinCapBytes and MaxCapBytes bound the caps tried (defaults: 64 KiB, and the total
-	// size of the gradients).
-	MinCapBytes, MaxCapBytes int64
-	// Steps is the number of caps tried per factor of 2 (default 4).
+	// Steps is the number of caps tried per factor of 2, from 64 KiB to the size of all
+	// the gradients (default 4).
 	Steps int
 	// KeepFirstCapBytes and KeepCapBytes, when both are set, are the caps of the layout in
 	// use (Note [Keep the default]): Best returns their layout unless the least predicted
@@ -506,17 +504,12 @@ type Plan struct {
 	Kept bool
 }
 
-// Caps returns the caps Best tries: geometric from MinCapBytes to MaxCapBytes, Steps per
-// factor of 2, and MaxCapBytes itself.
+// Caps returns the caps Best tries for gradients of total bytes: geometric from 64 KiB to
+// total (at least 64 KiB), Steps per factor of 2, and that last size itself.
 func (o SearchOptions) Caps(total int64) []int64 {
-	lo, hi, steps := o.MinCapBytes, o.MaxCapBytes, o.Steps
-	if lo <= 0 {
-		lo = 64 << 10
-	}
-	if hi <= 0 {
-		hi = max(total, lo)
-	}
-	hi = min(hi, 1<<50) // a petabyte: beyond, the float steps below lose their precision
+	const lo = 64 << 10
+	// beyond a petabyte the float steps below lose their precision
+	hi, steps := min(max(total, lo), 1<<50), o.Steps
 	if steps <= 0 {
 		steps = 4
 	}
