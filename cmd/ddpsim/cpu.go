@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
 // Note [CPU per collective from a sweep]: the step model's CollectiveCPU (Note [A
@@ -34,18 +36,18 @@ type cpuFit struct {
 // collectiveCPUFromSweep fits the CPU per collective from a sweep's cpu.csv (system,kind,
 // bucket_cap_mb,repeat,buckets,cpu_ms_step; goddp's rows).
 func collectiveCPUFromSweep(path string) (cpuFit, error) {
-	rows, lines, err := goddpRows(path, "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step", "sweep.sh cpu.csv")
+	t, err := goddpRows(path, "sweep.sh cpu.csv", sweepcsv.CPU)
 	if err != nil {
 		return cpuFit{}, err
 	}
 	type point struct{ x, y float64 }
 	byRep := map[string][]point{}
 	fit := cpuFit{minBuckets: math.MaxInt}
-	for i, rec := range rows {
+	for i, rec := range t.Rows {
 		nb, err1 := strconv.Atoi(rec[4])
 		ms, err2 := strconv.ParseFloat(rec[5], 64)
 		if err1 != nil || err2 != nil || nb < 1 || !(ms > 0) || math.IsInf(ms, 0) {
-			return cpuFit{}, fmt.Errorf("%s:%d: bad buckets %q or cpu_ms_step %q", path, lines[i], rec[4], rec[5])
+			return cpuFit{}, fmt.Errorf("%s:%d: bad buckets %q or cpu_ms_step %q", path, t.Lines[i], rec[4], rec[5])
 		}
 		byRep[rec[3]] = append(byRep[rec[3]], point{float64(nb), ms})
 		fit.launches++

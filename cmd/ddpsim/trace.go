@@ -10,6 +10,7 @@ import (
 	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/ddp/observe"
 	"github.com/goddp/goddp/ddp/tracefile"
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
 // Note [The pacing rank]: a collective starts when the last rank launches it, so each pass
@@ -58,7 +59,7 @@ func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
 	}
 	order := make([]int, n)
 	for i := range ready {
-		p.Ready[i] = median(ready[i])
+		p.Ready[i] = sweepcsv.Median(ready[i])
 		order[i] = i
 	}
 	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(p.Ready[a], p.Ready[b]) })
@@ -67,12 +68,12 @@ func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
 		p.Ready[i] = math.Max(p.Ready[i]-copies, 0)
 		copies += p.CopyPerByte * float64(p.Params[i].Bytes())
 	}
-	p.Backward = math.Max(median(lens)-copies, 0)
+	p.Backward = math.Max(sweepcsv.Median(lens)-copies, 0)
 	if len(rest) == len(paths) {
-		p.Other = math.Max(median(rest), 0)
+		p.Other = math.Max(sweepcsv.Median(rest), 0)
 	}
 	if len(skews) == len(paths) {
-		p.Skew = math.Max(median(skews), 0)
+		p.Skew = math.Max(sweepcsv.Median(skews), 0)
 	}
 	return p.Check()
 }
@@ -115,8 +116,8 @@ func overlapFromTrace(p *sim.Profile, paths []string, rank, from int) (overlapSt
 		}
 		bw, in, work, nb = append(bw, mean(s.lens)), append(in, mean(s.inflight)), append(work, mean(s.work)), append(nb, mean(s.buckets))
 	}
-	o := overlapStats{inflight: median(in), work: median(work), buckets: median(nb)}
-	o.backward = math.Max(median(bw)-p.CopyPerByte*float64(p.TotalBytes())-(p.Launch+p.CollectiveCPU)*o.buckets, 0)
+	o := overlapStats{inflight: sweepcsv.Median(in), work: sweepcsv.Median(work), buckets: sweepcsv.Median(nb)}
+	o.backward = math.Max(sweepcsv.Median(bw)-p.CopyPerByte*float64(p.TotalBytes())-(p.Launch+p.CollectiveCPU)*o.buckets, 0)
 	if !(o.inflight > 0 && o.work > 0) {
 		return o, fmt.Errorf("-overlap_trace: no collective ran during backward in the passes read (from iteration %d); trace a launch with a small cap", from)
 	}

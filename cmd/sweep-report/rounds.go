@@ -10,6 +10,8 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
 // Note [Rounds pooled]: one sweep's medians over 5-12 repeats differ by more than the 5% that
@@ -77,7 +79,7 @@ func roundsPooled(paths []string, w io.Writer) error {
 			for i, l := range ls {
 				vs[i] = l.v
 			}
-			m := median(vs)
+			m := sweepcsv.Median(vs)
 			for i := range ls {
 				ls[i].v /= m
 			}
@@ -130,7 +132,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	for _, g := range at {
 		g.rep = map[string]float64{}
 		for k, xs := range g.byKey {
-			g.rep[k] = median(xs)
+			g.rep[k] = sweepcsv.Median(xs)
 		}
 		gs = append(gs, g)
 	}
@@ -145,7 +147,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	meds := make([]float64, len(gs))
 	best := math.Inf(1)
 	for i, g := range gs {
-		meds[i] = median(repValues(g.rep))
+		meds[i] = sweepcsv.Median(repValues(g.rep))
 		if len(g.caps) == 1 && g.caps[0] {
 			continue
 		}
@@ -179,7 +181,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	if len(autoRep) == 0 {
 		return
 	}
-	a := median(repValues(autoRep))
+	a := sweepcsv.Median(repValues(autoRep))
 	lo, hi := ratioInterval(autoRep, rep, keys)
 	fmt.Fprintf(w, "\nauto (%d launches): %.3fx the best layout's ms/step, 90%% of resamples within %.3f..%.3fx; it ran", len(autoRep), a/best, lo, hi)
 	lays := make([]string, 0, len(autoLays))
@@ -200,7 +202,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 		fmt.Fprintf(w, " %d buckets (%s) %s%s", len(strings.Fields(lay)), lay, times, sep)
 	}
 	if len(defRep) > 0 {
-		d := median(repValues(defRep))
+		d := sweepcsv.Median(repValues(defRep))
 		less := "less"
 		if a > d {
 			less = "more"
