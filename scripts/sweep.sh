@@ -26,9 +26,8 @@
 # testbed (cmd/testbed: network namespaces joined by a bridge, each link shaped to the rate),
 # one rank per host, launched as on two machines: goddp with ddprun --nnodes 2, PyTorch with
 # its env:// variables and GLOO_SOCKET_IFNAME=eth0. Each rank uses one BLAS thread, as the two
-# hosts share this machine's cores. goddp's runs also give util.csv: the link's use while
-# buckets are in flight, from the reducer's bytes per pass and rank 0's in-flight time (Comm),
-# and link.txt: the same from one more, traced, launch per cap, counting each bucket from the
+# hosts share this machine's cores. goddp's runs also give link.txt: the link's use while
+# buckets are in flight, from one more, traced, launch per cap, counting each bucket from the
 # later rank's start (sweep-report -trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,13 +43,12 @@ TORCH=${TORCH:-auto}
 LINK=${LINK:-1}               # on the testbed: one more traced goddp launch per cap (link.txt)
 AUTO=${AUTO:-1}               # also run goddp with --bucket_cap_mb auto (kind auto in raw.csv)
 ONEBUCKET=${ONEBUCKET:-1}     # also one traced goddp launch with one bucket per repeat (sim.md)
-ONEBUCKET_MB=${ONEBUCKET_MB:-100000} # its cap: above any model's size
 OVERLAP_MB=${OVERLAP_MB:-$(printf '%s\n' $CAPS | sort -g | head -1)} # with ONEBUCKET=1: one traced launch per repeat with every bucket this cap (sim.md)
 PERF_MAX=${PERF_MAX:-64M}     # with ONEBUCKET=1: allreduce-perf from 64K to this size, once (logs/allreduce.jsonl, sim.md)
 ORDER=${ORDER:-random}        # or fixed: the order of the points within a repeat
 QUIET=${QUIET:-1}             # wait for a quiet machine before each launch (0: do not probe)
-QUIET_TOL=${QUIET_TOL:-0.15}  # quiet: a probe at most this fraction over the median of the probes so far
-QUIET_WAIT=${QUIET_WAIT:-60}  # the longest wait for quiet before a launch, in seconds
+QUIET_TOL=0.15                # quiet: a probe at most this fraction over the median of the probes so far
+QUIET_WAIT=60                 # the longest wait for quiet before a launch, in seconds
 SEED=${SEED:-$((RANDOM % 10000))}
 if [ "$TORCH" = auto ]; then
   if [ -f "$TORCH_DIR/ddp_bench.py" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then TORCH=1; else TORCH=0; fi
@@ -62,7 +60,6 @@ if [ -n "$TESTBED_RATE" ]; then
   "$GO" build -o bin/testbed ./cmd/testbed
   GODDP_TOKEN=${GODDP_TOKEN:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
   export GODDP_TOKEN
-  echo "system,bucket_cap_mb,repeat,comm_ms,reduced_mib,link_util" > "$OUT/util.csv"
 fi
 "$GO" build -o bin/ddprun ./cmd/ddprun
 "$GO" build -tags "$TAGS" -o bin/transformer ./examples/transformer
@@ -168,14 +165,6 @@ cap_point() {
   echo "# repeat $rep: goddp bucket_cap_mb=$cap" >&2
   log="$OUT/logs/goddp_cap${cap}_r${rep}.log"
   goddp_point "$cap" "$log"
-  if [ -n "$TESTBED_RATE" ]; then
-    # link use while buckets are in flight: bytes on the wire each way per pass (a two-rank
-    # all-reduce sends its whole buffer each way) over the in-flight time
-    sed -n 's/^\[host0\] \[rank0\]: ddp: .* comm \([0-9.]*\)ms .* reduced \([0-9.]*\)MB\/pass.*/\1 \2/p' "$log" | tail -1 |
-      awk -v cap="$cap" -v rep="$rep" -v rate="$TESTBED_RATE" '
-        function bps(r) { r = tolower(r); if (r ~ /gbit$/) return r * 1e9; if (r ~ /mbit$/) return r * 1e6; return r }
-        { printf "goddp,%s,%s,%s,%s,%.3f\n", cap, rep, $1, $2, ($2 * 1048576 * 8) / ($1 / 1000) / bps(rate) }' >> "$OUT/util.csv"
-  fi
   echo "goddp,ddp,$cap,$rep,$m,$lay" >> "$raw"
   cpu_row ddp "$cap" "$rep"
   if [ "$TORCH" = 1 ]; then
@@ -210,7 +199,8 @@ auto_point() {
 # where auto's profile has its second step's.
 onebucket_point() {
   echo "# repeat $1: goddp with one bucket, traced" >&2
-  goddp_point "$ONEBUCKET_MB --first_bucket_cap_mb $ONEBUCKET_MB" "$OUT/logs/goddp_onebucket_r$1.log" \
+  # 100000 MB: above any model's size
+  goddp_point "100000 --first_bucket_cap_mb 100000" "$OUT/logs/goddp_onebucket_r$1.log" \
     --trace_merge "$OUT/logs/onebucket_r$1_trace.json"
 }
 
@@ -367,7 +357,7 @@ fi
 if [ -n "$TESTBED_RATE" ] && [ "$LINK" = 1 ]; then
   # One more goddp launch per cap, traced and not timed: the merged trace of both hosts gives
   # each bucket's time on the wire from the later rank's start (sweep-report -trace), which
-  # rank 0's own in-flight time below overstates by the ranks' skew.
+  # rank 0's own in-flight time would overstate by the ranks' skew.
   echo "link use while goddp's buckets are on the wire ($TESTBED_RATE), from merged traces:" | tee "$OUT/link.txt"
   for cap in $CAPS; do
     log="$OUT/logs/goddp_cap${cap}_traced.log"
@@ -375,9 +365,4 @@ if [ -n "$TESTBED_RATE" ] && [ "$LINK" = 1 ]; then
     goddp_testbed "$cap" "$log" --trace_merge "$trace"
     echo "  bucket_cap_mb=$cap  $(./bin/sweep-report -trace "$trace" -rate "$TESTBED_RATE" -from_step "$WARMUP")" | tee -a "$OUT/link.txt"
   done
-  echo "rank 0's in-flight time (includes waiting for the later rank), median of repeats:"
-  tail -n +2 "$OUT/util.csv" | sort -t, -k2,2g -k6,6g | awk -F, '
-    { v[$2] = v[$2] " " $6; n[$2]++ }
-    END { for (c in v) { split(substr(v[c], 2), a, " "); printf "  bucket_cap_mb=%s  util=%s (of %d: %s)\n", c, a[int((n[c] + 1) / 2)], n[c], v[c] } }' |
-    sort -t= -k2,2g | tee "$OUT/util.txt"
 fi
