@@ -31,10 +31,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -408,6 +410,17 @@ func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []flo
 	md.WriteString("\n")
 }
 
+// timeAgainst says how much less (or more) time per step auto's ms/step a takes than the
+// default's d, in percent of d: with the ratio d/a, which the column "relative to best"
+// uses, both ways of saying it.
+func timeAgainst(a, d float64) string {
+	less := "less"
+	if a > d {
+		less = "more"
+	}
+	return fmt.Sprintf("%.1f%% %s time per step", 100*math.Abs(d-a)/d, less)
+}
+
 func minMax(xs []float64) (float64, float64) {
 	lo, hi := math.Inf(1), math.Inf(-1)
 	for _, x := range xs {
@@ -424,22 +437,14 @@ func run(in, out string, stdout io.Writer) error {
 	if err := os.MkdirAll(out, 0o755); err != nil {
 		return err
 	}
-	systems := make([]string, 0, len(all))
-	for name := range all {
-		systems = append(systems, name)
-	}
-	sort.Strings(systems) // goddp before torch
+	systems := slices.Sorted(maps.Keys(all)) // goddp before torch
 	capSet := map[float64]bool{}
 	for _, s := range all {
 		for c := range s.ddp {
 			capSet[c] = true
 		}
 	}
-	caps := make([]float64, 0, len(capSet))
-	for c := range capSet {
-		caps = append(caps, c)
-	}
-	sort.Float64s(caps)
+	caps := slices.Sorted(maps.Keys(capSet))
 
 	var md strings.Builder
 	var sum, lays strings.Builder
@@ -475,13 +480,7 @@ func run(in, out string, stdout io.Writer) error {
 			fmt.Fprintf(&md, "| auto | %.1f | %.1f..%.1f | %.2fx | %.1f | %.1f%% | |\n", m, lo, hi, m/best, m-comp, 100*(m-comp)/m)
 			fmt.Fprintf(&sum, "%s,auto,%.3f,%.3f,%.3f,%d,%.4f,%.3f,%.3f,%.4f,\n", name, m, lo, hi, len(s.auto), m/best, comp, m-comp, (m-comp)/m)
 			if !math.IsNaN(def) {
-				// Both ways of saying it: the time saved, and the ratio the table's column
-				// "relative to best" uses (the default's ms/step over auto's).
-				less := "less"
-				if m > def {
-					less = "more"
-				}
-				fmt.Fprintf(&md, "\nauto: %.2fx the best cap's ms/step; %.1f%% %s time per step than the default 25 MB, which takes %.2fx auto's\n", m/best, 100*math.Abs(def-m)/def, less, def/m)
+				fmt.Fprintf(&md, "\nauto: %.2fx the best cap's ms/step; %s than the default 25 MB, which takes %.2fx auto's\n", m/best, timeAgainst(m, def), def/m)
 			}
 			fmt.Fprintf(&md, "\nauto paired by repeat (the median over repeats of auto's ms/step over the cap's in the same repeat):")
 			rlo, rhi := math.Inf(1), math.Inf(-1)

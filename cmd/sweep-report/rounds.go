@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -86,12 +87,7 @@ func roundsPooled(paths []string, w io.Writer) error {
 			bySystem[name] = append(bySystem[name], ls...)
 		}
 	}
-	systems := make([]string, 0, len(bySystem))
-	for name := range bySystem {
-		systems = append(systems, name)
-	}
-	sort.Strings(systems)
-	for _, name := range systems {
+	for _, name := range slices.Sorted(maps.Keys(bySystem)) {
 		writeRounds(w, name, len(paths), bySystem[name])
 	}
 	return nil
@@ -160,12 +156,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	fmt.Fprintf(w, "| buckets | layout (MB) | caps that ran it | launches | ms/step (relative) | relative to best | P(best) |\n|---:|---|---|---:|---:|---:|---:|\n")
 	for i, g := range gs {
 		var cs []string
-		var capList []float64
-		for c := range g.caps {
-			capList = append(capList, c)
-		}
-		sort.Float64s(capList)
-		for _, c := range capList {
+		for _, c := range slices.Sorted(maps.Keys(g.caps)) {
 			if c == 0 {
 				cs = append(cs, "auto")
 			} else {
@@ -184,11 +175,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	a := sweepcsv.Median(repValues(autoRep))
 	lo, hi := ratioInterval(autoRep, rep, keys)
 	fmt.Fprintf(w, "\nauto (%d launches): %.3fx the best layout's ms/step, 90%% of resamples within %.3f..%.3fx; it ran", len(autoRep), a/best, lo, hi)
-	lays := make([]string, 0, len(autoLays))
-	for lay := range autoLays {
-		lays = append(lays, lay)
-	}
-	sort.Strings(lays)
+	lays := slices.Sorted(maps.Keys(autoLays))
 	slices.SortStableFunc(lays, func(x, y string) int { return cmp.Compare(autoLays[y], autoLays[x]) })
 	for i, lay := range lays {
 		sep := ","
@@ -203,11 +190,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	}
 	if len(defRep) > 0 {
 		d := sweepcsv.Median(repValues(defRep))
-		less := "less"
-		if a > d {
-			less = "more"
-		}
-		fmt.Fprintf(w, "auto against the default 25 MB: %.1f%% %s time per step; the default takes %.3fx auto's\n", 100*math.Abs(d-a)/d, less, d/a)
+		fmt.Fprintf(w, "auto against the default 25 MB: %s; the default takes %.3fx auto's\n", timeAgainst(a, d), d/a)
 	}
 }
 
