@@ -230,22 +230,17 @@ perf_point() {
 }
 
 # Note [Quiet machine]: the machine is shared, and another tenant's load comes in spells of
-# tens of seconds that slow every launch in them alike: on the two-host testbed at 10 Gbit/s
-# (2026-12-04, round s30c), consecutive launches of every cap ran at 80-84 ms/step where the
-# same caps ran at 61-66 before and after, with the reducer's copies 3-4x slower. With QUIET=1,
-# before each launch the sweep times a probe (both cores clearing 512 MiB each, as dd does
-# from /dev/zero) and, while it is more than QUIET_TOL slower than the median of the sweep's
-# probes so far, waits and probes again, for at most QUIET_WAIT seconds; then it launches
-# anyway. No launch is dropped or repeated. Every probe, and one after each launch, goes to
+# tens of seconds that slow every launch in them alike. With QUIET=1, before each launch the
+# sweep times a probe (both cores clearing 512 MiB each, as dd does from /dev/zero) and,
+# while it is more than QUIET_TOL slower than the median of the sweep's probes so far,
+# waits and probes again, for at most QUIET_WAIT seconds; then it launches anyway. No
+# launch is dropped or repeated. Every probe, and one after each launch, goes to
 # logs/probe.csv (the launch before it, or after it), so that a spell that began during a
-# launch can be seen there. Each probe first runs half of it untimed: on an Intel Xeon VM
-# (2026-12-04) the first probe after a second or more of idle took 68-70 ms and the next ones
-# 53-57, so an unwarmed probe measured the gate's own sleep. The median, not the fastest
-# probe: on an AMD EPYC VM (2026-12-04) probes ranged 56-98 ms, and against the fastest one
-# (56) the gate waited before 8 of the first 20 launches, 2 of them its whole QUIET_WAIT,
-# while the caps' launches ran 81-111 ms/step, the two slowest (98.7 and 110.8) after probes
-# of 57 and 63 ms. A spell still shows against the median as long as most of the sweep is
-# quiet.
+# launch can be seen there. Each probe first runs half of it untimed: an unwarmed probe
+# after idle measures the gate's own sleep. The gate takes the median, not the fastest
+# probe, which on a VM can be an outlier that keeps the gate waiting for nothing
+# (docs/results/2026-12-04-step-model-sweeps.md); a spell still shows against the median as
+# long as most of the sweep is quiet.
 probe_ms() {
   local s
   dd if=/dev/zero of=/dev/null bs=64M count=4 2>/dev/null &

@@ -14,14 +14,13 @@ import (
 )
 
 // Note [The pacing rank]: a collective starts when the last rank launches it, so each pass
-// of a job goes at the pace of whichever rank was slower in it. Two ranks that share this
-// 2-core machine differ by up to 20% in backward (one core busier than the other, measured
-// in the one-bucket launches of a sweep on 2026-12-04), and which of them is slower changes
-// from launch to launch. A single rank's timeline accounts for the other only through the
-// skew, its wait for the other: 1 ms in one launch and 12 ms in the next, whose median
-// describes neither, and which does not move with the layout as the slower rank's compute
-// does. With -trace_rank -1 every pass is read from the rank whose collectives took least
-// from launch to end: the last to launch them, which waited for no one.
+// of a job goes at the pace of whichever rank was slower in it. Two ranks that share a
+// machine's cores differ by up to 20% in backward, and which of them is slower changes from
+// launch to launch (docs/results/2026-12-04-step-model-sweeps.md). A single rank's timeline
+// accounts for the other only through the skew, its wait for the other, which varies from
+// launch to launch and does not move with the layout as the slower rank's compute does.
+// With -trace_rank -1 every pass is read from the rank whose collectives took least from
+// launch to end: the last to launch them, which waited for no one.
 
 // readyFromTrace replaces p's ready times and backward compute with each gradient's ready
 // time ("grad" instants) and the backward pass's length ("backward" spans) in goddp traces,
@@ -79,24 +78,21 @@ func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
 }
 
 // Note [Overlap from traces]: the auto sizing measures the slowdowns under overlap in one
-// pass with eight buckets (Note [Auto buckets] in package reducer), and on this 2-core
-// machine one pass is at the mercy of the other rank and of the machine: the two ranks'
-// backward differs by up to 10 ms from step to step, and the profiles of one sweep (the
-// two-host testbed at 10 Gbit/s, round s37, 2026-12-05) measured the compute slowdown
-// anywhere from 0.22 to 1.00 and the all-reduce's from 0 to 3.4. Their median made the
-// overlap look cheap (0.46 and 0.25), and the model ranked the layout with the most
-// buckets best where it measured 4% slower than two buckets. A traced launch whose
-// collectives run during backward gives the same figures as means over its steady passes,
-// each from its pacing rank, and a sweep's launches their median: with B its backward,
-// T the time with a collective in flight inside it and W the collectives' work done there
-// (their time alone), against the one-bucket launches' backward B1 (both less the reducer's
-// copies, launches and the collectives' own CPU, Note [A collective's CPU] in package
-// bucket/sim), compute did T − (B − B1) of its work in T, and the collectives W:
-// s = (B − B1) / (T − (B − B1)) and c = T/W − 1, each at most 9. They are not bounded as one
-// resource shared (Note [Shared speed] in package bucket/sim): these are steady means, not
-// one pass's, and where the two ranks' collectives cost the cores more than they take (a
-// kernel's network stack on the same two cores as both ranks' compute), s·c > 1 is what
-// happens.
+// pass with eight buckets (Note [Auto buckets] in package reducer), and one pass is at the
+// mercy of the other rank and of the machine: the profiles of one sweep measured the
+// compute slowdown anywhere from 0.22 to 1.00 and the all-reduce's from 0 to 3.4, and their
+// median made the overlap look cheap (docs/results/2026-12-05-round-s37-same-layout.md,
+// docs/results/2026-12-06-overlap-from-traces.md). A traced launch whose collectives run
+// during backward gives the same figures as means over its steady passes, each from its
+// pacing rank, and a sweep's launches their median: with B its backward, T the time with a
+// collective in flight inside it and W the collectives' work done there (their time alone),
+// against the one-bucket launches' backward B1 (both less the reducer's copies, launches
+// and the collectives' own CPU, Note [A collective's CPU] in package bucket/sim), compute
+// did T − (B − B1) of its work in T, and the collectives W: s = (B − B1) / (T − (B − B1))
+// and c = T/W − 1, each at most 9. They are not bounded as one resource shared (Note
+// [Shared speed] in package bucket/sim): these are steady means, not one pass's, and where
+// the two ranks' collectives cost the cores more than they take (a kernel's network stack
+// on the same two cores as both ranks' compute), s·c > 1 is what happens.
 
 // overlapStats is what overlapFromTrace measured: the median over the traces of each
 // trace's mean over its passes, in seconds.
