@@ -319,31 +319,28 @@ if [ "$AUTO" = 1 ]; then
   # sweep-report writes layouts.csv only where two caps ran one layout.
   measured=(-measured "$OUT/summary.csv")
   [ -f "$OUT/layouts.csv" ] && measured+=(-layouts "$OUT/layouts.csv")
-  {
-    echo "## The step model from auto's profiles ($REPEATS, combined by the median)"
+  # model TITLE [DDPSIM_FLAGS...]: one table of sim.md, the model against the sweep.
+  model() {
+    echo "## $1"
     echo
-    ./bin/ddpsim -profile "$profiles" "${measured[@]}"
+    shift
+    ./bin/ddpsim -profile "$profiles" "${measured[@]}" "$@"
+  }
+  {
+    model "The step model from auto's profiles ($REPEATS, combined by the median)"
     if [ "$ONEBUCKET" = 1 ]; then
-      echo
       traced=(-trace_from $((WARMUP + 1)) -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)")
-      echo "## The same, with the compute timeline of the one-bucket launches (their passes after the warm-up, each from the rank that paced it)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
-      echo
+      model "The same, with the compute timeline of the one-bucket launches (their passes after the warm-up, each from the rank that paced it)" "${traced[@]}"
       traced+=(-allreduce "$OUT/logs/allreduce.jsonl")
-      echo "## The same, with allreduce-perf's all-reduce curve (logs/allreduce.jsonl)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
-      echo
-      echo "## The same, with the slowdowns under overlap of the traced launches with every bucket $OVERLAP_MB MB against the one-bucket launches (Note [Overlap from traces] in cmd/ddpsim)"
-      echo
+      model "The same, with allreduce-perf's all-reduce curve (logs/allreduce.jsonl)" "${traced[@]}"
       traced+=(-overlap_trace "$(ls "$OUT"/logs/overlap_r*_trace.json | paste -sd,)")
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
       echo
-      echo "## The same, with each collective's own CPU time from the sweep's launches (cpu.csv; Note [A collective's CPU] in package bucket/sim)"
+      model "The same, with the slowdowns under overlap of the traced launches with every bucket $OVERLAP_MB MB against the one-bucket launches (Note [Overlap from traces] in cmd/ddpsim)" "${traced[@]}"
       echo
       # a sweep of one layout, or a system that reports no CPU time, gives nothing to fit
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" -collective_cpu_csv "$OUT/cpu.csv" ||
+      model "The same, with each collective's own CPU time from the sweep's launches (cpu.csv; Note [A collective's CPU] in package bucket/sim)" "${traced[@]}" -collective_cpu_csv "$OUT/cpu.csv" ||
         echo "(no CPU per collective to fit from cpu.csv: ddpsim's error is in the sweep's output)"
     fi
   } > "$OUT/sim.md" || { echo "sweep: ddpsim failed" >&2; exit 1; }
