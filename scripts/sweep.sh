@@ -26,9 +26,8 @@
 # testbed (cmd/testbed: network namespaces joined by a bridge, each link shaped to the rate),
 # one rank per host, launched as on two machines: goddp with ddprun --nnodes 2, PyTorch with
 # its env:// variables and GLOO_SOCKET_IFNAME=eth0. Each rank uses one BLAS thread, as the two
-# hosts share this machine's cores. goddp's runs also give util.csv: the link's use while
-# buckets are in flight, from the reducer's bytes per pass and rank 0's in-flight time (Comm),
-# and link.txt: the same from one more, traced, launch per cap, counting each bucket from the
+# hosts share this machine's cores. goddp's runs also give link.txt: the link's use while
+# buckets are in flight, from one more, traced, launch per cap, counting each bucket from the
 # later rank's start (sweep-report -trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,13 +43,12 @@ TORCH=${TORCH:-auto}
 LINK=${LINK:-1}               # on the testbed: one more traced goddp launch per cap (link.txt)
 AUTO=${AUTO:-1}               # also run goddp with --bucket_cap_mb auto (kind auto in raw.csv)
 ONEBUCKET=${ONEBUCKET:-1}     # also one traced goddp launch with one bucket per repeat (sim.md)
-ONEBUCKET_MB=${ONEBUCKET_MB:-100000} # its cap: above any model's size
 OVERLAP_MB=${OVERLAP_MB:-$(printf '%s\n' $CAPS | sort -g | head -1)} # with ONEBUCKET=1: one traced launch per repeat with every bucket this cap (sim.md)
 PERF_MAX=${PERF_MAX:-64M}     # with ONEBUCKET=1: allreduce-perf from 64K to this size, once (logs/allreduce.jsonl, sim.md)
 ORDER=${ORDER:-random}        # or fixed: the order of the points within a repeat
 QUIET=${QUIET:-1}             # wait for a quiet machine before each launch (0: do not probe)
-QUIET_TOL=${QUIET_TOL:-0.15}  # quiet: a probe at most this fraction over the median of the probes so far
-QUIET_WAIT=${QUIET_WAIT:-60}  # the longest wait for quiet before a launch, in seconds
+QUIET_TOL=0.15                # quiet: a probe at most this fraction over the median of the probes so far
+QUIET_WAIT=60                 # the longest wait for quiet before a launch, in seconds
 SEED=${SEED:-$((RANDOM % 10000))}
 if [ "$TORCH" = auto ]; then
   if [ -f "$TORCH_DIR/ddp_bench.py" ] && /usr/bin/python3 -c 'import torch' 2>/dev/null; then TORCH=1; else TORCH=0; fi
@@ -62,7 +60,6 @@ if [ -n "$TESTBED_RATE" ]; then
   "$GO" build -o bin/testbed ./cmd/testbed
   GODDP_TOKEN=${GODDP_TOKEN:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
   export GODDP_TOKEN
-  echo "system,bucket_cap_mb,repeat,comm_ms,reduced_mib,link_util" > "$OUT/util.csv"
 fi
 "$GO" build -o bin/ddprun ./cmd/ddprun
 "$GO" build -tags "$TAGS" -o bin/transformer ./examples/transformer
@@ -168,14 +165,6 @@ cap_point() {
   echo "# repeat $rep: goddp bucket_cap_mb=$cap" >&2
   log="$OUT/logs/goddp_cap${cap}_r${rep}.log"
   goddp_point "$cap" "$log"
-  if [ -n "$TESTBED_RATE" ]; then
-    # link use while buckets are in flight: bytes on the wire each way per pass (a two-rank
-    # all-reduce sends its whole buffer each way) over the in-flight time
-    sed -n 's/^\[host0\] \[rank0\]: ddp: .* comm \([0-9.]*\)ms .* reduced \([0-9.]*\)MB\/pass.*/\1 \2/p' "$log" | tail -1 |
-      awk -v cap="$cap" -v rep="$rep" -v rate="$TESTBED_RATE" '
-        function bps(r) { r = tolower(r); if (r ~ /gbit$/) return r * 1e9; if (r ~ /mbit$/) return r * 1e6; return r }
-        { printf "goddp,%s,%s,%s,%s,%.3f\n", cap, rep, $1, $2, ($2 * 1048576 * 8) / ($1 / 1000) / bps(rate) }' >> "$OUT/util.csv"
-  fi
   echo "goddp,ddp,$cap,$rep,$m,$lay" >> "$raw"
   cpu_row ddp "$cap" "$rep"
   if [ "$TORCH" = 1 ]; then
@@ -210,7 +199,8 @@ auto_point() {
 # where auto's profile has its second step's.
 onebucket_point() {
   echo "# repeat $1: goddp with one bucket, traced" >&2
-  goddp_point "$ONEBUCKET_MB --first_bucket_cap_mb $ONEBUCKET_MB" "$OUT/logs/goddp_onebucket_r$1.log" \
+  # 100000 MB: above any model's size
+  goddp_point "100000 --first_bucket_cap_mb 100000" "$OUT/logs/goddp_onebucket_r$1.log" \
     --trace_merge "$OUT/logs/onebucket_r$1_trace.json"
 }
 
@@ -240,22 +230,17 @@ perf_point() {
 }
 
 # Note [Quiet machine]: the machine is shared, and another tenant's load comes in spells of
-# tens of seconds that slow every launch in them alike: on the two-host testbed at 10 Gbit/s
-# (2026-12-04, round s30c), consecutive launches of every cap ran at 80-84 ms/step where the
-# same caps ran at 61-66 before and after, with the reducer's copies 3-4x slower. With QUIET=1,
-# before each launch the sweep times a probe (both cores clearing 512 MiB each, as dd does
-# from /dev/zero) and, while it is more than QUIET_TOL slower than the median of the sweep's
-# probes so far, waits and probes again, for at most QUIET_WAIT seconds; then it launches
-# anyway. No launch is dropped or repeated. Every probe, and one after each launch, goes to
+# tens of seconds that slow every launch in them alike. With QUIET=1, before each launch the
+# sweep times a probe (both cores clearing 512 MiB each, as dd does from /dev/zero) and,
+# while it is more than QUIET_TOL slower than the median of the sweep's probes so far,
+# waits and probes again, for at most QUIET_WAIT seconds; then it launches anyway. No
+# launch is dropped or repeated. Every probe, and one after each launch, goes to
 # logs/probe.csv (the launch before it, or after it), so that a spell that began during a
-# launch can be seen there. Each probe first runs half of it untimed: on an Intel Xeon VM
-# (2026-12-04) the first probe after a second or more of idle took 68-70 ms and the next ones
-# 53-57, so an unwarmed probe measured the gate's own sleep. The median, not the fastest
-# probe: on an AMD EPYC VM (2026-12-04) probes ranged 56-98 ms, and against the fastest one
-# (56) the gate waited before 8 of the first 20 launches, 2 of them its whole QUIET_WAIT,
-# while the caps' launches ran 81-111 ms/step, the two slowest (98.7 and 110.8) after probes
-# of 57 and 63 ms. A spell still shows against the median as long as most of the sweep is
-# quiet.
+# launch can be seen there. Each probe first runs half of it untimed: an unwarmed probe
+# after idle measures the gate's own sleep. The gate takes the median, not the fastest
+# probe, which on a VM can be an outlier that keeps the gate waiting for nothing
+# (docs/results/2026-12-04-step-model-sweeps.md); a spell still shows against the median as
+# long as most of the sweep is quiet.
 probe_ms() {
   local s
   dd if=/dev/zero of=/dev/null bs=64M count=4 2>/dev/null &
@@ -334,31 +319,28 @@ if [ "$AUTO" = 1 ]; then
   # sweep-report writes layouts.csv only where two caps ran one layout.
   measured=(-measured "$OUT/summary.csv")
   [ -f "$OUT/layouts.csv" ] && measured+=(-layouts "$OUT/layouts.csv")
-  {
-    echo "## The step model from auto's profiles ($REPEATS, combined by the median)"
+  # model TITLE [DDPSIM_FLAGS...]: one table of sim.md, the model against the sweep.
+  model() {
+    echo "## $1"
     echo
-    ./bin/ddpsim -profile "$profiles" "${measured[@]}"
+    shift
+    ./bin/ddpsim -profile "$profiles" "${measured[@]}" "$@"
+  }
+  {
+    model "The step model from auto's profiles ($REPEATS, combined by the median)"
     if [ "$ONEBUCKET" = 1 ]; then
-      echo
       traced=(-trace_from $((WARMUP + 1)) -trace "$(ls "$OUT"/logs/onebucket_r*_trace.json | paste -sd,)")
-      echo "## The same, with the compute timeline of the one-bucket launches (their passes after the warm-up, each from the rank that paced it)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
-      echo
+      model "The same, with the compute timeline of the one-bucket launches (their passes after the warm-up, each from the rank that paced it)" "${traced[@]}"
       traced+=(-allreduce "$OUT/logs/allreduce.jsonl")
-      echo "## The same, with allreduce-perf's all-reduce curve (logs/allreduce.jsonl)"
       echo
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
-      echo
-      echo "## The same, with the slowdowns under overlap of the traced launches with every bucket $OVERLAP_MB MB against the one-bucket launches (Note [Overlap from traces] in cmd/ddpsim)"
-      echo
+      model "The same, with allreduce-perf's all-reduce curve (logs/allreduce.jsonl)" "${traced[@]}"
       traced+=(-overlap_trace "$(ls "$OUT"/logs/overlap_r*_trace.json | paste -sd,)")
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}"
       echo
-      echo "## The same, with each collective's own CPU time from the sweep's launches (cpu.csv; Note [A collective's CPU] in package bucket/sim)"
+      model "The same, with the slowdowns under overlap of the traced launches with every bucket $OVERLAP_MB MB against the one-bucket launches (Note [Overlap from traces] in cmd/ddpsim)" "${traced[@]}"
       echo
       # a sweep of one layout, or a system that reports no CPU time, gives nothing to fit
-      ./bin/ddpsim -profile "$profiles" "${measured[@]}" "${traced[@]}" -collective_cpu_csv "$OUT/cpu.csv" ||
+      model "The same, with each collective's own CPU time from the sweep's launches (cpu.csv; Note [A collective's CPU] in package bucket/sim)" "${traced[@]}" -collective_cpu_csv "$OUT/cpu.csv" ||
         echo "(no CPU per collective to fit from cpu.csv: ddpsim's error is in the sweep's output)"
     fi
   } > "$OUT/sim.md" || { echo "sweep: ddpsim failed" >&2; exit 1; }
@@ -367,7 +349,7 @@ fi
 if [ -n "$TESTBED_RATE" ] && [ "$LINK" = 1 ]; then
   # One more goddp launch per cap, traced and not timed: the merged trace of both hosts gives
   # each bucket's time on the wire from the later rank's start (sweep-report -trace), which
-  # rank 0's own in-flight time below overstates by the ranks' skew.
+  # rank 0's own in-flight time would overstate by the ranks' skew.
   echo "link use while goddp's buckets are on the wire ($TESTBED_RATE), from merged traces:" | tee "$OUT/link.txt"
   for cap in $CAPS; do
     log="$OUT/logs/goddp_cap${cap}_traced.log"
@@ -375,9 +357,4 @@ if [ -n "$TESTBED_RATE" ] && [ "$LINK" = 1 ]; then
     goddp_testbed "$cap" "$log" --trace_merge "$trace"
     echo "  bucket_cap_mb=$cap  $(./bin/sweep-report -trace "$trace" -rate "$TESTBED_RATE" -from_step "$WARMUP")" | tee -a "$OUT/link.txt"
   done
-  echo "rank 0's in-flight time (includes waiting for the later rank), median of repeats:"
-  tail -n +2 "$OUT/util.csv" | sort -t, -k2,2g -k6,6g | awk -F, '
-    { v[$2] = v[$2] " " $6; n[$2]++ }
-    END { for (c in v) { split(substr(v[c], 2), a, " "); printf "  bucket_cap_mb=%s  util=%s (of %d: %s)\n", c, a[int((n[c] + 1) / 2)], n[c], v[c] } }' |
-    sort -t= -k2,2g | tee "$OUT/util.txt"
 fi

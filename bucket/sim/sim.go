@@ -63,27 +63,19 @@ type Comm struct {
 // Note [Lower curve]: the auto sizing's probe times each size twice and keeps the faster
 // (Note [Probe twice over] in package reducer). A disturbance only ever slows an
 // all-reduce, so such a point can lie above the true curve but not below it, and two tries
-// do not always get past it. On the two-host testbed at 10 Gbit/s (L=4 h=512, rounds
-// s38-s43), 4 of 38 launches timed 33.5 MB at 43-93 ms, near or above their own time for
-// 52.5 MB, where the chord from 4 to 52.5 MB gives 30-34 ms. Through every point, the curve
-// made a 28 MB bucket cost that much more, and auto chose 13 or 14 buckets, which ran
-// 1.09-1.10x the best layout. So a curve with Lower set is the lowest one under the points
-// that two properties allow. It does not decrease: each point counts at most the least time
-// measured at its size or a larger one. And it is convex, its cost per added byte not
-// falling as the size grows: a point above the chord between two others counts as the
-// chord. Between the points the curve is the least chord over a pair of points around the
-// size (the lower convex hull). On it, those four profiles keep the default caps; over the
-// 202 profiles of those rounds in five configurations, 31 choices move: 21 to layouts that
-// measured faster, 2 to as fast, 8 to slower by 0.6-6.4% (offline; the details in
-// docs/DESIGN.md). In round s44, which ran with it, one launch of seven at that shape timed
-// 33.5 MB at 63 ms against 48 ms for 52.5 MB and kept the default caps; through the points,
-// its profile gives 14 buckets. Convexity holds on these CPU links, a latency floor or a
-// burst and then the line rate, but not everywhere. A GPU library's bandwidth rises over a
-// range of sizes, and there the curve is concave: the RCCL curve of cmd/ddpsim's seed
-// tables lies 17% above the chord from 4 to 64 MB at 16 MB. That is why the curves of many
-// tries each (allreduce-perf, published tables) go through their points, and what the
-// probe's curve would get wrong on such a link: the sizes inside the bend would come out
-// cheaper than they are.
+// do not always get past it; through every point, a size left high looks expensive, and on
+// the two-host testbed such points led auto to layouts 1.09-1.10x the best. So a curve with
+// Lower set is the lowest one under the points that two properties allow. It does not
+// decrease: each point counts at most the least time measured at its size or a larger one.
+// And it is convex, its cost per added byte not falling as the size grows: a point above
+// the chord between two others counts as the chord. Between the points the curve is the
+// least chord over a pair of points around the size (the lower convex hull). Convexity
+// holds on CPU links, a latency floor or a burst and then the line rate, but not
+// everywhere: a GPU library's bandwidth rises over a range of sizes, and there the curve is
+// concave (the RCCL curve of cmd/ddpsim's seed tables lies 17% above the chord from 4 to
+// 64 MB at 16 MB). That is why the curves of many tries each (allreduce-perf, published
+// tables) go through their points. The measurements:
+// docs/results/2026-12-06-probe-lower-curve.md.
 
 // Seconds is the time of one all-reduce of the given size.
 func (c Comm) Seconds(bytes int64) float64 {
@@ -248,25 +240,21 @@ type Profile struct {
 // is s·c ≤ 1 (s = c = 1 for two that each need the whole resource and get half). A measured
 // pair beyond that is inflated by what the measurement also caught (a one-off stall, a wait
 // for another rank), and the model then charges an overlapped collective twice: on the
-// two-host testbed at 10 Gbit/s (L=4 h=512, 2026-12-04), two of three profiles measured s = 1
-// with c = 3.05 and 9, and predicted the caps that overlap most 15-39% slower than measured,
-// while the sweep measured every cap within 5% of the others. SharedSpeed brings such a pair
+// two-host testbed such profiles predicted the caps that overlap most 15-39% slower than
+// measured (docs/results/2026-12-04-step-model-sweeps.md). SharedSpeed brings such a pair
 // back to s·c = 1, dividing both by the same factor, since nothing tells which of the two
 // was inflated.
 
 // Note [A collective's CPU]: on a CPU backend a collective costs CPU time of its own beyond
 // the bytes it moves: waking goroutines, system calls, a shared-memory waiter's polls, the
-// ring's steps. Where the ranks' compute already takes every core (two ranks on this VM's
-// two cores), that time comes out of compute, whether the collective overlaps backward or
-// not, so each extra bucket lengthens the step. On one host at L=2 h=256, two ranks used
-// 127 ms of CPU per step with seven buckets and 120 ms with two (the slope between 10 and
-// 50 timed steps, three launches each, 2026-12-06): 0.77 ms per collective and rank, about
-// what the seven buckets measured slower than two in the sweeps (6%, rounds s38-s40). The
-// slowdown under overlap does not hold it: it scales with the time a collective is in
-// flight, which on one host is tens of microseconds. The model charges CollectiveCPU as
-// compute at each launch. The auto sizing leaves it at zero: its passes are too few to
-// measure it (Note [CPU per collective from a sweep] in cmd/ddpsim, which fits it from a
-// sweep's launches).
+// ring's steps. Where the ranks' compute already takes every core, that time comes out of
+// compute, whether the collective overlaps backward or not, so each extra bucket lengthens
+// the step (0.77 ms per collective and rank, two ranks on two cores:
+// docs/results/2026-12-06-collective-cpu.md). The slowdown under overlap does not hold it:
+// it scales with the time a collective is in flight, which on one host is tens of
+// microseconds. The model charges CollectiveCPU as compute at each launch. The auto sizing
+// leaves it at zero: its passes are too few to measure it (Note [CPU per collective from a
+// sweep] in cmd/ddpsim, which fits it from a sweep's launches).
 
 // SharedSpeed returns the slowdowns s and c (Profile.Slowdown, CommSlowdown) bounded so that
 // s·c ≤ 1 (Note [Shared speed]).
@@ -458,10 +446,8 @@ func (s *state) drain() {
 
 // SearchOptions bound Best's search.
 type SearchOptions struct {
-	// MinCapBytes and MaxCapBytes bound the caps tried (defaults: 64 KiB, and the total
-	// size of the gradients).
-	MinCapBytes, MaxCapBytes int64
-	// Steps is the number of caps tried per factor of 2 (default 4).
+	// Steps is the number of caps tried per factor of 2, from 64 KiB to the size of all
+	// the gradients (default 4).
 	Steps int
 	// KeepFirstCapBytes and KeepCapBytes, when both are set, are the caps of the layout in
 	// use (Note [Keep the default]): Best returns their layout unless the least predicted
@@ -484,15 +470,14 @@ func AutoOptions(firstCapBytes int64) SearchOptions {
 
 // Note [Keep the default]: where the predicted steps of many layouts lie within a few
 // percent of each other, which of them a profile finds best is decided by the noise in its
-// few measured steps, not by the layouts. On the two-host testbed at 10 Gbit/s (L=4 h=512,
-// 2026-12-03), six launches of the auto sizing chose five layouts (1 to 18 buckets), each
-// predicted 0.8-10.4% faster than the default caps, and measured from 6% faster to 24%
-// slower than the sweep's best cap (50 MB, 451.6 ms/step), where the default 25 MB measured
-// 451.8. With a layout to keep and a MinGain, Best prefers the kept layout (for the reducer,
-// the default caps that a DDP user would otherwise run) unless another is predicted to beat
-// it by at least the margin. The reducer's margin is 5% (DefaultMinGain): the tolerance
-// within which its validation counts a layout as good as the best, so that a layout
-// predicted within it gains nothing the model can vouch for.
+// few measured steps, not by the layouts: six launches of one configuration chose five
+// layouts, which measured from 6% faster to 24% slower than the best cap, where the default
+// caps measured as the best (docs/results/2026-12-03-auto-keep-the-default.md). With a
+// layout to keep and a MinGain, Best prefers the kept layout (for the reducer, the default
+// caps that a DDP user would otherwise run) unless another is predicted to beat it by at
+// least the margin. The reducer's margin is 5% (DefaultMinGain): the tolerance within which
+// its validation counts a layout as good as the best, so that a layout predicted within it
+// gains nothing the model can vouch for.
 
 // Plan is a chosen layout and its prediction.
 type Plan struct {
@@ -506,17 +491,12 @@ type Plan struct {
 	Kept bool
 }
 
-// Caps returns the caps Best tries: geometric from MinCapBytes to MaxCapBytes, Steps per
-// factor of 2, and MaxCapBytes itself.
+// Caps returns the caps Best tries for gradients of total bytes: geometric from 64 KiB to
+// total (at least 64 KiB), Steps per factor of 2, and that last size itself.
 func (o SearchOptions) Caps(total int64) []int64 {
-	lo, hi, steps := o.MinCapBytes, o.MaxCapBytes, o.Steps
-	if lo <= 0 {
-		lo = 64 << 10
-	}
-	if hi <= 0 {
-		hi = max(total, lo)
-	}
-	hi = min(hi, 1<<50) // a petabyte: beyond, the float steps below lose their precision
+	const lo = 64 << 10
+	// beyond a petabyte the float steps below lose their precision
+	hi, steps := min(max(total, lo), 1<<50), o.Steps
 	if steps <= 0 {
 		steps = 4
 	}

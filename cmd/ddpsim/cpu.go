@@ -4,25 +4,24 @@ import (
 	"fmt"
 	"math"
 	"strconv"
+
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
 // Note [CPU per collective from a sweep]: the step model's CollectiveCPU (Note [A
 // collective's CPU] in package bucket/sim) is the CPU time one collective costs beyond its
-// bytes. One pass's CPU time cannot show it on this VM: in the auto sizing's passes 2 and
-// 3 (one bucket, then eight), pass 3's CPU less pass 2's came out between −26 and +8 ms
-// over three launches of two ranks at L=2 h=256, where the seven extra collectives account
-// for about 5 ms (one host, 2026-12-06, each pass's getrusage). A sweep has many launches
-// of each layout: the trainer prints its own CPU per timed step, and scripts/sweep.sh
-// writes it beside the buckets each launch ran (cpu.csv).
+// bytes. One pass's CPU time cannot show it: the auto sizing's pass 3 (eight buckets) less
+// pass 2 (one) came out between −26 and +8 ms where the seven extra collectives account for
+// about 5 ms. A sweep has many launches of each layout: the trainer prints its own CPU per
+// timed step, and scripts/sweep.sh writes it beside the buckets each launch ran (cpu.csv).
 // The slope of CPU per step against buckets, fitted within each repeat (each repeat's means
 // taken out first, so that a repeat on a slower or busier machine does not tilt it), is
 // the CPU per collective. Negative slopes are read as zero. Where collectives overlap
 // backward for long, the slope also takes in what the overlap costs compute in CPU time
-// (the same work run beside the network stack's copies, with the caches and memory shared):
-// at L=4 h=512 on the 1 Gbit/s testbed it came out at 3.9 ms a bucket (round s41), against
-// 0.5 ms on one host. With -overlap_trace that part is taken out of the traced backward
-// before the slowdown is read (Note [Overlap from traces]), so the two terms share it: the
-// slowdown went from 0.76 to 0.30 there and the predictions moved by at most 1.1%.
+// (the same work run beside the network stack's copies, with the caches and memory
+// shared). With -overlap_trace that part is taken out of the traced backward before the
+// slowdown is read (Note [Overlap from traces]), so the two terms share it. The
+// measurements: docs/results/2026-12-06-collective-cpu.md.
 
 // cpuFit is Note [CPU per collective from a sweep]'s fit.
 type cpuFit struct {
@@ -34,18 +33,18 @@ type cpuFit struct {
 // collectiveCPUFromSweep fits the CPU per collective from a sweep's cpu.csv (system,kind,
 // bucket_cap_mb,repeat,buckets,cpu_ms_step; goddp's rows).
 func collectiveCPUFromSweep(path string) (cpuFit, error) {
-	rows, lines, err := goddpRows(path, "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step", "sweep.sh cpu.csv")
+	t, err := goddpRows(path, "sweep.sh cpu.csv", sweepcsv.CPU)
 	if err != nil {
 		return cpuFit{}, err
 	}
 	type point struct{ x, y float64 }
 	byRep := map[string][]point{}
 	fit := cpuFit{minBuckets: math.MaxInt}
-	for i, rec := range rows {
+	for i, rec := range t.Rows {
 		nb, err1 := strconv.Atoi(rec[4])
 		ms, err2 := strconv.ParseFloat(rec[5], 64)
 		if err1 != nil || err2 != nil || nb < 1 || !(ms > 0) || math.IsInf(ms, 0) {
-			return cpuFit{}, fmt.Errorf("%s:%d: bad buckets %q or cpu_ms_step %q", path, lines[i], rec[4], rec[5])
+			return cpuFit{}, fmt.Errorf("%s:%d: bad buckets %q or cpu_ms_step %q", path, t.Lines[i], rec[4], rec[5])
 		}
 		byRep[rec[3]] = append(byRep[rec[3]], point{float64(nb), ms})
 		fit.launches++

@@ -64,7 +64,6 @@ type config struct {
 	latency  time.Duration
 	gbit     float64
 	seed     bool
-	compute  string        // -compute_ms: "", a number, or "sweep"
 	perf     string        // -allreduce: allreduce-perf --json output
 	traces   []string      // -trace: goddp traces whose grad-ready times replace the profile's
 	overlap  []string      // -overlap_trace: goddp traces whose slowdowns under overlap replace the profile's
@@ -88,8 +87,6 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&c.algo, "algo", "ring", "with -gbit: ring or tree")
 	fs.DurationVar(&c.latency, "latency", 5*time.Microsecond, "with -gbit: latency of one hop")
 	fs.Float64Var(&c.gbit, "gbit", 0, "link bandwidth in Gbit/s each way: replaces the measured all-reduce curve with -algo over -world ranks")
-	fs.StringVar(&c.compute, "compute_ms", "", "rescale the profile's compute so that a step without communication takes this many ms; "+
-		"sweep: the compute-only ms/step of -measured (two --no_ddp processes, steady state, where the profile's first steps may be slower)")
 	fs.StringVar(&c.perf, "allreduce", "", "replace the profile's all-reduce curve with allreduce-perf --json output (one JSON object per size)")
 	traces := fs.String("trace", "", "take the grad-ready times, backward compute, the rest of the step and the skew from these goddp traces (--trace; comma-separated) instead: the mean over the passes of each trace, then the median over the traces; trace a run with one bucket (--bucket_cap_mb and --first_bucket_cap_mb above the model's size), so that no collective runs during backward")
 	overlap := fs.String("overlap_trace", "", "with -trace: take the slowdowns under overlap from these goddp traces of launches whose collectives run during backward (a small cap for every bucket; comma-separated), against -trace's one-bucket compute (Note [Overlap from traces])")
@@ -140,12 +137,6 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	}
 	if c.layouts != "" && c.measured == "" {
 		return c, errors.New("-layouts needs -measured")
-	}
-	if c.compute == "sweep" && c.measured == "" {
-		return c, errors.New("-compute_ms sweep needs -measured")
-	}
-	if v, err := strconv.ParseFloat(c.compute, 64); c.compute != "" && c.compute != "sweep" && (err != nil || !(v > 0)) {
-		return c, fmt.Errorf("-compute_ms %q: want a positive number of ms or sweep", c.compute)
 	}
 	if c.rank < -1 {
 		return c, fmt.Errorf("-trace_rank %d: want a rank, or -1 for each pass's last rank", c.rank)
@@ -217,22 +208,6 @@ func run(args []string, stdout, stderr io.Writer) error {
 		if meas.layouts, err = readLayouts(c.layouts); err != nil {
 			return err
 		}
-	}
-	if c.compute != "" {
-		ms := meas.compute
-		if c.compute != "sweep" {
-			ms, _ = strconv.ParseFloat(c.compute, 64)
-		} else if ms <= 0 {
-			return fmt.Errorf("-compute_ms sweep: %s has no compute-only figure", c.measured)
-		}
-		k := ms / 1e3 / (p.Backward + p.Other)
-		fmt.Fprintf(stdout, "compute rescaled by %.3f: the profile's step without communication, %.2f ms, to %.2f ms\n",
-			k, (p.Backward+p.Other)*1e3, ms)
-		for i := range p.Ready {
-			p.Ready[i] *= k
-		}
-		p.Backward *= k
-		p.Other *= k
 	}
 	return predictTable(stdout, p, c, meas)
 }

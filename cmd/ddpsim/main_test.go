@@ -200,15 +200,6 @@ func TestPredictAgainstMeasured(t *testing.T) {
 			t.Errorf("layouts %q: %v, want an error with %q", rows, err, want)
 		}
 	}
-	// Compute rescaled to the summary's compute-only 55 ms (the profile: 90 + 20 ms).
-	out.Reset()
-	if err := run([]string{"-profile", b, "-caps", "8", "-measured", sum, "-compute_ms", "sweep"}, &out, io.Discard); err != nil {
-		t.Fatal(err)
-	}
-	if !strings.Contains(out.String(), "compute rescaled by 0.500: the profile's step without communication, 110.00 ms, to 55.00 ms") ||
-		!strings.Contains(out.String(), "backward compute 45.00 ms, rest of the step 10.00 ms") {
-		t.Errorf("-compute_ms sweep:\n%s", out.String())
-	}
 	// allreduce-perf's curve instead of the profile's: 1 ms + 1 ns/byte.
 	perf := filepath.Join(dir, "perf.jsonl")
 	rows := `{"size_bytes":1048576,"count":262144,"time_us":2048.576}` + "\n" + `{"size_bytes":4194304,"count":1048576,"time_us":5194.304}` + "\n"
@@ -253,8 +244,6 @@ func TestBadInput(t *testing.T) {
 		"two models":    {"-profile", good + "," + other},
 		"not a summary": {"-profile", good, "-measured", good},
 		"extra arg":     {"-profile", good, "x"},
-		"compute":       {"-profile", good, "-compute_ms", "-3"},
-		"compute sweep": {"-profile", good, "-compute_ms", "sweep"},
 		"allreduce":     {"-profile", good, "-allreduce", good},
 		"layouts alone": {"-profile", good, "-layouts", good},
 		"not layouts":   {"-profile", good, "-measured", sum, "-layouts", sum},

@@ -4,10 +4,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
-	"slices"
 	"strings"
 
 	"github.com/goddp/goddp/bucket/sim"
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
 // loadProfiles reads the profiles and combines them field by field (the median); the
@@ -39,7 +39,7 @@ func loadProfiles(paths []string) (*sim.Profile, error) {
 		for k, p := range ps {
 			xs[k] = get(p)
 		}
-		return median(xs)
+		return sweepcsv.Median(xs)
 	}
 	out := *ps[0]
 	out.Ready = make([]float64, len(out.Params))
@@ -67,7 +67,7 @@ func loadProfiles(paths []string) (*sim.Profile, error) {
 	}
 	var pts []sim.Point
 	for b, xs := range bySize {
-		pts = append(pts, sim.Point{Bytes: b, Seconds: median(xs)})
+		pts = append(pts, sim.Point{Bytes: b, Seconds: sweepcsv.Median(xs)})
 	}
 	comm, err := sim.Fit(pts)
 	if err != nil {
@@ -117,14 +117,3 @@ func mean(xs []float64) float64 {
 	}
 	return s / float64(len(xs))
 }
-
-func median(xs []float64) float64 {
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
-}
-
-// summary is goddp's part of sweep-report's summary.csv: the median ms/step per cap and

@@ -1,21 +1,22 @@
 package main
 
 import (
-	"encoding/csv"
 	"fmt"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
-// with auto, the compute-only ms/step (0 where missing), and each cap's P(best) (Note
-// [Resolved best] in cmd/sweep-report; nil in a summary without the column).
+// summary is goddp's part of sweep-report's summary.csv: the median ms/step per cap and
+// with auto, and each cap's P(best) (Note [Resolved best] in cmd/sweep-report; nil in a
+// summary without the column).
 type summary struct {
-	caps          map[float64]float64
-	auto, compute float64
-	pBest         map[float64]float64
-	layouts       []measuredLayout // from -layouts
+	caps    map[float64]float64
+	auto    float64
+	pBest   map[float64]float64
+	layouts []measuredLayout // from -layouts
 }
 
 // measuredLayout is one row of a sweep's layouts.csv: the caps that ran one bucket layout,
@@ -26,37 +27,30 @@ type measuredLayout struct {
 	pBest float64
 }
 
-// goddpRows reads the CSV at path, whose first row must be header (what names the kind of
-// file in the error), and returns goddp's rows and their line numbers.
-func goddpRows(path, header, what string) (rows [][]string, lines []int, err error) {
-	f, err := os.Open(path)
+// goddpRows is sweepcsv.Read of path, keeping goddp's rows.
+func goddpRows(path, what string, headers ...string) (*sweepcsv.Table, error) {
+	t, err := sweepcsv.Read(path, what, headers...)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
-	defer f.Close()
-	recs, err := csv.NewReader(f).ReadAll()
-	if err != nil {
-		return nil, nil, fmt.Errorf("%s: %w", path, err)
-	}
-	if len(recs) == 0 || strings.Join(recs[0], ",") != header {
-		return nil, nil, fmt.Errorf("%s: not a %s (%s)", path, what, header)
-	}
-	for i, r := range recs[1:] {
+	rows, lines := t.Rows[:0], t.Lines[:0]
+	for i, r := range t.Rows {
 		if r[0] == "goddp" {
-			rows, lines = append(rows, r), append(lines, i+2)
+			rows, lines = append(rows, r), append(lines, t.Lines[i])
 		}
 	}
-	return rows, lines, nil
+	t.Rows, t.Lines = rows, lines
+	return t, nil
 }
 
 // readLayouts reads goddp's rows of a layouts.csv.
 func readLayouts(path string) ([]measuredLayout, error) {
-	rows, _, err := goddpRows(path, "system,caps,buckets,median_ms_step,relative_to_best,p_best", "sweep-report layouts.csv")
+	t, err := goddpRows(path, "sweep-report layouts.csv", sweepcsv.Layouts)
 	if err != nil {
 		return nil, err
 	}
 	var ls []measuredLayout
-	for _, r := range rows {
+	for _, r := range t.Rows {
 		var l measuredLayout
 		for _, f := range strings.Fields(r[1]) {
 			c, err := strconv.ParseFloat(f, 64)
@@ -84,33 +78,19 @@ func readLayouts(path string) ([]measuredLayout, error) {
 
 // readSummary reads goddp's rows of a summary.csv.
 func readSummary(path string) (summary, error) {
-	f, err := os.Open(path)
+	t, err := goddpRows(path, "sweep-report summary.csv", sweepcsv.Summary, sweepcsv.SummaryNoPBest)
 	if err != nil {
 		return summary{}, err
 	}
-	defer f.Close()
-	recs, err := csv.NewReader(f).ReadAll()
-	if err != nil {
-		return summary{}, fmt.Errorf("%s: %w", path, err)
-	}
-	if len(recs) == 0 || len(recs[0]) < 8 || recs[0][0] != "system" || recs[0][1] != "bucket_cap_mb" || recs[0][2] != "median_ms_step" || recs[0][7] != "compute_ms_step" {
-		return summary{}, fmt.Errorf("%s: not a sweep-report summary.csv (system,bucket_cap_mb,median_ms_step,...,compute_ms_step,...)", path)
-	}
-	pcol := slices.Index(recs[0], "p_best")
 	s := summary{caps: map[float64]float64{}}
+	pcol := slices.Index(strings.Split(t.Header, ","), "p_best") // -1 in a summary without it
 	if pcol >= 0 {
 		s.pBest = map[float64]float64{}
 	}
-	for _, r := range recs[1:] {
-		if r[0] != "goddp" {
-			continue
-		}
+	for _, r := range t.Rows {
 		ms, err := strconv.ParseFloat(r[2], 64)
 		if err != nil {
 			return summary{}, fmt.Errorf("%s: ms/step %q: %w", path, r[2], err)
-		}
-		if v, err := strconv.ParseFloat(r[7], 64); err == nil && v > 0 {
-			s.compute = v
 		}
 		if r[1] == "auto" {
 			s.auto = ms

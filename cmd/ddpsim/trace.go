@@ -10,17 +10,17 @@ import (
 	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/ddp/observe"
 	"github.com/goddp/goddp/ddp/tracefile"
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
 // Note [The pacing rank]: a collective starts when the last rank launches it, so each pass
-// of a job goes at the pace of whichever rank was slower in it. Two ranks that share this
-// 2-core machine differ by up to 20% in backward (one core busier than the other, measured
-// in the one-bucket launches of a sweep on 2026-12-04), and which of them is slower changes
-// from launch to launch. A single rank's timeline accounts for the other only through the
-// skew, its wait for the other: 1 ms in one launch and 12 ms in the next, whose median
-// describes neither, and which does not move with the layout as the slower rank's compute
-// does. With -trace_rank -1 every pass is read from the rank whose collectives took least
-// from launch to end: the last to launch them, which waited for no one.
+// of a job goes at the pace of whichever rank was slower in it. Two ranks that share a
+// machine's cores differ by up to 20% in backward, and which of them is slower changes from
+// launch to launch (docs/results/2026-12-04-step-model-sweeps.md). A single rank's timeline
+// accounts for the other only through the skew, its wait for the other, which varies from
+// launch to launch and does not move with the layout as the slower rank's compute does.
+// With -trace_rank -1 every pass is read from the rank whose collectives took least from
+// launch to end: the last to launch them, which waited for no one.
 
 // readyFromTrace replaces p's ready times and backward compute with each gradient's ready
 // time ("grad" instants) and the backward pass's length ("backward" spans) in goddp traces,
@@ -58,7 +58,7 @@ func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
 	}
 	order := make([]int, n)
 	for i := range ready {
-		p.Ready[i] = median(ready[i])
+		p.Ready[i] = sweepcsv.Median(ready[i])
 		order[i] = i
 	}
 	slices.SortStableFunc(order, func(a, b int) int { return cmp.Compare(p.Ready[a], p.Ready[b]) })
@@ -67,35 +67,32 @@ func readyFromTrace(p *sim.Profile, paths []string, rank, from int) error {
 		p.Ready[i] = math.Max(p.Ready[i]-copies, 0)
 		copies += p.CopyPerByte * float64(p.Params[i].Bytes())
 	}
-	p.Backward = math.Max(median(lens)-copies, 0)
+	p.Backward = math.Max(sweepcsv.Median(lens)-copies, 0)
 	if len(rest) == len(paths) {
-		p.Other = math.Max(median(rest), 0)
+		p.Other = math.Max(sweepcsv.Median(rest), 0)
 	}
 	if len(skews) == len(paths) {
-		p.Skew = math.Max(median(skews), 0)
+		p.Skew = math.Max(sweepcsv.Median(skews), 0)
 	}
 	return p.Check()
 }
 
 // Note [Overlap from traces]: the auto sizing measures the slowdowns under overlap in one
-// pass with eight buckets (Note [Auto buckets] in package reducer), and on this 2-core
-// machine one pass is at the mercy of the other rank and of the machine: the two ranks'
-// backward differs by up to 10 ms from step to step, and the profiles of one sweep (the
-// two-host testbed at 10 Gbit/s, round s37, 2026-12-05) measured the compute slowdown
-// anywhere from 0.22 to 1.00 and the all-reduce's from 0 to 3.4. Their median made the
-// overlap look cheap (0.46 and 0.25), and the model ranked the layout with the most
-// buckets best where it measured 4% slower than two buckets. A traced launch whose
-// collectives run during backward gives the same figures as means over its steady passes,
-// each from its pacing rank, and a sweep's launches their median: with B its backward,
-// T the time with a collective in flight inside it and W the collectives' work done there
-// (their time alone), against the one-bucket launches' backward B1 (both less the reducer's
-// copies, launches and the collectives' own CPU, Note [A collective's CPU] in package
-// bucket/sim), compute did T − (B − B1) of its work in T, and the collectives W:
-// s = (B − B1) / (T − (B − B1)) and c = T/W − 1, each at most 9. They are not bounded as one
-// resource shared (Note [Shared speed] in package bucket/sim): these are steady means, not
-// one pass's, and where the two ranks' collectives cost the cores more than they take (a
-// kernel's network stack on the same two cores as both ranks' compute), s·c > 1 is what
-// happens.
+// pass with eight buckets (Note [Auto buckets] in package reducer), and one pass is at the
+// mercy of the other rank and of the machine: the profiles of one sweep measured the
+// compute slowdown anywhere from 0.22 to 1.00 and the all-reduce's from 0 to 3.4, and their
+// median made the overlap look cheap (docs/results/2026-12-05-round-s37-same-layout.md,
+// docs/results/2026-12-06-overlap-from-traces.md). A traced launch whose collectives run
+// during backward gives the same figures as means over its steady passes, each from its
+// pacing rank, and a sweep's launches their median: with B its backward, T the time with a
+// collective in flight inside it and W the collectives' work done there (their time alone),
+// against the one-bucket launches' backward B1 (both less the reducer's copies, launches
+// and the collectives' own CPU, Note [A collective's CPU] in package bucket/sim), compute
+// did T − (B − B1) of its work in T, and the collectives W: s = (B − B1) / (T − (B − B1))
+// and c = T/W − 1, each at most 9. They are not bounded as one resource shared (Note
+// [Shared speed] in package bucket/sim): these are steady means, not one pass's, and where
+// the two ranks' collectives cost the cores more than they take (a kernel's network stack
+// on the same two cores as both ranks' compute), s·c > 1 is what happens.
 
 // overlapStats is what overlapFromTrace measured: the median over the traces of each
 // trace's mean over its passes, in seconds.
@@ -115,8 +112,8 @@ func overlapFromTrace(p *sim.Profile, paths []string, rank, from int) (overlapSt
 		}
 		bw, in, work, nb = append(bw, mean(s.lens)), append(in, mean(s.inflight)), append(work, mean(s.work)), append(nb, mean(s.buckets))
 	}
-	o := overlapStats{inflight: median(in), work: median(work), buckets: median(nb)}
-	o.backward = math.Max(median(bw)-p.CopyPerByte*float64(p.TotalBytes())-(p.Launch+p.CollectiveCPU)*o.buckets, 0)
+	o := overlapStats{inflight: sweepcsv.Median(in), work: sweepcsv.Median(work), buckets: sweepcsv.Median(nb)}
+	o.backward = math.Max(sweepcsv.Median(bw)-p.CopyPerByte*float64(p.TotalBytes())-(p.Launch+p.CollectiveCPU)*o.buckets, 0)
 	if !(o.inflight > 0 && o.work > 0) {
 		return o, fmt.Errorf("-overlap_trace: no collective ran during backward in the passes read (from iteration %d); trace a launch with a small cap", from)
 	}

@@ -27,15 +27,16 @@ package main
 
 import (
 	"cmp"
-	"encoding/csv"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -47,6 +48,7 @@ import (
 
 	"github.com/goddp/goddp/ddp/tracefile"
 	"github.com/goddp/goddp/internal/outpath"
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
 func main() {
@@ -111,30 +113,14 @@ type series struct {
 }
 
 func read(path string) (map[string]*series, error) {
-	f, err := os.Open(path)
+	t, err := sweepcsv.Read(path, "sweep.sh raw.csv", sweepcsv.Raw, sweepcsv.RawLayout)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
-	r := csv.NewReader(f)
-	header, err := r.Read()
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
-	}
-	want := []string{"system", "kind", "bucket_cap_mb", "repeat", "ms_step"}
-	withLayout := strings.Join(header, ",") == strings.Join(append(want, "layout"), ",")
-	if !withLayout && strings.Join(header, ",") != strings.Join(want, ",") {
-		return nil, fmt.Errorf("%s: header %q, want %q (and an optional layout column)", path, strings.Join(header, ","), strings.Join(want, ","))
-	}
+	withLayout := t.Header == sweepcsv.RawLayout
 	all := map[string]*series{}
-	for line := 2; ; line++ {
-		rec, err := r.Read()
-		if errors.Is(err, io.EOF) {
-			break
-		}
-		if err != nil {
-			return nil, fmt.Errorf("%s:%d: %w", path, line, err)
-		}
+	for i, rec := range t.Rows {
+		line := t.Lines[i]
 		ms, err := strconv.ParseFloat(rec[4], 64)
 		if err != nil || ms <= 0 {
 			return nil, fmt.Errorf("%s:%d: bad ms_step %q", path, line, rec[4])
@@ -184,18 +170,6 @@ func read(path string) (map[string]*series, error) {
 	return all, nil
 }
 
-func median(xs []float64) float64 {
-	if len(xs) == 0 {
-		return math.NaN()
-	}
-	s := append([]float64(nil), xs...)
-	sort.Float64s(s)
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
-}
-
 // paired is the median over the repeats that a and b share of a's ms/step over b's in the
 // same repeat (NaN if none). The sweep runs every kind once per repeat, one after the other,
 // so a drift of the machine between repeats moves both sides of each ratio alike.
@@ -206,7 +180,7 @@ func paired(a, b map[string]float64) float64 {
 			rs = append(rs, x/y)
 		}
 	}
-	return median(rs)
+	return sweepcsv.Median(rs)
 }
 
 // Note [Resolved best]: where several caps measure within a few percent of each other, which
@@ -271,7 +245,7 @@ func resample(ms []map[string]float64, draws int, rng *rand.Rand, f func(med fun
 				xs = append(xs, v)
 			}
 		}
-		return median(xs)
+		return sweepcsv.Median(xs)
 	}
 	for range draws {
 		for i := range drawn {
@@ -295,10 +269,6 @@ const pBestDraws = 4000
 // of the group's launches in that repeat, so that a layout counts once per repeat, as a single
 // cap does. It then ranks the layouts as it ranks the caps, with P(best) over the same
 // resampling (Note [Resolved best]), and pairs auto with the best layout.
-
-// layoutsHeader is the header of layouts.csv: one row per layout of Note [Same layout], its
-// caps space-separated, buckets empty where unknown (cmd/ddpsim -layouts reads it).
-const layoutsHeader = "system,caps,buckets,median_ms_step,relative_to_best,p_best\n"
 
 // layoutGroup is one bucket layout of a sweep and the caps that ran it.
 type layoutGroup struct {
@@ -359,7 +329,7 @@ func layoutGroups(s *series, caps []float64) []layoutGroup {
 		}
 		gs[i].rep = map[string]float64{}
 		for k, xs := range byRep {
-			gs[i].rep[k] = median(xs)
+			gs[i].rep[k] = sweepcsv.Median(xs)
 		}
 	}
 	return gs
@@ -384,7 +354,7 @@ func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []flo
 			shared = true
 			meds := make([]float64, len(g.caps))
 			for i, c := range g.caps {
-				meds[i] = median(s.ddp[c])
+				meds[i] = sweepcsv.Median(s.ddp[c])
 			}
 			lo, hi := minMax(meds)
 			fmt.Fprintf(md, "\nsame layout (Note [Same layout] in cmd/sweep-report): caps %s ran the same %d buckets (%s MB); their medians lie %.1f..%.1f ms/step, %.1f%% apart, a difference between runs of one job\n",
@@ -401,7 +371,7 @@ func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []flo
 	for i, g := range gs {
 		keys[i] = g.caps[0]
 		rep[keys[i]] = g.rep
-		if ms[i] = median(repValues(g.rep)); ms[i] < ms[bestAt] {
+		if ms[i] = sweepcsv.Median(repValues(g.rep)); ms[i] < ms[bestAt] {
 			bestAt = i
 		}
 	}
@@ -421,7 +391,7 @@ func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []flo
 		return
 	}
 	g := gs[bestAt]
-	fmt.Fprintf(md, "\nauto against the best layout (caps %s): %.2fx by the medians, paired %.3fx", g.capsText(", "), median(s.auto)/best, paired(s.autoRep, g.rep))
+	fmt.Fprintf(md, "\nauto against the best layout (caps %s): %.2fx by the medians, paired %.3fx", g.capsText(", "), sweepcsv.Median(s.auto)/best, paired(s.autoRep, g.rep))
 	// the layout of the caps that most auto launches ran, and those launches against them
 	for _, o := range gs {
 		if o.layout == "" {
@@ -440,6 +410,17 @@ func writeLayouts(md, csv *strings.Builder, system string, s *series, caps []flo
 	md.WriteString("\n")
 }
 
+// timeAgainst says how much less (or more) time per step auto's ms/step a takes than the
+// default's d, in percent of d: with the ratio d/a, which the column "relative to best"
+// uses, both ways of saying it.
+func timeAgainst(a, d float64) string {
+	less := "less"
+	if a > d {
+		less = "more"
+	}
+	return fmt.Sprintf("%.1f%% %s time per step", 100*math.Abs(d-a)/d, less)
+}
+
 func minMax(xs []float64) (float64, float64) {
 	lo, hi := math.Inf(1), math.Inf(-1)
 	for _, x := range xs {
@@ -456,35 +437,27 @@ func run(in, out string, stdout io.Writer) error {
 	if err := os.MkdirAll(out, 0o755); err != nil {
 		return err
 	}
-	systems := make([]string, 0, len(all))
-	for name := range all {
-		systems = append(systems, name)
-	}
-	sort.Strings(systems) // goddp before torch
+	systems := slices.Sorted(maps.Keys(all)) // goddp before torch
 	capSet := map[float64]bool{}
 	for _, s := range all {
 		for c := range s.ddp {
 			capSet[c] = true
 		}
 	}
-	caps := make([]float64, 0, len(capSet))
-	for c := range capSet {
-		caps = append(caps, c)
-	}
-	sort.Float64s(caps)
+	caps := slices.Sorted(maps.Keys(capSet))
 
 	var md strings.Builder
 	var sum, lays strings.Builder
-	sum.WriteString("system,bucket_cap_mb,median_ms_step,min_ms_step,max_ms_step,repeats,relative_to_best,compute_ms_step,exposed_ms,exposed_fraction,p_best\n")
+	sum.WriteString(sweepcsv.Summary + "\n")
 	for _, name := range systems {
 		s := all[name]
 		best := math.Inf(1)
 		for _, c := range caps {
-			if v := median(s.ddp[c]); v < best {
+			if v := sweepcsv.Median(s.ddp[c]); v < best {
 				best = v
 			}
 		}
-		comp := median(s.compute)
+		comp := sweepcsv.Median(s.compute)
 		pb := pBest(s.ddpRep, caps, pBestDraws)
 		fmt.Fprintf(&md, "\n%s (world size 2; median over repeats, min..max; P(best): the fraction of resamples of the repeats in which the cap measured best)\n\n", name)
 		fmt.Fprintf(&md, "| bucket_cap_mb | ms/step | min..max | relative to best | exposed comm ms | exposed fraction | P(best) |\n")
@@ -494,32 +467,26 @@ func run(in, out string, stdout io.Writer) error {
 			if len(xs) == 0 {
 				continue
 			}
-			m := median(xs)
+			m := sweepcsv.Median(xs)
 			lo, hi := minMax(xs)
 			exp, frac := m-comp, (m-comp)/m
 			fmt.Fprintf(&md, "| %g | %.1f | %.1f..%.1f | %.2fx | %.1f | %.1f%% | %.2f |\n", c, m, lo, hi, m/best, exp, 100*frac, pb[c])
 			fmt.Fprintf(&sum, "%s,%g,%.3f,%.3f,%.3f,%d,%.4f,%.3f,%.3f,%.4f,%.4f\n", name, c, m, lo, hi, len(xs), m/best, comp, exp, frac, pb[c])
 		}
 		if len(s.auto) > 0 {
-			m := median(s.auto)
+			m := sweepcsv.Median(s.auto)
 			lo, hi := minMax(s.auto)
-			def := median(s.ddp[25])
+			def := sweepcsv.Median(s.ddp[25])
 			fmt.Fprintf(&md, "| auto | %.1f | %.1f..%.1f | %.2fx | %.1f | %.1f%% | |\n", m, lo, hi, m/best, m-comp, 100*(m-comp)/m)
 			fmt.Fprintf(&sum, "%s,auto,%.3f,%.3f,%.3f,%d,%.4f,%.3f,%.3f,%.4f,\n", name, m, lo, hi, len(s.auto), m/best, comp, m-comp, (m-comp)/m)
 			if !math.IsNaN(def) {
-				// Both ways of saying it: the time saved, and the ratio the table's column
-				// "relative to best" uses (the default's ms/step over auto's).
-				less := "less"
-				if m > def {
-					less = "more"
-				}
-				fmt.Fprintf(&md, "\nauto: %.2fx the best cap's ms/step; %.1f%% %s time per step than the default 25 MB, which takes %.2fx auto's\n", m/best, 100*math.Abs(def-m)/def, less, def/m)
+				fmt.Fprintf(&md, "\nauto: %.2fx the best cap's ms/step; %s than the default 25 MB, which takes %.2fx auto's\n", m/best, timeAgainst(m, def), def/m)
 			}
 			fmt.Fprintf(&md, "\nauto paired by repeat (the median over repeats of auto's ms/step over the cap's in the same repeat):")
 			rlo, rhi := math.Inf(1), math.Inf(-1)
 			for _, c := range caps {
 				if r := paired(s.autoRep, s.ddpRep[c]); !math.IsNaN(r) {
-					if median(s.ddp[c]) == best {
+					if sweepcsv.Median(s.ddp[c]) == best {
 						fmt.Fprintf(&md, " %.3fx the best cap (%g MB);", r, c)
 					}
 					rlo, rhi = math.Min(rlo, r), math.Max(rhi, r)
@@ -542,11 +509,11 @@ func run(in, out string, stdout io.Writer) error {
 		a, b := all[systems[0]], all[systems[1]]
 		for _, c := range caps {
 			if len(a.ddp[c]) > 0 && len(b.ddp[c]) > 0 {
-				fmt.Fprintf(&md, "| %g | %.2f |\n", c, median(a.ddp[c])/median(b.ddp[c]))
+				fmt.Fprintf(&md, "| %g | %.2f |\n", c, sweepcsv.Median(a.ddp[c])/sweepcsv.Median(b.ddp[c]))
 			}
 		}
 		if len(a.compute) > 0 && len(b.compute) > 0 {
-			fmt.Fprintf(&md, "| compute only | %.2f |\n", median(a.compute)/median(b.compute))
+			fmt.Fprintf(&md, "| compute only | %.2f |\n", sweepcsv.Median(a.compute)/sweepcsv.Median(b.compute))
 		}
 	}
 	if err := os.WriteFile(filepath.Join(out, "table.md"), []byte(md.String()), 0o644); err != nil {
@@ -556,7 +523,7 @@ func run(in, out string, stdout io.Writer) error {
 		return err
 	}
 	if lays.Len() > 0 {
-		if err := os.WriteFile(filepath.Join(out, "layouts.csv"), []byte(layoutsHeader+lays.String()), 0o644); err != nil {
+		if err := os.WriteFile(filepath.Join(out, "layouts.csv"), []byte(sweepcsv.Layouts+"\n"+lays.String()), 0o644); err != nil {
 			return err
 		}
 	} else if err := os.Remove(filepath.Join(out, "layouts.csv")); err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -586,7 +553,7 @@ func drawPlot(all map[string]*series, systems []string, caps []float64, out stri
 		var pts plotter.XYs
 		for _, c := range caps {
 			if len(s.ddp[c]) > 0 {
-				pts = append(pts, plotter.XY{X: c, Y: median(s.ddp[c])})
+				pts = append(pts, plotter.XY{X: c, Y: sweepcsv.Median(s.ddp[c])})
 			}
 		}
 		if len(pts) > 0 {
@@ -601,7 +568,7 @@ func drawPlot(all map[string]*series, systems []string, caps []float64, out stri
 			p.Legend.Add(name+" DDP", line, points)
 		}
 		if len(s.compute) > 0 && len(caps) > 0 {
-			comp := median(s.compute)
+			comp := sweepcsv.Median(s.compute)
 			l, err := plotter.NewLine(plotter.XYs{{X: caps[0], Y: comp}, {X: caps[len(caps)-1], Y: comp}})
 			if err != nil {
 				return err

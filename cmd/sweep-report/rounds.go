@@ -4,12 +4,15 @@ import (
 	"cmp"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"slices"
 	"sort"
 	"strconv"
 	"strings"
+
+	"github.com/goddp/goddp/internal/sweepcsv"
 )
 
 // Note [Rounds pooled]: one sweep's medians over 5-12 repeats differ by more than the 5% that
@@ -77,19 +80,14 @@ func roundsPooled(paths []string, w io.Writer) error {
 			for i, l := range ls {
 				vs[i] = l.v
 			}
-			m := median(vs)
+			m := sweepcsv.Median(vs)
 			for i := range ls {
 				ls[i].v /= m
 			}
 			bySystem[name] = append(bySystem[name], ls...)
 		}
 	}
-	systems := make([]string, 0, len(bySystem))
-	for name := range bySystem {
-		systems = append(systems, name)
-	}
-	sort.Strings(systems)
-	for _, name := range systems {
+	for _, name := range slices.Sorted(maps.Keys(bySystem)) {
 		writeRounds(w, name, len(paths), bySystem[name])
 	}
 	return nil
@@ -130,7 +128,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	for _, g := range at {
 		g.rep = map[string]float64{}
 		for k, xs := range g.byKey {
-			g.rep[k] = median(xs)
+			g.rep[k] = sweepcsv.Median(xs)
 		}
 		gs = append(gs, g)
 	}
@@ -145,7 +143,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	meds := make([]float64, len(gs))
 	best := math.Inf(1)
 	for i, g := range gs {
-		meds[i] = median(repValues(g.rep))
+		meds[i] = sweepcsv.Median(repValues(g.rep))
 		if len(g.caps) == 1 && g.caps[0] {
 			continue
 		}
@@ -158,12 +156,7 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	fmt.Fprintf(w, "| buckets | layout (MB) | caps that ran it | launches | ms/step (relative) | relative to best | P(best) |\n|---:|---|---|---:|---:|---:|---:|\n")
 	for i, g := range gs {
 		var cs []string
-		var capList []float64
-		for c := range g.caps {
-			capList = append(capList, c)
-		}
-		sort.Float64s(capList)
-		for _, c := range capList {
+		for _, c := range slices.Sorted(maps.Keys(g.caps)) {
 			if c == 0 {
 				cs = append(cs, "auto")
 			} else {
@@ -179,14 +172,10 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 	if len(autoRep) == 0 {
 		return
 	}
-	a := median(repValues(autoRep))
+	a := sweepcsv.Median(repValues(autoRep))
 	lo, hi := ratioInterval(autoRep, rep, keys)
 	fmt.Fprintf(w, "\nauto (%d launches): %.3fx the best layout's ms/step, 90%% of resamples within %.3f..%.3fx; it ran", len(autoRep), a/best, lo, hi)
-	lays := make([]string, 0, len(autoLays))
-	for lay := range autoLays {
-		lays = append(lays, lay)
-	}
-	sort.Strings(lays)
+	lays := slices.Sorted(maps.Keys(autoLays))
 	slices.SortStableFunc(lays, func(x, y string) int { return cmp.Compare(autoLays[y], autoLays[x]) })
 	for i, lay := range lays {
 		sep := ","
@@ -200,12 +189,8 @@ func writeRounds(w io.Writer, name string, rounds int, ls []roundsLaunch) {
 		fmt.Fprintf(w, " %d buckets (%s) %s%s", len(strings.Fields(lay)), lay, times, sep)
 	}
 	if len(defRep) > 0 {
-		d := median(repValues(defRep))
-		less := "less"
-		if a > d {
-			less = "more"
-		}
-		fmt.Fprintf(w, "auto against the default 25 MB: %.1f%% %s time per step; the default takes %.3fx auto's\n", 100*math.Abs(d-a)/d, less, d/a)
+		d := sweepcsv.Median(repValues(defRep))
+		fmt.Fprintf(w, "auto against the default 25 MB: %s; the default takes %.3fx auto's\n", timeAgainst(a, d), d/a)
 	}
 }
 
