@@ -487,3 +487,25 @@ func TestNonFiniteNoCollective(t *testing.T) {
 		[]nfPass{{mode: Sync}, {mode: Sync}, {mode: Accumulate}, {mode: Sync}}, 8)
 	o.check(t, []string{"", "", ""}, 1e-5) // it counts the AllGathers of flags: none
 }
+
+// BenchmarkFiniteCheck is BenchmarkHookPath with the check for non-finite gradients on and
+// off (Options.NoFiniteCheck), with the copy back and with bucket views (a read pass).
+func BenchmarkFiniteCheck(b *testing.B) {
+	for _, c := range []struct{ params, n int }{{64, 4096}, {16, 65536}} {
+		for _, view := range []bool{false, true} {
+			for _, off := range []bool{true, false} {
+				b.Run(fmt.Sprintf("params=%d/len=%d/view=%v/check=%v", c.params, c.n, view, !off), func(b *testing.B) {
+					s := newStepper(b, c.params, c.n, Options{FirstBucketCapMB: 0.25, BucketCapMB: 1, GradientAsBucketView: view, NoFiniteCheck: off})
+					s.step(b, Sync)
+					s.step(b, Sync)
+					b.SetBytes(int64(c.params * c.n * 4))
+					b.ReportAllocs()
+					b.ResetTimer()
+					for b.Loop() {
+						s.step(b, Sync)
+					}
+				})
+			}
+		}
+	}
+}
