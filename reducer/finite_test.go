@@ -509,3 +509,50 @@ func BenchmarkFiniteCheck(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkFiniteCheckSeedShape is one synced step's hook path (every GradReady, Finalize's
+// unpack) for the parameters of examples/transformer at its defaults (the seed's model:
+// hidden 256, 2 layers, 1,711,104 float32 parameters, default caps), with the check on and
+// off, against a group whose collectives cost nothing: the difference is the check's cost
+// per step at the seed shape.
+func BenchmarkFiniteCheckSeedShape(b *testing.B) {
+	const h = 256
+	lens := []int{h * h, h}
+	for range 2 {
+		lens = append(lens, 3*h*h, 3*h, h*h, h, 4*h*h, 4*h, 4*h*h, h, h, h, h, h)
+	}
+	lens = append(lens, h*h, h)
+	for _, off := range []bool{true, false} {
+		b.Run(fmt.Sprintf("check=%v", !off), func(b *testing.B) {
+			s := &stepper{}
+			params := make([]Param, len(lens))
+			total := 0
+			for i, n := range lens {
+				params[i] = Param{Name: fmt.Sprint(i), Grad: make([]float32, n)}
+				g := make([]float32, n)
+				for k := range g {
+					g[k] = float32(k%7) + 0.5
+				}
+				s.grads = append(s.grads, g)
+				total += n
+			}
+			if total != 1711104 {
+				b.Fatalf("%d parameters, want the seed model's 1711104", total)
+			}
+			r, err := New(newNopGroup(2), params, Options{NoFiniteCheck: off})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer r.Close()
+			s.r = r
+			s.step(b, Sync)
+			s.step(b, Sync)
+			b.SetBytes(int64(4 * total))
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				s.step(b, Sync)
+			}
+		})
+	}
+}
