@@ -30,6 +30,12 @@ import (
 //     gradient was not finite. A reduced value that is not finite while every local one
 //     was (a compression hook's overflow, beyond ±65504 in fp16, or an overflowing sum) is
 //     named as such, without a rank.
+// At the seed's shape (examples/transformer's defaults, 1,711,104 float32 parameters in 2
+// buckets) the check costs 0.44 ms per step on the hook path, nearly all of it the read of
+// the reduced gradients: BenchmarkFiniteCheckSeedShape, 0.79 ms off and 1.23 ms on (medians
+// of 5, 2026-12-06, a 2-core VM shared with other jobs), against 160–250 ms per step of the
+// 2-rank run on that VM, so it is on by default (Options.NoFiniteCheck turns it off; the
+// ranks must agree on it).
 // The error leaves the Reducer usable (the ranks issued the same collectives), so the
 // trainer may skip the step, as a loss scaler does after an overflow, or stop. The device
 // path (Options.Device) has no check: the host never reads device gradients, and a check
