@@ -106,6 +106,11 @@ type Options struct {
 	// CommHook, a fixed BucketCapMB and host memory, without FindUnusedParameters.
 	// 0 (the default): no shards, the per-rank batch and the all-reduce.
 	Shards int
+	// NoFiniteCheck turns off the check that names the ranks and parameters of a NaN or
+	// infinite gradient (a *NonFiniteError from Finalize; reducer Note [Non-finite
+	// gradients]): with it, such a gradient reaches every rank's average silently. It must
+	// be the same on every rank.
+	NoFiniteCheck bool
 }
 
 // validate fills in the defaults (the reducer's options from reducer.Options.WithDefaults,
@@ -135,6 +140,7 @@ func (o *Options) reducerOptions() reducer.Options {
 		Stream:               o.Stream,
 		Logger:               o.Logger,
 		Shards:               o.Shards,
+		NoFiniteCheck:        o.NoFiniteCheck,
 	}
 }
 
@@ -443,6 +449,13 @@ func (d *DDP) GradReady64(i int, grad []float64) error {
 // pass it returns at once. It returns the step's first error (see DDP), or ctx's error if
 // ctx ends first (which fails the DDP too), or ErrPhase without a backward pass to
 // finalize.
+//
+// If the averaged gradients hold a NaN or an infinity, it returns a *NonFiniteError, the
+// same on every rank, naming the ranks, the step and the parameters whose local gradient
+// was not finite (or an overflow in the CommHook). That error does not fail the DDP: the
+// gradients are left as averaged, non-finite values included, AfterSync is not called,
+// and the trainer must not step the optimizer. It may stop, or skip the step and go on
+// with the next BeginBackward, as every rank gets the same error.
 func (d *DDP) Finalize(ctx context.Context) error {
 	d.mu.Lock()
 	switch d.phase {
@@ -464,6 +477,12 @@ func (d *DDP) Finalize(ctx context.Context) error {
 
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if nf := (*NonFiniteError)(nil); errors.As(err, &nf) && d.phase == phaseFinalizing {
+		// Every rank has the same error after the same collectives: the DDP stays usable,
+		// and AfterSync does not run (the gradients must not reach the optimizer).
+		d.phase = phaseIdle
+		return err
+	}
 	if err := d.settleLocked(err); err != nil {
 		return err
 	}

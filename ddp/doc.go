@@ -156,5 +156,12 @@
 // (and GradReady's) fail the DDP (an adapter calls Fail) and are returned by Finalize, so
 // checking Finalize's error is enough. Failure is final: the process group is aborted so
 // that the other ranks fail too, instead of hanging (see DDP). A mismatch between the
-// ranks' models at New is a *MismatchError, the same on every rank.
+// ranks' models at New is a *MismatchError, the same on every rank. A NaN or an infinity
+// in any rank's gradient makes Finalize return a *NonFiniteError on every rank, the same,
+// naming the step, the ranks and the parameters, for instance
+//
+//	reducer: step 5: non-finite local gradient: rank 1: parameter 2 (w2)
+//
+// It is not a failure: the ranks agree, so they may stop, or skip the optimizer step and
+// go on.
 package ddp

@@ -66,6 +66,18 @@ var (
 	ErrUnusedParameters = reducer.ErrUnusedParameters
 	// ErrMarkedTwice: a parameter's gradient was reported twice in one backward pass.
 	ErrMarkedTwice = reducer.ErrMarkedTwice
+	// ErrNonFinite is wrapped by *NonFiniteError.
+	ErrNonFinite = reducer.ErrNonFinite
+)
+
+// NonFiniteError is Finalize's error for a synced step whose averaged gradients hold a NaN
+// or an infinity: the same on every rank, it names the step and, for each rank whose own
+// gradient was not finite, the parameters (index and name); an overflow in the CommHook's
+// compression is named without a rank. It does not fail the DDP. See
+// reducer.NonFiniteError.
+type (
+	NonFiniteError = reducer.NonFiniteError
+	NonFiniteGrad  = reducer.NonFiniteGrad
 )
 
 // UnusedError names the parameters that got no gradient in a synced pass run without

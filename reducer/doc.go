@@ -72,8 +72,13 @@
 // first three synced passes and the step model of package bucket/sim (Note [Auto buckets]);
 // AutoPlan says what it chose.
 //
+// A synced Finalize whose averaged gradients hold a NaN or an infinity returns a
+// *NonFiniteError on every rank, naming the ranks, the step and the parameters whose local
+// gradient was not finite; it costs no collective when they are finite (Note [Non-finite
+// gradients]).
+//
 // Design notes: Note [Bucket order] and Note [Accumulation window] (Machine), Note
 // [Rebuild] (Reducer.rebuild), Note [Auto buckets] (autotune.go), Note [Shards]
-// (shards.go), Note [Bucket assignment]
+// (shards.go), Note [Non-finite gradients] (finite.go), Note [Bucket assignment]
 // (package bucket), Note [Step model] (package bucket/sim).
 package reducer

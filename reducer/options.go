@@ -47,6 +47,11 @@ type Options struct {
 	// CommHook). It takes the default CommHook, fixed bucket caps and host gradients,
 	// without FindUnusedParameters.
 	Shards int
+	// NoFiniteCheck turns off the check for NaN and infinite gradients (Note [Non-finite
+	// gradients]): a synced Finalize then never returns a *NonFiniteError, and a NaN in
+	// one rank's gradient reaches every rank's average silently. The check is on host
+	// gradients only; with Device there is none.
+	NoFiniteCheck bool
 }
 
 // WithDefaults returns o with its zero fields set to their defaults: BucketCapMB 25,

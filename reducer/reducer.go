@@ -50,7 +50,8 @@ type slot struct {
 // or twice-marked parameter, a wrong gradient, a failed collective, Finalize's ctx ending —
 // the ranks' collective sequences can no longer be trusted to match, so the Reducer aborts
 // the process group with the error (peers fail at once instead of hanging) and every later
-// call returns the same error.
+// call returns the same error. A *NonFiniteError from Finalize is not a failure (every rank
+// gets it after the same collectives).
 type Reducer struct {
 	pg      procgroup.ProcessGroup
 	dev     procgroup.Device          // with Options.Device
@@ -62,6 +63,7 @@ type Reducer struct {
 	inv32   float32 // 1 / world size (1 with Options.Shards: the fold divides)
 	inv64   float64
 	sh      *shardState // with Options.Shards (Note [Shards]); its step fields are guarded by mu
+	check   bool        // the check for non-finite gradients is on (Note [Non-finite gradients])
 
 	mu       sync.Mutex // guards the fields below
 	m        *Machine
@@ -82,6 +84,7 @@ type Reducer struct {
 	late     []lateWork               // device collectives of earlier passes not yet seen complete
 	mem      [2]hostMem               // the host buckets' memory (float32, float64; Note [Bucket memory])
 	spare    [2]hostMem               // the memory of the layout before, while another rebuild is owed
+	fin      finiteState              // with check
 }
 
 // New returns a Reducer for params over pg with the initial bucket layout (Note [Bucket
@@ -170,6 +173,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 		r.inv32, r.inv64 = 1, 1 // each shard's gradient is kept as it is; the fold divides
 	}
 	r.order64 = make([]int64, len(params))
+	if r.check = !opts.NoFiniteCheck && !opts.Device; r.check {
+		r.fin.localBad, r.fin.reducedBad = make([]bool, len(params)), make([]bool, len(params))
+	}
 	if err := r.setLayout(r.m.Layout()); err != nil {
 		r.freeDevice()
 		return nil, err
@@ -284,7 +290,11 @@ func (r *Reducer) GradReady(i int, grad []float32) error {
 	if s.sh != nil { // the running shard's own buffer, overwritten (Note [Shards])
 		buf, add = s.sh.in32[r.sh.cur*len(buf):][:len(buf)], false
 	}
-	scaleInto(bucket.View(buf, r.lay.Where[i]), grad, r.inv32, add)
+	if r.check {
+		r.noteLocal(i, scaleCheck(bucket.View(buf, r.lay.Where[i]), grad, r.inv32, add))
+	} else {
+		scaleInto(bucket.View(buf, r.lay.Where[i]), grad, r.inv32, add)
+	}
 	r.afterCopy(i, acts[1:], t0)
 	return nil
 }
@@ -310,7 +320,11 @@ func (r *Reducer) GradReady64(i int, grad []float64) error {
 	if s.sh != nil {
 		buf, add = s.sh.in64[r.sh.cur*len(buf):][:len(buf)], false
 	}
-	scaleInto(bucket.View(buf, r.lay.Where[i]), grad, r.inv64, add)
+	if r.check {
+		r.noteLocal(i, scaleCheck(bucket.View(buf, r.lay.Where[i]), grad, r.inv64, add))
+	} else {
+		scaleInto(bucket.View(buf, r.lay.Where[i]), grad, r.inv64, add)
+	}
 	r.afterCopy(i, acts[1:], t0)
 	return nil
 }
@@ -421,6 +435,12 @@ func (r *Reducer) poll(now time.Time) {
 // It fails with an *UnusedError if parameters got no gradient (without
 // FindUnusedParameters), with ErrMarkedTwice or a collective's error, or with ctx's error if
 // ctx ends first; every failure aborts the process group (see Reducer).
+//
+// After a synced pass whose averaged gradients hold a NaN or an infinity it returns a
+// *NonFiniteError, the same on every rank, naming the ranks and parameters they came from
+// (Note [Non-finite gradients]). That is not a failure: the pass is over, the gradients
+// are left as reduced (non-finite values included; do not step the optimizer on them), and
+// the next BeginBackward may follow.
 func (r *Reducer) Finalize(ctx context.Context) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -479,6 +499,15 @@ func (r *Reducer) Finalize(ctx context.Context) error {
 				if r.auto != nil && st.Mode == Sync {
 					r.auto.passDone(r, st)
 				}
+				if r.check && st.Mode == Sync {
+					// Note [Non-finite gradients]: a *NonFiniteError leaves the Reducer
+					// usable; a failed AllGather of the flags does not.
+					if nf, err := r.endStepFinite(ctx); err != nil {
+						return r.failLocked(err)
+					} else if nf != nil {
+						return nf
+					}
+				}
 				return nil
 			}
 		}
@@ -527,6 +556,9 @@ func (r *Reducer) unpack(b int) error {
 		return fmt.Errorf("reducer: backward %d: bucket %d: comm hook: %w", r.m.Iter(), b, err)
 	}
 	if r.opts.GradientAsBucketView {
+		if r.check {
+			r.checkBucket(b)
+		}
 		return nil
 	}
 	for _, i := range r.lay.Buckets[b].Params {
@@ -537,10 +569,18 @@ func (r *Reducer) unpack(b int) error {
 			}
 			continue
 		}
+		var finite bool // the view just copied, read again while it is in cache
 		if s.f32 != nil {
-			copy(r.params[i].Grad.([]float32), bucket.View(s.f32, loc))
+			v := bucket.View(s.f32, loc)
+			copy(r.params[i].Grad.([]float32), v)
+			finite = !r.check || allFinite(v)
 		} else {
-			copy(r.params[i].Grad.([]float64), bucket.View(s.f64, loc))
+			v := bucket.View(s.f64, loc)
+			copy(r.params[i].Grad.([]float64), v)
+			finite = !r.check || allFinite(v)
+		}
+		if !finite {
+			r.noteReduced(i)
 		}
 	}
 	return nil

@@ -40,6 +40,15 @@
 // ends with the uninterrupted run's bits; with --batch_size it resumes at its own world
 // size only.
 //
+// --inject_nan RANK:STEP:PARAM puts a NaN into rank RANK's gradient of parameter PARAM (an
+// index, or a name: w1, b1, w2, b2) at step STEP (from 0), to see ddp name it: Finalize
+// returns the same *ddp.NonFiniteError on every rank, each rank prints it, and the job
+// exits 1 before the optimizer steps on it:
+//
+//	ddprun --nproc_per_node 2 ./examples/mlp -- --inject_nan 1:5:w2
+//	[rank0]: mlp: reducer: step 5: non-finite local gradient: rank 1: parameter 2 (w2)
+//	[rank1]: mlp: reducer: step 5: non-finite local gradient: rank 1: parameter 2 (w2)
+//
 // Output: rank 0 prints the loss of the global batch every --log_every steps; every rank
 // ends with "params_crc32=<8 hex>", the CRC-32 (IEEE) of its final parameters'
 // little-endian float32 bytes in registration order, the same on every rank.

@@ -10,6 +10,9 @@ import (
 	"io"
 	"math"
 	"os"
+	"slices"
+	"strconv"
+	"strings"
 
 	_ "github.com/goddp/goddp/backends/gloo" // the "gloo" backend (--backend gloo)
 	"github.com/goddp/goddp/ddp"
@@ -36,6 +39,52 @@ type flags struct {
 	checkpointDir string // --checkpoint_dir (empty: none)
 	ckptEvery     int
 	resume        bool
+	inject        injection
+	stderr        io.Writer // where a rank says a non-finite gradient before it leaves (see train)
+}
+
+// injection is --inject_nan RANK:STEP:PARAM: rank RANK's gradient of parameter PARAM (an
+// index or a name) holds a NaN in step STEP. on is false without the flag.
+type injection struct {
+	on                bool
+	rank, step, param int
+}
+
+func (in *injection) String() string {
+	if !in.on {
+		return ""
+	}
+	return fmt.Sprintf("%d:%d:%d", in.rank, in.step, in.param)
+}
+
+func (in *injection) Set(s string) error {
+	bad := fmt.Errorf("want RANK:STEP:PARAM, PARAM an index in [0, %d) or a name (%s), e.g. 1:5:2 or 1:5:w2", nParams, strings.Join(paramNames[:], ", "))
+	parts := strings.Split(s, ":")
+	if len(parts) != 3 {
+		return bad
+	}
+	rank, err1 := strconv.Atoi(parts[0])
+	step, err2 := strconv.Atoi(parts[1])
+	if err1 != nil || err2 != nil || rank < 0 || step < 0 {
+		return bad
+	}
+	param, err := strconv.Atoi(parts[2])
+	if err != nil {
+		param = slices.Index(paramNames[:], parts[2])
+	}
+	if param < 0 || param >= nParams {
+		return bad
+	}
+	*in = injection{on: true, rank: rank, step: step, param: param}
+	return nil
+}
+
+// poison puts a NaN into the middle of g, the gradient of parameter i that this rank
+// reports in step, if --inject_nan asks for it.
+func (in injection) poison(rank, step, i int, g []float32) {
+	if in.on && in.rank == rank && in.step == step && in.param == i {
+		g[len(g)/2] = float32(math.NaN())
+	}
 }
 
 // shards is the number of logical shards of a step's batch, L = global/micro; 0 without
@@ -68,6 +117,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "rank 0 checkpoints here; every rank resumes from here on a launcher's restart or with --resume (empty: none)")
 	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and after the last)")
 	fs.BoolVar(&f.resume, "resume", false, "resume from the newest checkpoint in --checkpoint_dir, if there is one")
+	fs.Var(&f.inject, "inject_nan", "RANK:STEP:PARAM: put a NaN into rank RANK's gradient of parameter PARAM (index or name: w1, b1, w2, b2) in step STEP (from 0), to see ddp name it")
+	f.stderr = stderr
 	if err := fs.Parse(args); err != nil {
 		return f, err
 	}
@@ -105,7 +156,9 @@ func main() {
 		os.Exit(2)
 	}
 	if err := run(context.Background(), f, os.Stdout); err != nil {
-		fmt.Fprintln(os.Stderr, "mlp:", err)
+		if !errors.As(err, new(saidError)) {
+			fmt.Fprintln(os.Stderr, "mlp:", err)
+		}
 		os.Exit(1)
 	}
 }
@@ -170,7 +223,9 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 	if f.shards() > 0 {
 		return m, trainShards(ctx, f, pg, d, m, k, start, &next, stdout)
 	}
+	step := start
 	ready := func(i int) { // backward reports parameter i's micro-batch gradient
+		f.inject.poison(rank, step, i, m.micro[i])
 		if d != nil {
 			d.GradReady(i, m.micro[i]) // copied at once; an error comes back from Finalize
 			return
@@ -180,7 +235,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		}
 	}
 	xs, ys := make([]float32, f.batch*inputs), make([]float32, f.batch)
-	for step := start; step < f.steps; step++ {
+	for ; step < f.steps; step++ {
 		if d == nil {
 			for _, g := range m.grads {
 				clear(g)
@@ -202,7 +257,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		}
 		if d != nil {
 			if err := d.Finalize(ctx); err != nil { // m.grads: averaged over the ranks
-				return nil, err
+				return nil, leave(ctx, f, pg, err)
 			}
 		}
 		m.sgd(float32(f.lr))
@@ -246,7 +301,12 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 	losses, all := make([]float32, hi-lo), make([]float32, L) // per shard: its mean loss
 	xs, ys := make([]float32, f.micro*inputs), make([]float32, f.micro)
 	first := false // alone: the step's first shard is copied, the next ones added
+	rank, step := 0, start
+	if pg != nil {
+		rank = pg.Rank()
+	}
 	ready := func(i int) {
+		f.inject.poison(rank, step, i, m.micro[i])
 		switch {
 		case d != nil:
 			d.GradReady(i, m.micro[i]) // an error comes back from Finalize
@@ -258,10 +318,6 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 			}
 		}
 	}
-	step, rank := start, 0
-	if pg != nil {
-		rank = pg.Rank()
-	}
 	shard := func(s int) error {
 		samples(f.seed, int(*next)+s*f.micro, f.micro, xs, ys)
 		losses[s-lo] = m.forwardBackward(xs, ys, 1, ready) // the shard's own mean
@@ -271,7 +327,7 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 	for ; step < f.steps; step++ {
 		if d != nil {
 			if err := d.BackwardShards(ctx, shard); err != nil { // m.grads: the mean over the shards
-				return err
+				return leave(ctx, f, pg, err)
 			}
 		} else {
 			for s := range L {
@@ -310,6 +366,26 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 		return pg.Barrier(ctx).Wait(ctx)
 	}
 	return nil
+}
+
+// saidError is an error the rank has printed already (see leave).
+type saidError struct{ error }
+
+func (e saidError) Unwrap() error { return e.error }
+
+// leave is train's error for err, Finalize's. A non-finite gradient (a *ddp.NonFiniteError)
+// is the same error on every rank, with the group intact, and the optimizer has not
+// stepped on it: each rank prints it, then the ranks leave together (a barrier), so that
+// none exits, and makes the launcher stop the others, before every rank has said it.
+func leave(ctx context.Context, f flags, pg procgroup.ProcessGroup, err error) error {
+	if !errors.Is(err, ddp.ErrNonFinite) {
+		return err
+	}
+	fmt.Fprintln(f.stderr, "mlp:", err)
+	if berr := pg.Barrier(ctx).Wait(ctx); berr != nil {
+		return fmt.Errorf("the barrier to leave together after it: %w", berr)
+	}
+	return saidError{err}
 }
 
 // paramBytes is p's little-endian float32 bytes.

@@ -329,3 +329,65 @@ func TestShardFlags(t *testing.T) {
 		}
 	}
 }
+
+// TestNonFiniteNamedUnderDDPRun launches 2 ranks of this trainer under the real ddprun with
+// a NaN put into rank 1's gradient of w2 (parameter 2) at step 5, with NoSync micro-batches
+// and with logical shards: every rank prints the same error naming rank 1, step 5 and the
+// parameter, the job exits non-zero, and no rank went on training (no loss after step 4,
+// none of them NaN, no params_crc32). Without the check the job trains on with NaN losses
+// and exits 0.
+func TestNonFiniteNamedUnderDDPRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun")
+	}
+	ddprun := buildDDPRun(t)
+	const want = "mlp: reducer: step 5: non-finite local gradient: rank 1: parameter 2 (w2)"
+	for _, args := range []string{
+		"--hidden_size 16 --steps 12 --log_every 1 --batch_size 4 --accum_steps 2 --bucket_cap_mb 0.0001 --first_bucket_cap_mb 0.0001 --inject_nan 1:5:w2",
+		"--hidden_size 16 --steps 12 --log_every 1 --global_batch_size 8 --micro_batch_size 2 --inject_nan 1:5:2",
+	} {
+		_, stdout, stderr, err := ddprunTrainer(t, ddprun, 2, args)
+		if err == nil {
+			t.Errorf("%s: ddprun exited 0, want the job to fail", args)
+		}
+		for _, rank := range []string{"[rank0]: ", "[rank1]: "} {
+			if !strings.Contains(stderr, rank+want+"\n") {
+				t.Errorf("%s: %sdoes not say %q\nstderr:\n%s", args, rank, want, stderr)
+			}
+		}
+		var steps []string
+		for _, line := range strings.Split(stdout, "\n") {
+			if _, rest, ok := strings.Cut(line, "]: "); ok && strings.HasPrefix(rest, "step ") {
+				var step int
+				var loss float64
+				if _, err := fmt.Sscanf(rest, "step %d loss %g", &step, &loss); err != nil || math.IsNaN(loss) || math.IsInf(loss, 0) {
+					t.Errorf("%s: %q", args, line)
+				}
+				steps = append(steps, fmt.Sprint(step))
+			}
+		}
+		if got := strings.Join(steps, " "); got != "0 1 2 3 4" || strings.Contains(stdout, "params_crc32") {
+			t.Errorf("%s: losses of steps %q, want 0 to 4 only, and no params_crc32\nstdout:\n%s", args, got, stdout)
+		}
+	}
+}
+
+// TestInjectNaNFlag: --inject_nan takes RANK:STEP:PARAM, the parameter by index or name.
+func TestInjectNaNFlag(t *testing.T) {
+	for args, want := range map[string]injection{
+		"--inject_nan 1:5:2":  {on: true, rank: 1, step: 5, param: 2},
+		"--inject_nan 0:0:w1": {on: true, rank: 0, step: 0, param: 0},
+		"--inject_nan 3:7:b2": {on: true, rank: 3, step: 7, param: 3},
+		"":                    {},
+	} {
+		if f := mustParse(t, args); f.inject != want {
+			t.Errorf("%q: %+v, want %+v", args, f.inject, want)
+		}
+	}
+	for _, v := range []string{"1:5", "1:5:2:0", "x:5:2", "1:-1:2", "-1:5:2", "1:5:4", "1:5:w9", "1:5:"} {
+		_, err := parseFlags([]string{"--inject_nan", v}, &bytes.Buffer{})
+		if err == nil || !strings.Contains(err.Error(), "inject_nan") || !strings.Contains(err.Error(), "want RANK:STEP:PARAM") {
+			t.Errorf("--inject_nan %s: %v, want an error naming the flag and its form", v, err)
+		}
+	}
+}

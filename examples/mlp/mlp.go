@@ -16,6 +16,9 @@ const (
 
 const inputs = 4
 
+// paramNames are the parameters' names, in registration order.
+var paramNames = [nParams]string{"w1", "b1", "w2", "b2"}
+
 // mlp is x → tanh(W1·x + b1) → W2·h + b2, with the buffers of one micro-batch.
 type mlp struct {
 	hidden int
@@ -28,7 +31,7 @@ type mlp struct {
 }
 
 func newMLP(hidden int, seed uint64) *mlp {
-	m := &mlp{hidden: hidden, names: [nParams]string{"w1", "b1", "w2", "b2"}}
+	m := &mlp{hidden: hidden, names: paramNames}
 	sizes := [nParams]int{hidden * inputs, hidden, hidden, 1}
 	rng := rand.New(rand.NewPCG(seed, 1))
 	for i, n := range sizes {

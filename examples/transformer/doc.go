@@ -37,6 +37,18 @@
 // m of rank r holds samples (m·world + r)·batch …, so 2 ranks with --batch_size B, or
 // --accum_steps 2, see exactly the data of one process with batch 2B.
 //
+// # Non-finite gradients
+//
+// A NaN or an infinity in any rank's gradient makes every rank's Finalize return the same
+// *ddp.NonFiniteError, naming the step, the ranks and the parameters whose own gradient
+// was not finite: every rank prints it and the job exits 1 before the optimizer steps on
+// it (--no_finite_check turns the check off). --inject_nan RANK:STEP:PARAM puts a NaN into
+// rank RANK's gradient of parameter PARAM (an index or a name) in step STEP, to see it:
+//
+//	ddprun --nproc_per_node 2 ./examples/transformer -- --inject_nan 1:5:6
+//	[rank0]: transformer: reducer: step 5: non-finite local gradient: rank 1: parameter 6 (1.layers.0.linear1.weight)
+//	[rank1]: transformer: reducer: step 5: non-finite local gradient: rank 1: parameter 6 (1.layers.0.linear1.weight)
+//
 // # Checkpoints and restarts
 //
 // With --checkpoint_dir rank 0 saves the parameters, AdamW's state and the step (with the

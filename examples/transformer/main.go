@@ -63,6 +63,11 @@ type flags struct {
 	reportEvery   int
 	straggleRank  int           // --straggle_ms R:MS: rank R (-1: none) …
 	straggle      time.Duration // … sleeps this long per step before backward
+	inject        injection     // --inject_nan
+	noFiniteCheck bool
+
+	// stderr is where a rank says a non-finite gradient before it leaves (nonFinite).
+	stderr io.Writer
 
 	// getenv reads the launcher's environment (TORCHELASTIC_RESTART_COUNT, LOCAL_RANK,
 	// GODDP_TRACE); os.Getenv unless a test sets it.
@@ -132,6 +137,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.StringVar(&f.trace, "trace", "", "write this rank's timeline (Chrome trace JSON) to this file ({rank}, {attempt} expand; default: $GODDP_TRACE)")
 	fs.StringVar(&f.metricsAddr, "metrics_addr", "", "serve Prometheus metrics at HOST:PORT/metrics (the rank of local rank L listens on PORT+L)")
 	fs.IntVar(&f.reportEvery, "report_every", 50, "rank 0 prints the DDP overlap report every N steps (and at the end); the ranks exchange straggler data as often")
+	fs.Var(&f.inject, "inject_nan", "RANK:STEP:PARAM: put a NaN into rank RANK's gradient of parameter PARAM (index or name) in step STEP, to see ddp name it")
+	fs.BoolVar(&f.noFiniteCheck, "no_finite_check", false, "turn off ddp's check that names the ranks and parameters of non-finite gradients (ddp.Options.NoFiniteCheck)")
 	straggle := fs.String("straggle_ms", "", "R:MS: rank R sleeps MS milliseconds per step before backward (a straggler on purpose, for the straggler report)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -174,6 +181,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		f.straggleRank, f.straggle = rank, time.Duration(msv*float64(time.Millisecond))
 	}
 	f.getenv = os.Getenv
+	f.stderr = stderr
 	return f, nil
 }
 
@@ -195,7 +203,9 @@ func main() {
 		ddp.RecordFailure(fmt.Errorf("transformer: %w", err)) //nolint:errcheck // best effort: the usage error is printed already
 		os.Exit(2)
 	default:
-		fmt.Fprintln(os.Stderr, "transformer:", err)
+		if !errors.As(err, new(saidError)) {
+			fmt.Fprintln(os.Stderr, "transformer:", err)
+		}
 		// Under torchrun: the root cause for its failure summary.
 		if rerr := ddp.RecordFailure(fmt.Errorf("transformer: %w", err)); rerr != nil {
 			fmt.Fprintln(os.Stderr, "transformer:", rerr)
@@ -353,7 +363,7 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 		fmt.Fprintf(stderr, "transports: rank %d: %s\n", pg.Rank(), strings.Join(parts, " "))
 	}
 	err = trainWith(ctx, f, m, pg, log, stdout)
-	if err != nil {
+	if err != nil && !errors.As(err, new(saidError)) { // a said error: the ranks left together
 		// The other ranks must not wait for this one: fail their pending collectives.
 		pg.Abort(err)
 	}
@@ -377,10 +387,14 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 		defer t.d.Close()
 	}
 
+	hook, err := injectHook(f, t.w.rank, m.Params(), &t.cur, t.sync.Hook)
+	if err != nil {
+		return err
+	}
 	graphBuild.Lock()
 	t.g, err = m.NewGraph(model.GraphOptions{
 		Batch: f.batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
-		LossScale: 1 / float64(f.accum), Hook: t.sync.Hook,
+		LossScale: 1 / float64(f.accum), Hook: hook,
 	})
 	graphBuild.Unlock()
 	if err != nil {
@@ -430,6 +444,7 @@ type trainer struct {
 	ck     *ckpt // with --checkpoint_dir
 	obs    *observer
 	stdout io.Writer
+	cur    int // the running step
 
 	timed  time.Duration // the total time of the timed steps (after --warmup_steps)
 	nTimed int
@@ -455,7 +470,7 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 		dp[i] = ddp.Param{Name: p.Name, Data: t.m.Data32()[p.Offset : p.Offset+p.Size],
 			Grad: t.grads[p.Offset : p.Offset+p.Size], Shape: p.Shape}
 	}
-	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log})
+	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, NoFiniteCheck: t.f.noFiniteCheck})
 	if err != nil {
 		return err
 	}
@@ -545,6 +560,7 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 // micro-batches, the gradients' sync, the optimizer. It returns this rank's loss.
 func (t *trainer) step(ctx context.Context, step int) (float64, error) {
 	t.obs.tr.BeginStep(step)
+	t.cur = step
 	if t.f.straggle > 0 && t.f.straggleRank == t.w.rank {
 		end := t.obs.tr.Span("straggle (--straggle_ms)")
 		time.Sleep(t.f.straggle)
@@ -557,7 +573,7 @@ func (t *trainer) step(ctx context.Context, step int) (float64, error) {
 	}
 	end()
 	if err := t.sync.Finalize(ctx); err != nil {
-		return 0, fmt.Errorf("step %d: %w", step, err)
+		return 0, t.nonFinite(ctx, step, err)
 	}
 	if err := t.obs.afterFinalize(ctx, t.d); err != nil {
 		return 0, fmt.Errorf("step %d: %w", step, err)
