@@ -60,6 +60,25 @@ func FP16CompressHook() CommHook { return reducer.FP16CompressHook() }
 // digits.
 func BF16CompressHook() CommHook { return reducer.BF16CompressHook() }
 
+// PowerSGDOptions configure PowerSGDHook: Rank (PyTorch's matrix_approximation_rank),
+// MinCompressionRate (min_compression_rate, default 2), StartIter (start_powerSGD_iter,
+// default 0 here) and Seed. See reducer.PowerSGDOptions.
+type PowerSGDOptions = reducer.PowerSGDOptions
+
+// PowerSGDHook all-reduces low-rank approximations of the gradients, with error feedback
+// and warm start (PowerSGD, Vogels et al. 2019; reducer Note [PowerSGD]): each parameter
+// of shape (n, d1, …) is an n×(d1·…) matrix sent as a rank-r factor, alternately P (n×r)
+// and Q (m×r), one all-reduce per bucket per step; 1-D parameters and matrices too small
+// to gain go uncompressed in the same message. Its state (the errors, the factors, the
+// step) lives with the hook, by parameter, across bucket rebuilds and NoSync windows: give
+// each DDP its own hook. Host buckets only, for now.
+func PowerSGDHook(o PowerSGDOptions) CommHook { return reducer.PowerSGDHook(o) }
+
+// DescribeHook is the line New compares across the ranks, which must all run the same hook
+// with the same settings: "allreduce", "fp16", "bf16", "powersgd(rank 2, …)", or the Go
+// type of a hook that does not describe itself (reducer.DescribedHook).
+func DescribeHook(h CommHook) string { return reducer.DescribeHook(h) }
+
 var (
 	// ErrUnusedParameters is wrapped by *UnusedError: parameters got no gradient in a synced
 	// pass without Options.FindUnusedParameters.
