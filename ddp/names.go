@@ -1,6 +1,10 @@
 package ddp
 
-import "github.com/goddp/goddp/reducer"
+import (
+	"fmt"
+
+	"github.com/goddp/goddp/reducer"
+)
 
 // The reducer's names a trainer uses, so that it needs no other import than ddp.
 
@@ -73,6 +77,27 @@ type PowerSGDOptions = reducer.PowerSGDOptions
 // step) lives with the hook, by parameter, across bucket rebuilds and NoSync windows: give
 // each DDP its own hook. Host buckets only, for now.
 func PowerSGDHook(o PowerSGDOptions) CommHook { return reducer.PowerSGDHook(o) }
+
+// CommHookNames are the names CommHookNamed knows, as a trainer's --comm_hook flag takes
+// them (PyTorch's hook names, without _hook).
+const CommHookNames = "none, fp16, bf16, powersgd"
+
+// CommHookNamed returns the CommHook a trainer's --comm_hook flag names: "none" (or "":
+// AllReduceHook), "fp16", "bf16", or "powersgd" (PowerSGDHook with ps). Another name is
+// an error wrapping ErrInvalidArgument that lists the names.
+func CommHookNamed(name string, ps PowerSGDOptions) (CommHook, error) {
+	switch name {
+	case "", "none":
+		return AllReduceHook(), nil
+	case "fp16":
+		return FP16CompressHook(), nil
+	case "bf16":
+		return BF16CompressHook(), nil
+	case "powersgd":
+		return PowerSGDHook(ps), nil
+	}
+	return nil, fmt.Errorf("%w: comm hook %q, want one of %s", ErrInvalidArgument, name, CommHookNames)
+}
 
 // DescribeHook is the line New compares across the ranks, which must all run the same hook
 // with the same settings: "allreduce", "fp16", "bf16", "powersgd(rank 2, …)", or the Go

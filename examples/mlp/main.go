@@ -32,6 +32,8 @@ type flags struct {
 	saveParams string
 	global     int // --global_batch_size: samples per step over all ranks (with --micro_batch_size)
 	micro      int // --micro_batch_size: samples per logical shard
+	commHook   string
+	psgd       ddp.PowerSGDOptions // --powersgd_rank, --powersgd_start_iter, --powersgd_min_compression_rate
 }
 
 // shards is the number of logical shards of a step's batch, L = global/micro; 0 without
@@ -61,8 +63,15 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.StringVar(&f.saveParams, "save_params", "", "rank 0 writes the final parameters (little-endian float32) to this file")
 	fs.IntVar(&f.global, "global_batch_size", 0, "samples per step over all ranks, cut into global/micro logical shards whose sum is the same bits at every world size (with --micro_batch_size; instead of --batch_size and --accum_steps)")
 	fs.IntVar(&f.micro, "micro_batch_size", 0, "samples per logical shard (with --global_batch_size)")
+	fs.StringVar(&f.commHook, "comm_hook", "none", "DDP communication hook: "+ddp.CommHookNames)
+	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 1, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank)")
+	fs.IntVar(&f.psgd.StartIter, "powersgd_start_iter", 0, "with --comm_hook powersgd: steps all-reduced uncompressed first (PyTorch's start_powerSGD_iter)")
+	fs.Float64Var(&f.psgd.MinCompressionRate, "powersgd_min_compression_rate", 2, "with --comm_hook powersgd: a matrix is compressed only if that saves this factor (PyTorch's min_compression_rate)")
 	if err := fs.Parse(args); err != nil {
 		return f, err
+	}
+	if _, err := ddp.CommHookNamed(f.commHook, f.psgd); err != nil {
+		return f, fmt.Errorf("--comm_hook: %w", err)
 	}
 	set := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
@@ -140,8 +149,14 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		for i := range params {
 			params[i] = ddp.Param{Name: m.names[i], Data: m.params[i], Grad: m.grads[i]}
 		}
-		var err error // New checks the ranks' models agree and copies rank 0's parameters
-		opts := ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards()}
+		params[w1].Shape = []int{f.hidden, inputs} // a matrix, for --comm_hook powersgd
+		f.psgd.Seed = f.seed
+		hook, err := ddp.CommHookNamed(f.commHook, f.psgd)
+		if err != nil {
+			return nil, err
+		}
+		// New checks the ranks' models and hooks agree and copies rank 0's parameters.
+		opts := ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards(), CommHook: hook}
 		if d, err = ddp.New(ctx, pg, params, opts); err != nil {
 			if f.shards() > 0 {
 				return nil, fmt.Errorf("--global_batch_size %d / --micro_batch_size %d: %w", f.global, f.micro, err)
