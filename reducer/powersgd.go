@@ -86,9 +86,9 @@ type powerSGD struct {
 // psgdMat is one compressed parameter's state.
 type psgdMat struct {
 	index, n, m, r int
-	p, q           []float64 // n×r and m×r, row-major
-	e              any       // []float32 or []float64, n×m: the error feedback
-	acc            []float64 // m×r: a Q step's sums
+	p, q           []float64 // n×r and m×r, column-major (column c of P is p[c·n:(c+1)·n])
+	e              any       // []float32 or []float64, n×m row-major: the error feedback
+	acc            []float64 // m×r, column-major: a Q step's sums
 }
 
 func (h *powerSGD) Describe() string {
@@ -286,131 +286,142 @@ func psgdFinish[T float32 | float64](h *powerSGD, b *BucketView, buf []T) {
 			off += m * r
 		}
 		for i := 0; i < n; i++ {
-			pi := mt.p[i*r : i*r+r]
 			row := out[i*m : i*m+m]
-			for j := range row {
-				qj := mt.q[j*r : j*r+r]
-				var v float64
-				for c, pv := range pi {
-					v += pv * qj[c]
-				}
-				row[j] = T(v)
+			setScaled(row, mt.p[i], mt.q[:m])
+			for c := 1; c < r; c++ {
+				addScaled(row, mt.p[c*n+i], mt.q[c*m:c*m+m])
 			}
 		}
 	}
 }
 
-// leftStep is an even step's local part, with E holding M' and Q̂ in mt.q: out = M'·Q̂,
-// then E = M' − out·Q̂ᵀ (with out as sent, rounded to T). It returns len(out).
+// leftStep is an even step's local part, with E holding M' and Q̂ in mt.q: out = M'·Q̂
+// (column-major, as P), then E = M' − out·Q̂ᵀ (with out as sent, rounded to T). It
+// returns len(out).
 func leftStep[T float32 | float64](mt *psgdMat, e, out []T) int {
 	n, m, r := mt.n, mt.m, mt.r
-	var acc [8]float64
 	for i := 0; i < n; i++ {
-		row, pi := e[i*m:i*m+m], out[i*r:i*r+r]
-		if r <= len(acc) {
-			a := acc[:r]
-			clear(a)
-			for j, v := range row {
-				x := float64(v)
-				for c, q := range mt.q[j*r : j*r+r] {
-					a[c] += x * q
-				}
-			}
-			for c := range pi {
-				pi[c] = T(a[c])
-			}
-		} else {
-			for c := range pi {
-				var v float64
-				for j, x := range row {
-					v += float64(x) * mt.q[j*r+c]
-				}
-				pi[c] = T(v)
-			}
+		row := e[i*m : i*m+m]
+		for c := 0; c < r; c++ {
+			out[c*n+i] = T(dot(row, mt.q[c*m:c*m+m]))
 		}
-		for j := range row {
-			var v float64
-			for c, q := range mt.q[j*r : j*r+r] {
-				v += float64(pi[c]) * q
-			}
-			row[j] -= T(v)
+		for c := 0; c < r; c++ {
+			subScaled(row, float64(out[c*n+i]), mt.q[c*m:c*m+m])
 		}
 	}
 	return n * r
 }
 
-// rightStep is an odd step's local part, with E holding M' and P̂ in mt.p: out = M'ᵀ·P̂,
-// then E = M' − P̂·outᵀ (with out as sent). It returns len(out).
+// rightStep is an odd step's local part, with E holding M' and P̂ in mt.p: out = M'ᵀ·P̂
+// (column-major, as Q), then E = M' − P̂·outᵀ (with out as sent). It returns len(out).
 func rightStep[T float32 | float64](mt *psgdMat, e, out []T) int {
 	n, m, r := mt.n, mt.m, mt.r
 	acc := mt.acc
 	clear(acc)
 	for i := 0; i < n; i++ {
-		row, pi := e[i*m:i*m+m], mt.p[i*r:i*r+r]
-		for j, v := range row {
-			x := float64(v)
-			a := acc[j*r : j*r+r]
-			for c, p := range pi {
-				a[c] += x * p
-			}
+		row := e[i*m : i*m+m]
+		for c := 0; c < r; c++ {
+			accumulate(acc[c*m:c*m+m], mt.p[c*n+i], row)
 		}
 	}
 	for j, v := range acc {
 		out[j] = T(v)
 	}
 	for i := 0; i < n; i++ {
-		row, pi := e[i*m:i*m+m], mt.p[i*r:i*r+r]
-		for j := range row {
-			qj := out[j*r : j*r+r]
-			var v float64
-			for c, p := range pi {
-				v += p * float64(qj[c])
-			}
-			row[j] -= T(v)
+		row := e[i*m : i*m+m]
+		for c := 0; c < r; c++ {
+			subScaledT(row, mt.p[c*n+i], out[c*m:c*m+m])
 		}
 	}
 	return m * r
 }
 
-// orthonormalize makes the r columns of a (rows×r, row-major) orthonormal, in place, by
-// modified Gram-Schmidt. A column left with no length of its own (at most 1e-10 of its
+// The kernels: x and y of one length, sums in float64.
+
+func dot[T float32 | float64](x []T, y []float64) float64 {
+	y = y[:len(x)]
+	var s0, s1, s2, s3 float64
+	j := 0
+	for ; j+4 <= len(x); j += 4 {
+		s0 += float64(x[j]) * y[j]
+		s1 += float64(x[j+1]) * y[j+1]
+		s2 += float64(x[j+2]) * y[j+2]
+		s3 += float64(x[j+3]) * y[j+3]
+	}
+	for ; j < len(x); j++ {
+		s0 += float64(x[j]) * y[j]
+	}
+	return (s0 + s1) + (s2 + s3)
+}
+
+// subScaled: x −= a·y.
+func subScaled[T float32 | float64](x []T, a float64, y []float64) {
+	y = y[:len(x)]
+	for j := range x {
+		x[j] -= T(a * y[j])
+	}
+}
+
+// subScaledT: x −= a·y.
+func subScaledT[T float32 | float64](x []T, a float64, y []T) {
+	y = y[:len(x)]
+	for j := range x {
+		x[j] -= T(a * float64(y[j]))
+	}
+}
+
+// accumulate: s += a·x.
+func accumulate[T float32 | float64](s []float64, a float64, x []T) {
+	x = x[:len(s)]
+	for j := range s {
+		s[j] += a * float64(x[j])
+	}
+}
+
+// setScaled: x = a·y.
+func setScaled[T float32 | float64](x []T, a float64, y []float64) {
+	y = y[:len(x)]
+	for j := range x {
+		x[j] = T(a * y[j])
+	}
+}
+
+// addScaled: x += a·y.
+func addScaled[T float32 | float64](x []T, a float64, y []float64) {
+	y = y[:len(x)]
+	for j := range x {
+		x[j] += T(a * y[j])
+	}
+}
+
+// orthonormalize makes the r columns of a (rows×r, column-major) orthonormal, in place,
+// by modified Gram-Schmidt. A column left with no length of its own (at most 1e-10 of its
 // norm before the projections, or not finite) is replaced by a pseudo-random one drawn
 // from seed, param, step and the column, and orthonormalised again: the same on every
 // rank, as a is.
 func orthonormalize(a []float64, rows, r int, seed uint64, param, step int) {
 	for c := 0; c < r; c++ {
+		col := a[c*rows : (c+1)*rows]
 		for try := 0; ; try++ {
-			var before float64
-			for i := 0; i < rows; i++ {
-				before += a[i*r+c] * a[i*r+c]
-			}
+			before := math.Sqrt(dot(col, col))
 			for k := 0; k < c; k++ {
-				var dot float64
-				for i := 0; i < rows; i++ {
-					dot += a[i*r+k] * a[i*r+c]
-				}
-				for i := 0; i < rows; i++ {
-					a[i*r+c] -= dot * a[i*r+k]
-				}
+				prev := a[k*rows : (k+1)*rows]
+				subScaled(col, dot(col, prev), prev)
 			}
-			var norm float64
-			for i := 0; i < rows; i++ {
-				norm += a[i*r+c] * a[i*r+c]
-			}
-			norm = math.Sqrt(norm)
-			if norm > 1e-10*math.Sqrt(before) && !math.IsInf(norm, 0) && norm > 0 || try == 3 {
+			norm := math.Sqrt(dot(col, col))
+			if good := norm > 1e-10*before && norm > 0 && !math.IsInf(norm, 0); good || try == 3 {
 				inv := 1 / norm
-				if !(norm > 0) || math.IsInf(norm, 0) {
+				if !good {
 					inv = 0 // cannot happen with rows > r; never a NaN
 				}
-				for i := 0; i < rows; i++ {
-					a[i*r+c] *= inv
+				for i := range col {
+					col[i] *= inv
 				}
 				break
 			}
 			g := splitmix{seed ^ uint64(param+1)*0xbf58476d1ce4e5b9 ^ uint64(step+1)*0x94d049bb133111eb ^ uint64(c+1+try<<32)}
-			for i := 0; i < rows; i++ {
-				a[i*r+c] = g.uniform()
+			for i := range col {
+				col[i] = g.uniform()
 			}
 		}
 	}

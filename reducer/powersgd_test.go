@@ -251,7 +251,12 @@ func reference(tc psgdCase, run psgdRun, initQ [][]float64) [][][]float64 {
 		}
 		f := &refPSGD{n: n, m: m, r: tc.opts.Rank, compressed: initQ[p] != nil}
 		if f.compressed {
-			f.q = mat.NewDense(m, f.r, append([]float64(nil), initQ[p]...))
+			f.q = mat.NewDense(m, f.r, nil) // initQ is column-major
+			for c := range f.r {
+				for j := range m {
+					f.q.Set(j, c, initQ[p][c*m+j])
+				}
+			}
 			for range tc.ranks {
 				f.e = append(f.e, mat.NewDense(n, m, nil))
 			}
@@ -282,7 +287,8 @@ func reference(tc psgdCase, run psgdRun, initQ [][]float64) [][][]float64 {
 	return want
 }
 
-// initialQ draws the hooks' initial Q factors by setting up a fresh hook alike.
+// initialQ draws the hooks' initial Q factors (column-major) by setting up a fresh hook
+// alike.
 func initialQ(t *testing.T, tc psgdCase) [][]float64 {
 	h := PowerSGDHook(tc.opts).(*powerSGD)
 	hp := make([]HookParam, len(tc.shapes))
@@ -333,9 +339,22 @@ func TestPowerSGDMatchesReference(t *testing.T) {
 				tol = 2e-5
 			}
 			compressed := 0
-			for _, q := range q0 {
+			for p, q := range q0 {
 				if q != nil {
 					compressed++
+				}
+				// Compressed exactly where (n+m)·r·rate < n·m for the matrix (n, rest).
+				sh, rate := tc.shapes[p], tc.opts.MinCompressionRate
+				if rate == 0 {
+					rate = 2
+				}
+				n := sh[0]
+				m := psgdSize(sh) / max(n, 1)
+				if n == 0 {
+					m = sh[1]
+				}
+				if want := len(sh) >= 2 && float64((n+m)*tc.opts.Rank)*rate < float64(n*m); want != (q != nil) {
+					t.Fatalf("param %d %v: compressed %v, want %v", p, sh, q != nil, want)
 				}
 			}
 			if compressed == 0 {
@@ -541,13 +560,14 @@ func TestPowerSGDLowRank(t *testing.T) {
 	}
 }
 
-// checkOrthonormal checks that the r columns of a (rows×r) are orthonormal: AᵀA = I.
+// checkOrthonormal checks that the r columns of a (rows×r, column-major) are
+// orthonormal: AᵀA = I.
 func checkOrthonormal(a []float64, rows, r int) error {
 	for i := 0; i < r; i++ {
 		for j := 0; j < r; j++ {
 			var dot float64
 			for k := 0; k < rows; k++ {
-				dot += a[k*r+i] * a[k*r+j]
+				dot += a[i*rows+k] * a[j*rows+k]
 			}
 			want := 0.0
 			if i == j {
