@@ -2,6 +2,7 @@ package reducer
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math"
@@ -33,6 +34,12 @@ type PowerSGDOptions struct {
 // Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019). See Note
 // [PowerSGD]. The hook holds per-parameter state, so it serves one Reducer (one DDP): give
 // every DDP its own. Its options are checked at New (errors wrap ErrInvalidArgument).
+//
+// The hook is an encoding.BinaryMarshaler and BinaryUnmarshaler, for checkpoints: its
+// state between steps (each parameter's step, factors and error) as bytes, and back into
+// a hook with the same options over the same parameters, after New. The factors and the
+// step are the same on every rank, the error is each rank's own: a rank saves and restores
+// its own state.
 func PowerSGDHook(o PowerSGDOptions) CommHook {
 	if o.MinCompressionRate == 0 {
 		o.MinCompressionRate = 2
@@ -143,6 +150,136 @@ func (h *powerSGD) Setup(s HookSetup) error {
 		h.mats[i] = mt
 	}
 	h.ready = true
+	return nil
+}
+
+// psgdMagic starts the hook's saved state (version 1).
+const psgdMagic = "goddp-powersgd-1"
+
+// MarshalBinary returns the hook's state between two steps: a header (psgdMagic, the rank
+// and the parameter count), then per parameter its step and, if compressed, its n and m,
+// P, Q (float64) and error (the element type), little-endian.
+func (h *powerSGD) MarshalBinary() ([]byte, error) {
+	if !h.ready {
+		return nil, errors.New("reducer: PowerSGD hook: no state before New")
+	}
+	b := append([]byte(nil), psgdMagic...)
+	b = binary.LittleEndian.AppendUint64(b, uint64(h.o.Rank))
+	b = binary.LittleEndian.AppendUint64(b, uint64(len(h.mats)))
+	for i, mt := range h.mats {
+		b = binary.LittleEndian.AppendUint64(b, uint64(h.steps[i]))
+		if mt == nil {
+			b = binary.LittleEndian.AppendUint64(b, 0)
+			continue
+		}
+		b = binary.LittleEndian.AppendUint64(b, uint64(mt.n))
+		b = binary.LittleEndian.AppendUint64(b, uint64(mt.m))
+		for _, f := range [][]float64{mt.p, mt.q} {
+			for _, v := range f {
+				b = binary.LittleEndian.AppendUint64(b, math.Float64bits(v))
+			}
+		}
+		switch e := mt.e.(type) {
+		case []float32:
+			for _, v := range e {
+				b = binary.LittleEndian.AppendUint32(b, math.Float32bits(v))
+			}
+		case []float64:
+			for _, v := range e {
+				b = binary.LittleEndian.AppendUint64(b, math.Float64bits(v))
+			}
+		}
+	}
+	return b, nil
+}
+
+// UnmarshalBinary restores a state from MarshalBinary into a hook set up (by New) with
+// the same rank over the same parameters; it checks all of it before it changes anything.
+func (h *powerSGD) UnmarshalBinary(data []byte) error {
+	if !h.ready {
+		return errors.New("reducer: PowerSGD hook: restore its state after New")
+	}
+	for pass := 0; pass < 2; pass++ { // check, then copy
+		d := data
+		bad := func(format string, a ...any) error {
+			return fmt.Errorf("reducer: PowerSGD hook: saved state: "+format, a...)
+		}
+		u64 := func() (uint64, bool) {
+			if len(d) < 8 {
+				return 0, false
+			}
+			v := binary.LittleEndian.Uint64(d)
+			d = d[8:]
+			return v, true
+		}
+		if len(d) < len(psgdMagic) || string(d[:len(psgdMagic)]) != psgdMagic {
+			return bad("not a PowerSGD state (version 1)")
+		}
+		d = d[len(psgdMagic):]
+		r, ok1 := u64()
+		np, ok2 := u64()
+		switch {
+		case !ok1 || !ok2:
+			return bad("truncated")
+		case r != uint64(h.o.Rank):
+			return bad("rank %d, but this hook's is %d", r, h.o.Rank)
+		case np != uint64(len(h.mats)):
+			return bad("%d parameters, but this hook has %d", np, len(h.mats))
+		}
+		for i, mt := range h.mats {
+			step, ok1 := u64()
+			n, ok2 := u64()
+			if !ok1 || !ok2 {
+				return bad("truncated at parameter %d", i)
+			}
+			if mt == nil {
+				if n != 0 {
+					return bad("parameter %d is compressed, but not by this hook", i)
+				}
+				if pass == 1 {
+					h.steps[i] = int(step)
+				}
+				continue
+			}
+			m, ok := u64()
+			if !ok || n != uint64(mt.n) || m != uint64(mt.m) {
+				return bad("parameter %d is a %d×%d matrix, but this hook's is %d×%d", i, n, m, mt.n, mt.m)
+			}
+			es := 8
+			if _, f32 := mt.e.([]float32); f32 {
+				es = 4
+			}
+			need := 8*(mt.n+mt.m)*mt.r + es*mt.n*mt.m
+			if len(d) < need {
+				return bad("truncated at parameter %d", i)
+			}
+			if pass == 0 {
+				d = d[need:]
+				continue
+			}
+			h.steps[i] = int(step)
+			for _, f := range [][]float64{mt.p, mt.q} {
+				for k := range f {
+					f[k] = math.Float64frombits(binary.LittleEndian.Uint64(d))
+					d = d[8:]
+				}
+			}
+			switch e := mt.e.(type) {
+			case []float32:
+				for k := range e {
+					e[k] = math.Float32frombits(binary.LittleEndian.Uint32(d[4*k:]))
+				}
+			case []float64:
+				for k := range e {
+					e[k] = math.Float64frombits(binary.LittleEndian.Uint64(d[8*k:]))
+				}
+			}
+			d = d[es*mt.n*mt.m:]
+		}
+		if len(d) != 0 {
+			return bad("%d bytes after the last parameter", len(d))
+		}
+	}
 	return nil
 }
 

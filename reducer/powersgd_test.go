@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"testing"
 
@@ -717,6 +718,124 @@ func TestPowerSGDNoAllocs(t *testing.T) {
 		step()
 		if n := testing.AllocsPerRun(10, step); n != 0 {
 			t.Errorf("%v: %v allocations per step", dt, n)
+		}
+	}
+}
+
+// TestPowerSGDState: a run stopped after 3 steps, its hooks' states saved and restored into
+// new Reducers with new hooks, ends steps 3 to 5 with the bits of the run that never
+// stopped, on every rank; a state is refused by a hook of another rank, over other
+// parameters, truncated, or before New.
+func TestPowerSGDState(t *testing.T) {
+	const ranks = 2
+	shapes := [][]int{{12, 9}, {7}, {5, 8}}
+	opts := PowerSGDOptions{Rank: 2, Seed: 8, MinCompressionRate: 1}
+	rng := rand.New(rand.NewPCG(5, 6))
+	grads := make([][][]float32, ranks) // rank, step: the gradients, flattened by parameter
+	for w := range grads {
+		for range 6 {
+			var g []float32
+			for _, sh := range shapes {
+				for range psgdSize(sh) {
+					g = append(g, float32(rng.NormFloat64()))
+				}
+			}
+			grads[w] = append(grads[w], g)
+		}
+	}
+	// run trains steps [from, to) on fresh Reducers, restoring states first if given, and
+	// returns each rank's results per step and its hook's state at the end.
+	run := func(from, to int, states [][]byte) (out [][][]float32, saved [][]byte) {
+		out, saved = make([][][]float32, ranks), make([][]byte, ranks)
+		c := pgtest.NewCluster(ranks)
+		defer c.Close()
+		ctx := testCtx(t)
+		errs := runRanks(ranks, func(rank int) error {
+			params := make([]Param, len(shapes))
+			for p, sh := range shapes {
+				params[p] = Param{Name: fmt.Sprint(p), Shape: sh, Grad: make([]float32, psgdSize(sh))}
+			}
+			h := PowerSGDHook(opts)
+			r, err := New(c.Group(rank), params, Options{CommHook: h, BucketCapMB: 300.0 / (1 << 20), FirstBucketCapMB: 300.0 / (1 << 20)})
+			if err != nil {
+				return err
+			}
+			defer r.Close()
+			if states != nil {
+				if err := h.(interface{ UnmarshalBinary([]byte) error }).UnmarshalBinary(states[rank]); err != nil {
+					return err
+				}
+			}
+			for s := from; s < to; s++ {
+				_ = r.BeginBackward(Sync)
+				at := 0
+				for p, sh := range shapes {
+					if err := r.GradReady(p, grads[rank][s][at:at+psgdSize(sh)]); err != nil {
+						return err
+					}
+					at += psgdSize(sh)
+				}
+				if err := r.Finalize(ctx); err != nil {
+					return err
+				}
+				var res []float32
+				for _, p := range params {
+					res = append(res, p.Grad.([]float32)...)
+				}
+				out[rank] = append(out[rank], res)
+			}
+			saved[rank], err = h.(interface{ MarshalBinary() ([]byte, error) }).MarshalBinary()
+			return err
+		})
+		for w, err := range errs {
+			if err != nil {
+				t.Fatalf("rank %d: %v", w, err)
+			}
+		}
+		return out, saved
+	}
+	whole, _ := run(0, 6, nil)
+	_, saved := run(0, 3, nil)
+	if slices.Equal(saved[0], saved[1]) {
+		t.Fatal("the ranks' states are the same bytes: the errors should differ")
+	}
+	rest, _ := run(3, 6, saved)
+	for w := range ranks {
+		for s := range 3 {
+			if !slices.Equal(rest[w][s], whole[w][3+s]) {
+				t.Fatalf("rank %d step %d after the restore: %v, want %v", w, 3+s, rest[w][s], whole[w][3+s])
+			}
+		}
+	}
+	// Refusals.
+	setup := func(o PowerSGDOptions, shapes [][]int) CommHook {
+		h := PowerSGDHook(o)
+		hp := make([]HookParam, len(shapes))
+		for p, sh := range shapes {
+			hp[p] = HookParam{DType: procgroup.Float32, Shape: sh}
+		}
+		if err := h.(ShapedHook).Setup(HookSetup{Params: hp}); err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	type um = interface{ UnmarshalBinary([]byte) error }
+	for _, tc := range []struct {
+		h    CommHook
+		data []byte
+		want string
+	}{
+		{PowerSGDHook(opts), saved[0], "restore its state after New"},
+		{setup(PowerSGDOptions{Rank: 1, MinCompressionRate: 1}, shapes), saved[0], "rank 2, but this hook's is 1"},
+		{setup(opts, shapes[:2]), saved[0], "3 parameters, but this hook has 2"},
+		{setup(opts, [][]int{{12, 9}, {7}, {8, 5}}), saved[0], "parameter 2 is a 5×8 matrix, but this hook's is 8×5"},
+		{setup(opts, [][]int{{12, 9}, {7}, {40}}), saved[0], "parameter 2 is compressed, but not by this hook"},
+		{setup(opts, shapes), saved[0][:len(saved[0])-1], "truncated at parameter 2"},
+		{setup(opts, shapes), append(slices.Clone(saved[0]), 0), "1 bytes after the last parameter"},
+		{setup(opts, shapes), []byte("nope"), "not a PowerSGD state"},
+	} {
+		if err := tc.h.(um).UnmarshalBinary(tc.data); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("UnmarshalBinary: %v, want %q", err, tc.want)
 		}
 	}
 }
