@@ -75,7 +75,9 @@ type PowerSGDOptions = reducer.PowerSGDOptions
 // and Q (m×r), one all-reduce per bucket per step; 1-D parameters and matrices too small
 // to gain go uncompressed in the same message. Its state (the errors, the factors, the
 // step) lives with the hook, by parameter, across bucket rebuilds and NoSync windows: give
-// each DDP its own hook. Host buckets only, for now.
+// each DDP its own hook. It is an encoding.BinaryMarshaler and BinaryUnmarshaler: each
+// rank saves its own state with a checkpoint and restores it after New. Host buckets
+// only, for now.
 func PowerSGDHook(o PowerSGDOptions) CommHook { return reducer.PowerSGDHook(o) }
 
 // CommHookNames are the names CommHookNamed knows, as a trainer's --comm_hook flag takes
