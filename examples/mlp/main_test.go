@@ -333,7 +333,8 @@ func TestShardFlags(t *testing.T) {
 // TestCommHookFlag launches this trainer under the real ddprun on 2 ranks with each
 // --comm_hook: every rank ends with the same params_crc32, the loss falls to under a
 // quarter of its first value, and the compressed runs end elsewhere than the plain
-// all-reduce (the flag reaches the hook). PowerSGD also runs with NoSync micro-batches.
+// all-reduce (the flag reaches the hook). PowerSGD also runs with NoSync micro-batches,
+// and with a bucket per parameter.
 func TestCommHookFlag(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds ddprun")
@@ -341,7 +342,7 @@ func TestCommHookFlag(t *testing.T) {
 	ddprun := buildDDPRun(t)
 	const base = "--hidden_size 32 --steps 200 --log_every 199 --lr 0.3"
 	crcs := map[string]string{}
-	for _, hook := range []string{"none", "bf16", "powersgd --powersgd_rank 1", "powersgd --powersgd_rank 2 --powersgd_min_compression_rate 1", "powersgd --powersgd_rank 1 --accum_steps 2 --batch_size 8"} {
+	for _, hook := range []string{"none", "bf16", "powersgd --powersgd_rank 1", "powersgd --powersgd_rank 2 --powersgd_min_compression_rate 1", "powersgd --powersgd_rank 1 --accum_steps 2 --batch_size 8", "powersgd --powersgd_rank 1 --bucket_cap_mb 0.0001 --first_bucket_cap_mb 0.0001"} {
 		last, stdout, stderr, err := ddprunTrainer(t, ddprun, 2, base+" --comm_hook "+hook)
 		if err != nil {
 			t.Fatalf("%s: ddprun: %v\nstdout:\n%s\nstderr:\n%s", hook, err, stdout, stderr)
