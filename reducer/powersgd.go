@@ -69,7 +69,9 @@ func PowerSGDHook(o PowerSGDOptions) CommHook {
 // each rank's own residual, as in the paper's Algorithm 2: M' minus its local
 // approximation, computed before the all-reduce. Its mean over the ranks is M̄' minus
 // the result, so the sum over steps of the results plus the mean error is the sum over
-// steps of the mean gradients: what is not sent now is sent later. A column that
+// steps of the mean gradients: what is not sent now is sent later. (The reference keeps
+// M' minus the all-reduced approximation instead; the ranks' errors differ, but their sum,
+// the only thing the next all-reduce sees, is the same.) A column that
 // orthonormalisation finds degenerate (a zero gradient, a matrix of lower rank than r) is
 // replaced by a pseudo-random one drawn from the seed, the parameter and the step, the
 // same on every rank, so that the factors never collapse to zero.
@@ -84,7 +86,6 @@ func PowerSGDHook(o PowerSGDOptions) CommHook {
 type powerSGD struct {
 	o     PowerSGDOptions
 	ready bool
-	world int
 	mats  []*psgdMat // by parameter; nil: reduced as it is
 	lens  []int      // by parameter: its length in elements
 	steps []int      // by parameter: the synced steps it has been through
@@ -117,7 +118,6 @@ func (h *powerSGD) Setup(s HookSetup) error {
 	case s.Device:
 		return errors.New("device buckets (Options.Device) are not supported yet: use a host bucket or another hook")
 	}
-	h.world = s.WorldSize
 	h.mats = make([]*psgdMat, len(s.Params))
 	h.lens = make([]int, len(s.Params))
 	h.steps = make([]int, len(s.Params))
@@ -325,7 +325,7 @@ func (h *powerSGD) step(b *BucketView) int {
 	return h.steps[b.Params[0]]
 }
 
-// bucketScratch returns b's message, allocated at the layout's first launch.
+// psgdScratch returns b's message, allocated at the layout's first launch.
 func psgdScratch[T float32 | float64](h *powerSGD, b *BucketView) *psgdBucket[T] {
 	if s, ok := b.Scratch.(*psgdBucket[T]); ok {
 		return s
@@ -354,7 +354,7 @@ func psgdLaunch[T float32 | float64](h *powerSGD, ctx context.Context, pg procgr
 		return pg.AllReduce(ctx, b.Buffer, procgroup.Sum)
 	}
 	even := (step-h.o.StartIter)%2 == 0
-	msg, boxed := s.msg[:len(s.msg)], s.odd
+	msg, boxed := s.msg, s.odd
 	if even {
 		boxed = s.even
 	}
