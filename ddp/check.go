@@ -141,8 +141,9 @@ func joinInts(v []int) string {
 // collectives) would not line up. New compares the ranks in at most three AllGathers that
 // every rank issues in the same order, deciding from the same gathered data, so all ranks
 // return the same error and none hangs:
-//  1. counts of parameters and buffers, a hash of every description and Options.Shards
-//     (one AllGather of four int64s per rank); if they are all equal, that is the end;
+//  1. counts of parameters and buffers, a hash of every description, Options.Shards and a
+//     hash of the CommHook's description (DescribeHook) (one AllGather of five int64s per
+//     rank); if they are all equal, that is the end;
 //  2. otherwise one hash per tensor (absent ones as 0), to find the first differing tensor
 //     and the ranks that differ from rank 0 there;
 //  3. that tensor's description as a fixed-size record (element type, length, up to
@@ -150,7 +151,10 @@ func joinInts(v []int) string {
 //
 // A count mismatch is reported first; then the first differing parameter, then buffer;
 // then Options.Shards, since ranks that cut the batch differently would issue different
-// collectives.
+// collectives; then the CommHook, whose description every rank then gathers (one more
+// AllGather of hookRec bytes each) for a message that names both sides: ranks that
+// compress differently (another hook, PowerSGD's rank) would all-reduce messages of
+// different lengths, or average differently compressed gradients.
 
 const (
 	recDims   = 8
@@ -161,7 +165,7 @@ const (
 
 // verify compares the ranks' models (Note [Model check]): nil if they agree, otherwise a
 // *MismatchError (or an error wrapping ErrMismatch) that every rank returns alike.
-func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards int) error {
+func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards int, hook string) error {
 	size := pg.Size()
 	var ps, bs []desc
 	for _, d := range descs {
@@ -171,13 +175,14 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 			bs = append(bs, d)
 		}
 	}
-	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs), shards)
+	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs), shards, hook)
 	if err != nil {
 		return err
 	}
 	same := true
 	maxP, maxB := 0, 0
 	var otherShards []int // ranks whose Options.Shards differ from rank 0's
+	var otherHooks []int  // ranks whose CommHook differs from rank 0's
 	for r := 0; r < size; r++ {
 		row := sum[summaryLen*r : summaryLen*r+summaryLen]
 		same = same && row[0] == sum[0] && row[1] == sum[1] && row[2] == sum[2]
@@ -185,11 +190,17 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 		if row[3] != sum[3] {
 			otherShards = append(otherShards, r)
 		}
+		if row[4] != sum[4] {
+			otherHooks = append(otherHooks, r)
+		}
 	}
 	if same {
 		if len(otherShards) > 0 {
 			r := otherShards[0]
 			return fmt.Errorf("%w: Options.Shards is %d on rank 0 but %d on rank %d%s", ErrMismatch, sum[3], sum[summaryLen*r+3], r, alsoDiffer(otherShards[1:]))
+		}
+		if len(otherHooks) > 0 {
+			return hookMismatch(ctx, pg, hook, otherHooks)
 		}
 		return nil
 	}
@@ -215,17 +226,23 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 }
 
 // summaryLen is the length of a rank's row in round 1 of the model check.
-const summaryLen = 4
+const summaryLen = 5
+
+// hookRec is the length in bytes of a CommHook's description in the check (a longer one
+// keeps its first hookRec bytes in the message; the hash compares it whole).
+const hookRec = 192
 
 // gatherSummary runs round 1 of the model check: every rank's counts of parameters (np) and
-// buffers (nb), a hash of all its descriptions and its Options.Shards, summaryLen int64s per
-// rank.
-func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb, shards int) ([]int64, error) {
+// buffers (nb), a hash of all its descriptions, its Options.Shards and a hash of its
+// CommHook's description, summaryLen int64s per rank.
+func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb, shards int, hook string) ([]int64, error) {
 	all := fnv.New64a()
 	for _, d := range descs {
 		binary.Write(all, binary.LittleEndian, d.hash())
 	}
-	mine := []int64{int64(np), int64(nb), int64(all.Sum64()), int64(shards)}
+	hh := fnv.New64a()
+	hh.Write([]byte(hook))
+	mine := []int64{int64(np), int64(nb), int64(all.Sum64()), int64(shards), int64(hh.Sum64())}
 	sum := make([]int64, summaryLen*pg.Size())
 	if err := gather(ctx, pg, sum, mine, "model summary"); err != nil {
 		return nil, err
@@ -360,6 +377,31 @@ func tensorMismatch(ctx context.Context, pg procgroup.ProcessGroup, d desc, at *
 	}
 	e.Want, e.Got = "one description", "another (beyond the compared detail)"
 	return e.finish(subject, "has ")
+}
+
+// hookMismatch gathers every rank's CommHook description (others: the ranks whose hash
+// differs from rank 0's) and says how rank 0's differs from the first other rank's.
+func hookMismatch(ctx context.Context, pg procgroup.ProcessGroup, hook string, others []int) error {
+	var buf [hookRec]byte
+	n := copy(buf[:], hook)
+	mine := make([]int64, 1+hookRec/8)
+	mine[0] = int64(n)
+	for i := 0; i < hookRec/8; i++ {
+		mine[1+i] = int64(binary.LittleEndian.Uint64(buf[8*i:]))
+	}
+	all := make([]int64, len(mine)*pg.Size())
+	if err := gather(ctx, pg, all, mine, "comm hook descriptions"); err != nil {
+		return err
+	}
+	name := func(r int) string {
+		row := all[r*len(mine) : (r+1)*len(mine)]
+		var b [hookRec]byte
+		for i := 0; i < hookRec/8; i++ {
+			binary.LittleEndian.PutUint64(b[8*i:], uint64(row[1+i]))
+		}
+		return string(b[:min(max(int(row[0]), 0), hookRec)])
+	}
+	return fmt.Errorf("%w: Options.CommHook is %s on rank 0 but %s on rank %d%s", ErrMismatch, name(0), name(others[0]), others[0], alsoDiffer(others[1:]))
 }
 
 func gather(ctx context.Context, pg procgroup.ProcessGroup, out, in []int64, what string) error {

@@ -185,7 +185,10 @@ type DDP struct {
 
 // New wraps params, replicated on every rank of pg. It checks that every rank has the same
 // parameters and buffers (count, names, element types and shapes; a difference is a
-// *MismatchError naming the first differing tensor and the ranks), then copies rank 0's
+// *MismatchError naming the first differing tensor and the ranks) and the same
+// Options.Shards and CommHook (DescribeHook's line: a hook or its settings, such as
+// PowerSGD's rank, that differ are an error wrapping ErrMismatch naming both sides),
+// then copies rank 0's
 // parameters and buffers to every rank. Every rank must call New with the same model; it
 // returns when all have (or ctx ends). The process group stays the caller's.
 func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Options) (*DDP, error) {
@@ -237,7 +240,7 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	}
 	d.opts.Buffers = d.buffers
 	if pg.Size() > 1 {
-		if err := verify(ctx, pg, descs, opts.Shards); err != nil {
+		if err := verify(ctx, pg, descs, opts.Shards, reducer.DescribeHook(opts.CommHook)); err != nil {
 			return nil, err
 		}
 		if err := broadcastAll(ctx, pg, d.tensors(true), chunkBytes(opts.BroadcastChunkMB)); err != nil {
@@ -246,7 +249,7 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	}
 	rp := make([]reducer.Param, len(d.params))
 	for i, p := range d.params {
-		rp[i] = reducer.Param{Name: p.Name, Grad: p.Grad, DType: descs[i].dtype, Len: descs[i].n}
+		rp[i] = reducer.Param{Name: p.Name, Grad: p.Grad, DType: descs[i].dtype, Len: descs[i].n, Shape: descs[i].shape}
 	}
 	r, err := reducer.New(pg, rp, opts.reducerOptions())
 	if err != nil {

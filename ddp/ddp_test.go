@@ -187,13 +187,14 @@ func TestInitialBroadcast(t *testing.T) {
 					t.Errorf("rank %d: parameters or buffers differ from rank 0's", rank)
 				}
 			}
-			// Default chunks: one summary all-gather, then one broadcast per element type.
+			// Default chunks: one summary all-gather (5 int64s: counts, model hash, Shards, hook
+			// hash), then one broadcast per element type.
 			if chunkMB == 0 {
 				var ops []string
 				for _, r := range c.Issued(1) {
 					ops = append(ops, r.String())
 				}
-				wantOps := []string{"allgather int64×4", "broadcast float32×1017 root 0", "broadcast float64×7 root 0", "broadcast int64×4 root 0"}
+				wantOps := []string{"allgather int64×5", "broadcast float32×1017 root 0", "broadcast float64×7 root 0", "broadcast int64×4 root 0"}
 				if !slices.Equal(ops, wantOps) {
 					t.Errorf("collectives %q, want %q", ops, wantOps)
 				}

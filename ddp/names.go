@@ -1,6 +1,10 @@
 package ddp
 
-import "github.com/goddp/goddp/reducer"
+import (
+	"fmt"
+
+	"github.com/goddp/goddp/reducer"
+)
 
 // The reducer's names a trainer uses, so that it needs no other import than ddp.
 
@@ -59,6 +63,48 @@ func FP16CompressHook() CommHook { return reducer.FP16CompressHook() }
 // BF16CompressHook is FP16CompressHook with bfloat16: float32's range, about 2 significant
 // digits.
 func BF16CompressHook() CommHook { return reducer.BF16CompressHook() }
+
+// PowerSGDOptions configure PowerSGDHook: Rank (PyTorch's matrix_approximation_rank),
+// MinCompressionRate (min_compression_rate, default 2), StartIter (start_powerSGD_iter,
+// default 0 here) and Seed. See reducer.PowerSGDOptions.
+type PowerSGDOptions = reducer.PowerSGDOptions
+
+// PowerSGDHook all-reduces low-rank approximations of the gradients, with error feedback
+// and warm start (PowerSGD, Vogels et al. 2019; reducer Note [PowerSGD]): each parameter
+// of shape (n, d1, …) is an n×(d1·…) matrix sent as a rank-r factor, alternately P (n×r)
+// and Q (m×r), one all-reduce per bucket per step; 1-D parameters and matrices too small
+// to gain go uncompressed in the same message. Its state (the errors, the factors, the
+// step) lives with the hook, by parameter, across bucket rebuilds and NoSync windows: give
+// each DDP its own hook. It is an encoding.BinaryMarshaler and BinaryUnmarshaler: each
+// rank saves its own state with a checkpoint and restores it after New. Host buckets
+// only, for now.
+func PowerSGDHook(o PowerSGDOptions) CommHook { return reducer.PowerSGDHook(o) }
+
+// CommHookNames are the names CommHookNamed knows, as a trainer's --comm_hook flag takes
+// them (PyTorch's hook names, without _hook).
+const CommHookNames = "none, fp16, bf16, powersgd"
+
+// CommHookNamed returns the CommHook a trainer's --comm_hook flag names: "none" (or "":
+// AllReduceHook), "fp16", "bf16", or "powersgd" (PowerSGDHook with ps). Another name is
+// an error wrapping ErrInvalidArgument that lists the names.
+func CommHookNamed(name string, ps PowerSGDOptions) (CommHook, error) {
+	switch name {
+	case "", "none":
+		return AllReduceHook(), nil
+	case "fp16":
+		return FP16CompressHook(), nil
+	case "bf16":
+		return BF16CompressHook(), nil
+	case "powersgd":
+		return PowerSGDHook(ps), nil
+	}
+	return nil, fmt.Errorf("%w: comm hook %q, want one of %s", ErrInvalidArgument, name, CommHookNames)
+}
+
+// DescribeHook is the line New compares across the ranks, which must all run the same hook
+// with the same settings: "allreduce", "fp16", "bf16", "powersgd(rank 2, …)", or the Go
+// type of a hook that does not describe itself (reducer.DescribedHook).
+func DescribeHook(h CommHook) string { return reducer.DescribeHook(h) }
 
 var (
 	// ErrUnusedParameters is wrapped by *UnusedError: parameters got no gradient in a synced

@@ -62,6 +62,52 @@ type DividingHook interface {
 	DividesByWorldSize() bool
 }
 
+// HookParam is what a ShapedHook learns of one parameter at New.
+type HookParam struct {
+	Name  string
+	DType procgroup.DType
+	// Shape is the parameter's shape (Param.Shape; [Len] when that is nil).
+	Shape []int
+}
+
+// HookSetup is what the reducer tells a ShapedHook at New.
+type HookSetup struct {
+	// Params are the parameters, indexed as BucketView.Params indexes them.
+	Params []HookParam
+	// Device: the buckets live in device memory (Options.Device).
+	Device    bool
+	WorldSize int
+}
+
+// ShapedHook is the optional interface of a CommHook that needs to know the parameters
+// (their shapes, say, to treat each as a matrix: PowerSGDHook). The reducer calls Setup
+// once, at New, before any Launch; an error fails New. A bucket rebuild does not call it
+// again: the parameters stay the same.
+type ShapedHook interface {
+	CommHook
+	Setup(s HookSetup) error
+}
+
+// DescribedHook is the optional interface of a CommHook that says what it is and with
+// which settings, in a line such as "powersgd(rank 2, …)". Package ddp's check at New
+// compares DescribeHook's line across the ranks, which must all run the same hook.
+type DescribedHook interface {
+	CommHook
+	Describe() string
+}
+
+// DescribeHook is h's Describe line if it is a DescribedHook (the hooks of this package
+// are: "allreduce", "fp16", "bf16", "powersgd(…)"), else its Go type.
+func DescribeHook(h CommHook) string {
+	if h == nil {
+		return "allreduce"
+	}
+	if d, ok := h.(DescribedHook); ok {
+		return d.Describe()
+	}
+	return fmt.Sprintf("%T", h)
+}
+
 // AllReduceHook is the default hook: one all-reduce (sum) of the bucket's buffer.
 func AllReduceHook() CommHook { return allReduceHook{} }
 
@@ -73,23 +119,28 @@ func (allReduceHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *B
 
 func (allReduceHook) Finish(*BucketView) error { return nil }
 
+func (allReduceHook) Describe() string { return "allreduce" }
+
 // FP16CompressHook casts the (pre-divided) bucket to IEEE half precision, all-reduces it, and
 // casts the sum back: half the bytes on the wire, about 3 significant digits kept, and values
 // beyond ±65504 overflow to infinity.
 func FP16CompressHook() CommHook {
-	return compressHook[procgroup.F16]{narrow: procgroup.F16FromFloat32, widen: procgroup.F16.Float32}
+	return compressHook[procgroup.F16]{name: "fp16", narrow: procgroup.F16FromFloat32, widen: procgroup.F16.Float32}
 }
 
 // BF16CompressHook is FP16CompressHook with bfloat16: float32's range, about 2 significant
 // digits.
 func BF16CompressHook() CommHook {
-	return compressHook[procgroup.BF16]{narrow: procgroup.BF16FromFloat32, widen: procgroup.BF16.Float32}
+	return compressHook[procgroup.BF16]{name: "bf16", narrow: procgroup.BF16FromFloat32, widen: procgroup.BF16.Float32}
 }
 
 type compressHook[H procgroup.F16 | procgroup.BF16] struct {
+	name   string
 	narrow func(float32) H
 	widen  func(H) float32
 }
+
+func (h compressHook[H]) Describe() string { return h.name }
 
 // scratch returns the bucket's compressed buffer, allocated on the bucket's first launch,
 // as a slice and as the interface value that boxes it (passing the slice itself to

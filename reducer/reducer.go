@@ -25,6 +25,9 @@ type Param struct {
 	// DType (Float32 or Float64) and Len describe a parameter whose Grad is nil.
 	DType procgroup.DType
 	Len   int
+	// Shape is the parameter's shape, for a ShapedHook; nil means [Len]. Its product must
+	// be the length.
+	Shape []int
 }
 
 // slot is one bucket's driver state.
@@ -140,6 +143,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	if err := checkOverlap(r.params); err != nil {
 		return nil, err
 	}
+	if err := setupHook(opts, r.params, pg.Size()); err != nil {
+		return nil, err
+	}
 	r.firstCap, r.capBytes = mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB)
 	rebuilds := 1
 	if opts.BucketCapMB == AutoBucketCap {
@@ -183,6 +189,36 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	r.log.Info("reducer: buckets assigned", zap.Int("rank", pg.Rank()), zap.Int("params", len(params)),
 		zap.Int("buckets", len(buckets)), zap.Float64("bucket_cap_mb", opts.BucketCapMB), zap.Float64("first_bucket_cap_mb", opts.FirstBucketCapMB))
 	return r, nil
+}
+
+// setupHook checks the parameters' shapes and gives them to a ShapedHook.
+func setupHook(opts Options, params []Param, world int) error {
+	h, ok := opts.CommHook.(ShapedHook)
+	if !ok || opts.Shards > 0 {
+		return nil
+	}
+	hp := make([]HookParam, len(params))
+	for i, p := range params {
+		shape := p.Shape
+		if shape == nil {
+			shape = []int{p.Len}
+		}
+		size := 1
+		for _, d := range shape {
+			if d < 0 {
+				return fmt.Errorf("%w: parameter %d (%s): negative dimension in shape %v", ErrInvalidArgument, i, p.Name, shape)
+			}
+			size *= d
+		}
+		if size != p.Len {
+			return fmt.Errorf("%w: parameter %d (%s): shape %v holds %d elements but the parameter has %d", ErrInvalidArgument, i, p.Name, shape, size, p.Len)
+		}
+		hp[i] = HookParam{Name: p.Name, DType: p.DType, Shape: shape}
+	}
+	if err := h.Setup(HookSetup{Params: hp, Device: opts.Device, WorldSize: world}); err != nil {
+		return fmt.Errorf("%w: CommHook %s: %w", ErrInvalidArgument, DescribeHook(h), err)
+	}
+	return nil
 }
 
 // Size returns the world size.

@@ -18,6 +18,7 @@
 #   make sweep                                   # caps 1 5 10 25 50 100 200, 3 repeats
 #   CAPS="1 25 200" REPEATS=1 STEPS=5 make sweep # quick look
 #   TORCH=0 make sweep                           # goddp only
+#   COMM_HOOK=powersgd PSGD_RANK=2 make sweep    # both systems with a comm hook
 #   AUTO=0 make sweep                            # without goddp's --bucket_cap_mb auto
 #   LINK=0 TESTBED_RATE=1gbit make sweep         # without the traced launches for link.txt
 #   TESTBED_RATE=1gbit make sweep                # over a real link: 2 hosts x 1 rank (root)
@@ -36,6 +37,8 @@ REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-5}
 CONFIG=${CONFIG:-}            # e.g. "--num_layers 4 --hidden_size 512"
+COMM_HOOK=${COMM_HOOK:-}      # e.g. bf16 or powersgd: --comm_hook of both systems (none: the default)
+PSGD_RANK=${PSGD_RANK:-1}     # with COMM_HOOK=powersgd: --powersgd_rank (ddp_bench.py's --psgd_rank)
 TORCH_DIR=${TORCH_DIR:-../shared/bench/torch}
 OUT=${OUT:-out/sweep_$(date +%Y%m%d_%H%M%S)}
 TAGS=${TAGS:-}
@@ -72,6 +75,10 @@ echo "system,kind,bucket_cap_mb,repeat,ms_step,layout" > "$raw"
 echo "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step" > "$OUT/cpu.csv"
 # torch's --hidden/--batch/--seq are goddp's --hidden_size/--batch_size/--seq_len
 torch_config=$(echo " $CONFIG " | sed -e 's/--hidden_size/--hidden/; s/--batch_size/--batch/; s/--seq_len/--seq/')
+if [ -n "$COMM_HOOK" ]; then # both systems' DDP runs with that hook; PyTorch's PowerSGD starts at step 2
+  CONFIG="$CONFIG --comm_hook $COMM_HOOK --powersgd_rank $PSGD_RANK --powersgd_start_iter 2"
+  torch_config="$torch_config --comm_hook $COMM_HOOK --psgd_rank $PSGD_RANK"
+fi
 if [ "$TORCH" = 1 ]; then
   # shellcheck disable=SC1091
   source "$TORCH_DIR/env.sh"

@@ -41,6 +41,8 @@ type flags struct {
 	resume        bool
 	inject        injection
 	stderr        io.Writer // where a rank says a non-finite gradient before it leaves (see train)
+	commHook      string
+	psgd          ddp.PowerSGDOptions // --powersgd_rank, --powersgd_start_iter, --powersgd_min_compression_rate
 }
 
 // injection is --inject_nan RANK:STEP:PARAM: rank RANK's gradient of parameter PARAM (an
@@ -119,8 +121,15 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.BoolVar(&f.resume, "resume", false, "resume from the newest checkpoint in --checkpoint_dir, if there is one")
 	fs.Var(&f.inject, "inject_nan", "RANK:STEP:PARAM: put a NaN into rank RANK's gradient of parameter PARAM (index or name: w1, b1, w2, b2) in step STEP (from 0), to see ddp name it")
 	f.stderr = stderr
+	fs.StringVar(&f.commHook, "comm_hook", "none", "DDP communication hook: "+ddp.CommHookNames)
+	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 1, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank)")
+	fs.IntVar(&f.psgd.StartIter, "powersgd_start_iter", 0, "with --comm_hook powersgd: steps all-reduced uncompressed first (PyTorch's start_powerSGD_iter)")
+	fs.Float64Var(&f.psgd.MinCompressionRate, "powersgd_min_compression_rate", 2, "with --comm_hook powersgd: a matrix is compressed only if that saves this factor (PyTorch's min_compression_rate)")
 	if err := fs.Parse(args); err != nil {
 		return f, err
+	}
+	if _, err := ddp.CommHookNamed(f.commHook, f.psgd); err != nil {
+		return f, fmt.Errorf("--comm_hook: %w", err)
 	}
 	set := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
@@ -205,8 +214,14 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		for i := range params {
 			params[i] = ddp.Param{Name: m.names[i], Data: m.params[i], Grad: m.grads[i]}
 		}
-		var err error // New checks the ranks' models agree and copies rank 0's parameters
-		opts := ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards()}
+		params[w1].Shape = []int{f.hidden, inputs} // a matrix, for --comm_hook powersgd
+		f.psgd.Seed = f.seed
+		hook, err := ddp.CommHookNamed(f.commHook, f.psgd)
+		if err != nil {
+			return nil, err
+		}
+		// New checks the ranks' models and hooks agree and copies rank 0's parameters.
+		opts := ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards(), CommHook: hook}
 		if d, err = ddp.New(ctx, pg, params, opts); err != nil {
 			if f.shards() > 0 {
 				return nil, fmt.Errorf("--global_batch_size %d / --micro_batch_size %d: %w", f.global, f.micro, err)

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/crc32"
+	"io"
 	"math"
 	"os"
 	"os/exec"
@@ -389,5 +390,47 @@ func TestInjectNaNFlag(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), "inject_nan") || !strings.Contains(err.Error(), "want RANK:STEP:PARAM") {
 			t.Errorf("--inject_nan %s: %v, want an error naming the flag and its form", v, err)
 		}
+	}
+}
+
+// TestCommHookFlag launches this trainer under the real ddprun on 2 ranks with each
+// --comm_hook: every rank ends with the same params_crc32, the loss falls to under a
+// quarter of its first value, and the compressed runs end elsewhere than the plain
+// all-reduce (the flag reaches the hook). PowerSGD also runs with NoSync micro-batches,
+// and with a bucket per parameter.
+func TestCommHookFlag(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun")
+	}
+	ddprun := buildDDPRun(t)
+	const base = "--hidden_size 32 --steps 200 --log_every 199 --lr 0.3"
+	crcs := map[string]string{}
+	for _, hook := range []string{"none", "bf16", "powersgd --powersgd_rank 1", "powersgd --powersgd_rank 2 --powersgd_min_compression_rate 1", "powersgd --powersgd_rank 1 --accum_steps 2 --batch_size 8", "powersgd --powersgd_rank 1 --bucket_cap_mb 0.0001 --first_bucket_cap_mb 0.0001"} {
+		last, stdout, stderr, err := ddprunTrainer(t, ddprun, 2, base+" --comm_hook "+hook)
+		if err != nil {
+			t.Fatalf("%s: ddprun: %v\nstdout:\n%s\nstderr:\n%s", hook, err, stdout, stderr)
+		}
+		if last["rank0"] != last["rank1"] || !strings.HasPrefix(last["rank0"], "params_crc32=") {
+			t.Fatalf("%s: the ranks end with %q and %q\nstdout:\n%s", hook, last["rank0"], last["rank1"], stdout)
+		}
+		crcs[hook] = last["rank0"]
+		var first, final float64
+		if _, err := fmt.Sscanf(stdout[strings.Index(stdout, "step 0 loss"):], "step 0 loss %g", &first); err != nil {
+			t.Fatalf("%s: no first loss: %v\n%s", hook, err, stdout)
+		}
+		if _, err := fmt.Sscanf(stdout[strings.Index(stdout, "step 199 loss"):], "step 199 loss %g", &final); err != nil {
+			t.Fatalf("%s: no last loss: %v\n%s", hook, err, stdout)
+		}
+		t.Logf("%s: loss %v → %v, %s", hook, first, final, last["rank0"])
+		if !(final < first/4) {
+			t.Errorf("%s: loss %v → %v", hook, first, final)
+		}
+		if hook != "none" && crcs[hook] == crcs["none"] {
+			t.Errorf("%s ends with the plain all-reduce's %s: the hook did not run", hook, crcs[hook])
+		}
+	}
+	_, err := parseFlags([]string{"--comm_hook", "powersdg"}, io.Discard)
+	if want := `--comm_hook: ddp: invalid argument: comm hook "powersdg", want one of none, fp16, bf16, powersgd`; err == nil || err.Error() != want {
+		t.Errorf("--comm_hook powersdg: %v, want %q", err, want)
 	}
 }

@@ -67,7 +67,9 @@ type flags struct {
 	noFiniteCheck bool
 
 	// stderr is where a rank says a non-finite gradient before it leaves (nonFinite).
-	stderr io.Writer
+	stderr   io.Writer
+	commHook string
+	psgd     ddp.PowerSGDOptions // --powersgd_rank, --powersgd_start_iter, --powersgd_min_compression_rate
 
 	// getenv reads the launcher's environment (TORCHELASTIC_RESTART_COUNT, LOCAL_RANK,
 	// GODDP_TRACE); os.Getenv unless a test sets it.
@@ -140,6 +142,10 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.Var(&f.inject, "inject_nan", "RANK:STEP:PARAM: put a NaN into rank RANK's gradient of parameter PARAM (index or name) in step STEP, to see ddp name it")
 	fs.BoolVar(&f.noFiniteCheck, "no_finite_check", false, "turn off ddp's check that names the ranks and parameters of non-finite gradients (ddp.Options.NoFiniteCheck)")
 	straggle := fs.String("straggle_ms", "", "R:MS: rank R sleeps MS milliseconds per step before backward (a straggler on purpose, for the straggler report)")
+	fs.StringVar(&f.commHook, "comm_hook", "none", "DDP communication hook: "+ddp.CommHookNames)
+	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 1, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank)")
+	fs.IntVar(&f.psgd.StartIter, "powersgd_start_iter", 0, "with --comm_hook powersgd: steps all-reduced uncompressed first (PyTorch's start_powerSGD_iter)")
+	fs.Float64Var(&f.psgd.MinCompressionRate, "powersgd_min_compression_rate", 2, "with --comm_hook powersgd: a matrix is compressed only if that saves this factor (PyTorch's min_compression_rate)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			stderr.Write(usage.Bytes())
@@ -149,6 +155,9 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	}
 	if _, err := zapcore.ParseLevel(f.logLevel); err != nil {
 		return f, fmt.Errorf("--log_level: %w", err)
+	}
+	if _, err := ddp.CommHookNamed(f.commHook, f.psgd); err != nil {
+		return f, fmt.Errorf("--comm_hook: %w", err)
 	}
 	switch {
 	case fs.NArg() > 0:
@@ -470,7 +479,13 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 		dp[i] = ddp.Param{Name: p.Name, Data: t.m.Data32()[p.Offset : p.Offset+p.Size],
 			Grad: t.grads[p.Offset : p.Offset+p.Size], Shape: p.Shape}
 	}
-	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, NoFiniteCheck: t.f.noFiniteCheck})
+	ps := t.f.psgd
+	ps.Seed = t.f.seed
+	hook, err := ddp.CommHookNamed(t.f.commHook, ps)
+	if err != nil {
+		return err
+	}
+	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook, NoFiniteCheck: t.f.noFiniteCheck})
 	if err != nil {
 		return err
 	}

@@ -1,0 +1,579 @@
+package reducer
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/goddp/goddp/procgroup"
+)
+
+// PowerSGDOptions configure PowerSGDHook. The names are PyTorch's (PowerSGDState).
+type PowerSGDOptions struct {
+	// Rank is r, the rank of each matrix's approximation (PyTorch's
+	// matrix_approximation_rank); at least 1.
+	Rank int
+	// MinCompressionRate: a matrix of n×m elements is compressed only if
+	// (n+m)·Rank·MinCompressionRate < n·m; the others go uncompressed, in the same message
+	// (PyTorch's min_compression_rate). At least 1; 0 means 2, PyTorch's default. A
+	// matrix whose smaller side is at most Rank is therefore always sent as it is: rank r
+	// would not compress it (where PyTorch clamps r to the smaller side, with the same
+	// outcome).
+	MinCompressionRate float64
+	// StartIter: the first StartIter synced steps all-reduce the buckets uncompressed
+	// (PyTorch's start_powerSGD_iter; here 0 by default: compression from the first step).
+	StartIter int
+	// Seed seeds the initial Q factors, the same on every rank.
+	Seed uint64
+}
+
+// PowerSGDHook returns a CommHook that all-reduces low-rank approximations of the
+// gradients, with error feedback and warm start (Vogels et al., "PowerSGD: Practical
+// Low-Rank Gradient Compression for Distributed Optimization", NeurIPS 2019). See Note
+// [PowerSGD]. The hook holds per-parameter state, so it serves one Reducer (one DDP): give
+// every DDP its own. Its options are checked at New (errors wrap ErrInvalidArgument).
+//
+// The hook is an encoding.BinaryMarshaler and BinaryUnmarshaler, for checkpoints: its
+// state between steps (each parameter's step, factors and error) as bytes, and back into
+// a hook with the same options over the same parameters, after New. The factors and the
+// step are the same on every rank, the error is each rank's own: a rank saves and restores
+// its own state.
+func PowerSGDHook(o PowerSGDOptions) CommHook {
+	if o.MinCompressionRate == 0 {
+		o.MinCompressionRate = 2
+	}
+	return &powerSGD{o: o}
+}
+
+// Note [PowerSGD]: each parameter of shape (n, d1, d2, …) is a matrix M of n rows and
+// m = d1·d2·… columns; a 1-D parameter, or a matrix that rank r would not compress
+// (PowerSGDOptions.MinCompressionRate), is reduced as it is. A compressed matrix keeps,
+// per parameter (so that it outlives bucket rebuilds and NoSync windows, during which
+// the hook is not called), its error E (n×m, the bucket's element type) and the two
+// factors P (n×r) and Q (m×r, float64), Q drawn at New from PowerSGDOptions.Seed and the
+// parameter's index, the same on every rank.
+//
+// Each synced step performs one half of a power iteration, alternating as the reference
+// implementation (epfml/powersgd) does, so that a bucket costs one all-reduce per step:
+//
+//	even steps: Q̂ = orth(Q); M' = M + E; P_w = M'·Q̂; E = M' − P_w·Q̂ᵀ;
+//	            P = Σ_w P_w (all-reduce); the result is P·Q̂ᵀ.
+//	odd steps:  P̂ = orth(P); M' = M + E; Q_w = M'ᵀ·P̂; E = M' − P̂·Q_wᵀ;
+//	            Q = Σ_w Q_w (all-reduce); the result is P̂·Qᵀ.
+//
+// The bucket holds M divided by the world size, so the sums are means. The factor that is
+// orthonormalised (modified Gram-Schmidt in float64) is the previous step's all-reduced
+// one, the same bits on every rank, so every rank computes the same result. The error is
+// each rank's own residual, as in the paper's Algorithm 2: M' minus its local
+// approximation, computed before the all-reduce. Its mean over the ranks is M̄' minus
+// the result, so the sum over steps of the results plus the mean error is the sum over
+// steps of the mean gradients: what is not sent now is sent later. (The reference keeps
+// M' minus the all-reduced approximation instead; the ranks' errors differ, but their sum,
+// the only thing the next all-reduce sees, is the same.) A column that
+// orthonormalisation finds degenerate (a zero gradient, a matrix of lower rank than r) is
+// replaced by a pseudo-random one drawn from the seed, the parameter and the step, the
+// same on every rank, so that the factors never collapse to zero.
+//
+// The message of a bucket is its uncompressed elements followed by each compressed
+// matrix's P_w (even steps) or Q_w (odd steps), in the bucket's element type: one
+// all-reduce, launched when the bucket is ready, overlapped with backward as every bucket
+// is. Every parameter goes through the same synced steps, so a bucket's parameters agree
+// on the step's parity. The message buffers are allocated at a bucket's first launch;
+// after that a step allocates nothing.
+
+type powerSGD struct {
+	o     PowerSGDOptions
+	ready bool
+	mats  []*psgdMat // by parameter; nil: reduced as it is
+	lens  []int      // by parameter: its length in elements
+	steps []int      // by parameter: the synced steps it has been through
+}
+
+// psgdMat is one compressed parameter's state.
+type psgdMat struct {
+	index, n, m, r int
+	p, q           []float64 // n×r and m×r, column-major (column c of P is p[c·n:(c+1)·n])
+	e              any       // []float32 or []float64, n×m row-major: the error feedback
+	acc            []float64 // m×r, column-major: a Q step's sums
+}
+
+func (h *powerSGD) Describe() string {
+	return fmt.Sprintf("powersgd(rank %d, min_compression_rate %v, start_iter %d, seed %d)", h.o.Rank, h.o.MinCompressionRate, h.o.StartIter, h.o.Seed)
+}
+
+// Setup implements ShapedHook: it checks the options and allocates each compressed
+// parameter's state.
+func (h *powerSGD) Setup(s HookSetup) error {
+	switch {
+	case h.ready:
+		return errors.New("already set up by another Reducer: give each DDP its own hook")
+	case h.o.Rank < 1:
+		return fmt.Errorf("Rank %d, want at least 1", h.o.Rank)
+	case !(h.o.MinCompressionRate >= 1) || math.IsInf(h.o.MinCompressionRate, 0):
+		return fmt.Errorf("MinCompressionRate %v, want at least 1 (and finite)", h.o.MinCompressionRate)
+	case h.o.StartIter < 0:
+		return fmt.Errorf("StartIter %d, want 0 or more", h.o.StartIter)
+	case s.Device:
+		return errors.New("device buckets (Options.Device) are not supported yet: use a host bucket or another hook")
+	}
+	h.mats = make([]*psgdMat, len(s.Params))
+	h.lens = make([]int, len(s.Params))
+	h.steps = make([]int, len(s.Params))
+	r := h.o.Rank
+	for i, p := range s.Params {
+		n, m := 1, 1
+		if len(p.Shape) > 0 {
+			n = p.Shape[0]
+			for _, d := range p.Shape[1:] {
+				m *= d
+			}
+		}
+		h.lens[i] = n * m
+		if len(p.Shape) < 2 || float64(n+m)*float64(r)*h.o.MinCompressionRate >= float64(n)*float64(m) {
+			continue // 1-D, or too small to gain: reduced as it is
+		}
+		mt := &psgdMat{index: i, n: n, m: m, r: r, p: make([]float64, n*r), q: make([]float64, m*r), acc: make([]float64, m*r)}
+		switch p.DType {
+		case procgroup.Float32:
+			mt.e = make([]float32, n*m)
+		case procgroup.Float64:
+			mt.e = make([]float64, n*m)
+		default:
+			return fmt.Errorf("parameter %d (%s): element type %v, want float32 or float64", i, p.Name, p.DType)
+		}
+		g := splitmix{h.o.Seed ^ 0x9e3779b97f4a7c15*uint64(i+1)}
+		for k := range mt.q {
+			mt.q[k] = g.uniform()
+		}
+		h.mats[i] = mt
+	}
+	h.ready = true
+	return nil
+}
+
+// psgdMagic starts the hook's saved state (version 1).
+const psgdMagic = "goddp-powersgd-1"
+
+// MarshalBinary returns the hook's state between two steps: a header (psgdMagic, the rank
+// and the parameter count), then per parameter its step and, if compressed, its n and m,
+// P, Q (float64) and error (the element type), little-endian.
+func (h *powerSGD) MarshalBinary() ([]byte, error) {
+	if !h.ready {
+		return nil, errors.New("reducer: PowerSGD hook: no state before New")
+	}
+	b := append([]byte(nil), psgdMagic...)
+	b = binary.LittleEndian.AppendUint64(b, uint64(h.o.Rank))
+	b = binary.LittleEndian.AppendUint64(b, uint64(len(h.mats)))
+	for i, mt := range h.mats {
+		b = binary.LittleEndian.AppendUint64(b, uint64(h.steps[i]))
+		if mt == nil {
+			b = binary.LittleEndian.AppendUint64(b, 0)
+			continue
+		}
+		b = binary.LittleEndian.AppendUint64(b, uint64(mt.n))
+		b = binary.LittleEndian.AppendUint64(b, uint64(mt.m))
+		for _, f := range [][]float64{mt.p, mt.q} {
+			for _, v := range f {
+				b = binary.LittleEndian.AppendUint64(b, math.Float64bits(v))
+			}
+		}
+		switch e := mt.e.(type) {
+		case []float32:
+			for _, v := range e {
+				b = binary.LittleEndian.AppendUint32(b, math.Float32bits(v))
+			}
+		case []float64:
+			for _, v := range e {
+				b = binary.LittleEndian.AppendUint64(b, math.Float64bits(v))
+			}
+		}
+	}
+	return b, nil
+}
+
+// UnmarshalBinary restores a state from MarshalBinary into a hook set up (by New) with
+// the same rank over the same parameters; it checks all of it before it changes anything.
+func (h *powerSGD) UnmarshalBinary(data []byte) error {
+	if !h.ready {
+		return errors.New("reducer: PowerSGD hook: restore its state after New")
+	}
+	for pass := 0; pass < 2; pass++ { // check, then copy
+		d := data
+		bad := func(format string, a ...any) error {
+			return fmt.Errorf("reducer: PowerSGD hook: saved state: "+format, a...)
+		}
+		u64 := func() (uint64, bool) {
+			if len(d) < 8 {
+				return 0, false
+			}
+			v := binary.LittleEndian.Uint64(d)
+			d = d[8:]
+			return v, true
+		}
+		if len(d) < len(psgdMagic) || string(d[:len(psgdMagic)]) != psgdMagic {
+			return bad("not a PowerSGD state (version 1)")
+		}
+		d = d[len(psgdMagic):]
+		r, ok1 := u64()
+		np, ok2 := u64()
+		switch {
+		case !ok1 || !ok2:
+			return bad("truncated")
+		case r != uint64(h.o.Rank):
+			return bad("rank %d, but this hook's is %d", r, h.o.Rank)
+		case np != uint64(len(h.mats)):
+			return bad("%d parameters, but this hook has %d", np, len(h.mats))
+		}
+		for i, mt := range h.mats {
+			step, ok1 := u64()
+			n, ok2 := u64()
+			if !ok1 || !ok2 {
+				return bad("truncated at parameter %d", i)
+			}
+			if mt == nil {
+				if n != 0 {
+					return bad("parameter %d is compressed, but not by this hook", i)
+				}
+				if pass == 1 {
+					h.steps[i] = int(step)
+				}
+				continue
+			}
+			m, ok := u64()
+			if !ok || n != uint64(mt.n) || m != uint64(mt.m) {
+				return bad("parameter %d is a %d×%d matrix, but this hook's is %d×%d", i, n, m, mt.n, mt.m)
+			}
+			es := 8
+			if _, f32 := mt.e.([]float32); f32 {
+				es = 4
+			}
+			need := 8*(mt.n+mt.m)*mt.r + es*mt.n*mt.m
+			if len(d) < need {
+				return bad("truncated at parameter %d", i)
+			}
+			if pass == 0 {
+				d = d[need:]
+				continue
+			}
+			h.steps[i] = int(step)
+			for _, f := range [][]float64{mt.p, mt.q} {
+				for k := range f {
+					f[k] = math.Float64frombits(binary.LittleEndian.Uint64(d))
+					d = d[8:]
+				}
+			}
+			switch e := mt.e.(type) {
+			case []float32:
+				for k := range e {
+					e[k] = math.Float32frombits(binary.LittleEndian.Uint32(d[4*k:]))
+				}
+			case []float64:
+				for k := range e {
+					e[k] = math.Float64frombits(binary.LittleEndian.Uint64(d[8*k:]))
+				}
+			}
+			d = d[es*mt.n*mt.m:]
+		}
+		if len(d) != 0 {
+			return bad("%d bytes after the last parameter", len(d))
+		}
+	}
+	return nil
+}
+
+// psgdBucket is a bucket's message (BucketView.Scratch).
+type psgdBucket[T float32 | float64] struct {
+	msg       []T
+	even, odd any  // msg cut to an even and an odd step's length, boxed once
+	plain     bool // this step all-reduced the bucket as it is (StartIter)
+	empty     bool // this step's message is empty: nothing was issued
+}
+
+func (h *powerSGD) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *BucketView) procgroup.Work {
+	if !h.ready {
+		return procgroup.Completed(fmt.Errorf("%w: PowerSGD hook: bucket %d launched before Setup (the hook was not given to New)", ErrInvalidArgument, b.Index))
+	}
+	switch buf := b.Buffer.(type) {
+	case []float32:
+		return psgdLaunch(h, ctx, pg, b, buf)
+	case []float64:
+		return psgdLaunch(h, ctx, pg, b, buf)
+	}
+	return procgroup.Completed(fmt.Errorf("%w: PowerSGD hook: bucket %d holds %T, want []float32 or []float64", ErrInvalidArgument, b.Index, b.Buffer))
+}
+
+func (h *powerSGD) Finish(b *BucketView) error {
+	switch buf := b.Buffer.(type) {
+	case []float32:
+		psgdFinish(h, b, buf)
+	case []float64:
+		psgdFinish(h, b, buf)
+	}
+	for _, i := range b.Params {
+		h.steps[i]++
+	}
+	return nil
+}
+
+// step returns the bucket's step count (its parameters agree on it).
+func (h *powerSGD) step(b *BucketView) int {
+	if len(b.Params) == 0 {
+		return 0
+	}
+	return h.steps[b.Params[0]]
+}
+
+// psgdScratch returns b's message, allocated at the layout's first launch.
+func psgdScratch[T float32 | float64](h *powerSGD, b *BucketView) *psgdBucket[T] {
+	if s, ok := b.Scratch.(*psgdBucket[T]); ok {
+		return s
+	}
+	even, odd := 0, 0
+	for _, i := range b.Params {
+		if mt := h.mats[i]; mt != nil {
+			even += mt.n * mt.r
+			odd += mt.m * mt.r
+		} else {
+			even += h.lens[i]
+			odd += h.lens[i]
+		}
+	}
+	s := &psgdBucket[T]{msg: make([]T, max(even, odd))}
+	s.even, s.odd = s.msg[:even], s.msg[:odd]
+	b.Scratch = s
+	return s
+}
+
+func psgdLaunch[T float32 | float64](h *powerSGD, ctx context.Context, pg procgroup.ProcessGroup, b *BucketView, buf []T) procgroup.Work {
+	s := psgdScratch[T](h, b)
+	step := h.step(b)
+	s.plain = step < h.o.StartIter
+	if s.plain {
+		return pg.AllReduce(ctx, b.Buffer, procgroup.Sum)
+	}
+	even := (step-h.o.StartIter)%2 == 0
+	msg, boxed := s.msg, s.odd
+	if even {
+		boxed = s.even
+	}
+	off := 0
+	for k, i := range b.Params { // the uncompressed elements first
+		if h.mats[i] == nil {
+			at := b.Offsets[k]
+			off += copy(msg[off:], buf[at:at+h.lens[i]])
+		}
+	}
+	for k, i := range b.Params {
+		mt := h.mats[i]
+		if mt == nil {
+			continue
+		}
+		at := b.Offsets[k]
+		grad, e := buf[at:at+mt.n*mt.m], mt.e.([]T)
+		for j, g := range grad {
+			e[j] += g // M' = M + E
+		}
+		if even {
+			orthonormalize(mt.q, mt.m, mt.r, h.o.Seed, mt.index, step)
+			off += leftStep(mt, e, msg[off:off+mt.n*mt.r])
+		} else {
+			orthonormalize(mt.p, mt.n, mt.r, h.o.Seed, mt.index, step)
+			off += rightStep(mt, e, msg[off:off+mt.m*mt.r])
+		}
+	}
+	s.empty = off == 0
+	if s.empty { // zero-length parameters only: nothing to send (every rank agrees)
+		return procgroup.Completed(nil)
+	}
+	return pg.AllReduce(ctx, boxed, procgroup.Sum)
+}
+
+func psgdFinish[T float32 | float64](h *powerSGD, b *BucketView, buf []T) {
+	s, _ := b.Scratch.(*psgdBucket[T])
+	if s == nil || s.plain || s.empty {
+		return
+	}
+	even := (h.step(b)-h.o.StartIter)%2 == 0
+	msg, off := s.msg, 0
+	for k, i := range b.Params {
+		if h.mats[i] == nil {
+			at := b.Offsets[k]
+			off += copy(buf[at:at+h.lens[i]], msg[off:off+h.lens[i]])
+		}
+	}
+	for k, i := range b.Params {
+		mt := h.mats[i]
+		if mt == nil {
+			continue
+		}
+		at := b.Offsets[k]
+		out := buf[at : at+mt.n*mt.m]
+		n, m, r := mt.n, mt.m, mt.r
+		if even { // P = the sum of the P_w; the result P·Q̂ᵀ
+			for j := range mt.p {
+				mt.p[j] = float64(msg[off+j])
+			}
+			off += n * r
+		} else { // Q = the sum of the Q_w; the result P̂·Qᵀ
+			for j := range mt.q {
+				mt.q[j] = float64(msg[off+j])
+			}
+			off += m * r
+		}
+		for i := 0; i < n; i++ {
+			row := out[i*m : i*m+m]
+			setScaled(row, mt.p[i], mt.q[:m])
+			for c := 1; c < r; c++ {
+				addScaled(row, mt.p[c*n+i], mt.q[c*m:c*m+m])
+			}
+		}
+	}
+}
+
+// leftStep is an even step's local part, with E holding M' and Q̂ in mt.q: out = M'·Q̂
+// (column-major, as P), then E = M' − out·Q̂ᵀ (with out as sent, rounded to T). It
+// returns len(out).
+func leftStep[T float32 | float64](mt *psgdMat, e, out []T) int {
+	n, m, r := mt.n, mt.m, mt.r
+	for i := 0; i < n; i++ {
+		row := e[i*m : i*m+m]
+		for c := 0; c < r; c++ {
+			out[c*n+i] = T(dot(row, mt.q[c*m:c*m+m]))
+		}
+		for c := 0; c < r; c++ {
+			subScaled(row, float64(out[c*n+i]), mt.q[c*m:c*m+m])
+		}
+	}
+	return n * r
+}
+
+// rightStep is an odd step's local part, with E holding M' and P̂ in mt.p: out = M'ᵀ·P̂
+// (column-major, as Q), then E = M' − P̂·outᵀ (with out as sent). It returns len(out).
+func rightStep[T float32 | float64](mt *psgdMat, e, out []T) int {
+	n, m, r := mt.n, mt.m, mt.r
+	acc := mt.acc
+	clear(acc)
+	for i := 0; i < n; i++ {
+		row := e[i*m : i*m+m]
+		for c := 0; c < r; c++ {
+			accumulate(acc[c*m:c*m+m], mt.p[c*n+i], row)
+		}
+	}
+	for j, v := range acc {
+		out[j] = T(v)
+	}
+	for i := 0; i < n; i++ {
+		row := e[i*m : i*m+m]
+		for c := 0; c < r; c++ {
+			subScaledT(row, mt.p[c*n+i], out[c*m:c*m+m])
+		}
+	}
+	return m * r
+}
+
+// The kernels: x and y of one length, sums in float64.
+
+func dot[T float32 | float64](x []T, y []float64) float64 {
+	y = y[:len(x)]
+	var s0, s1, s2, s3 float64
+	j := 0
+	for ; j+4 <= len(x); j += 4 {
+		s0 += float64(x[j]) * y[j]
+		s1 += float64(x[j+1]) * y[j+1]
+		s2 += float64(x[j+2]) * y[j+2]
+		s3 += float64(x[j+3]) * y[j+3]
+	}
+	for ; j < len(x); j++ {
+		s0 += float64(x[j]) * y[j]
+	}
+	return (s0 + s1) + (s2 + s3)
+}
+
+// subScaled: x −= a·y.
+func subScaled[T float32 | float64](x []T, a float64, y []float64) {
+	y = y[:len(x)]
+	for j := range x {
+		x[j] -= T(a * y[j])
+	}
+}
+
+// subScaledT: x −= a·y.
+func subScaledT[T float32 | float64](x []T, a float64, y []T) {
+	y = y[:len(x)]
+	for j := range x {
+		x[j] -= T(a * float64(y[j]))
+	}
+}
+
+// accumulate: s += a·x.
+func accumulate[T float32 | float64](s []float64, a float64, x []T) {
+	x = x[:len(s)]
+	for j := range s {
+		s[j] += a * float64(x[j])
+	}
+}
+
+// setScaled: x = a·y.
+func setScaled[T float32 | float64](x []T, a float64, y []float64) {
+	y = y[:len(x)]
+	for j := range x {
+		x[j] = T(a * y[j])
+	}
+}
+
+// addScaled: x += a·y.
+func addScaled[T float32 | float64](x []T, a float64, y []float64) {
+	y = y[:len(x)]
+	for j := range x {
+		x[j] += T(a * y[j])
+	}
+}
+
+// orthonormalize makes the r columns of a (rows×r, column-major) orthonormal, in place,
+// by modified Gram-Schmidt. A column left with no length of its own (at most 1e-10 of its
+// norm before the projections, or not finite) is replaced by a pseudo-random one drawn
+// from seed, param, step and the column, and orthonormalised again: the same on every
+// rank, as a is.
+func orthonormalize(a []float64, rows, r int, seed uint64, param, step int) {
+	for c := 0; c < r; c++ {
+		col := a[c*rows : (c+1)*rows]
+		for try := 0; ; try++ {
+			before := math.Sqrt(dot(col, col))
+			for k := 0; k < c; k++ {
+				prev := a[k*rows : (k+1)*rows]
+				subScaled(col, dot(col, prev), prev)
+			}
+			norm := math.Sqrt(dot(col, col))
+			if good := norm > 1e-10*before && norm > 0 && !math.IsInf(norm, 0); good || try == 3 {
+				inv := 1 / norm
+				if !good {
+					inv = 0 // cannot happen with rows > r; never a NaN
+				}
+				for i := range col {
+					col[i] *= inv
+				}
+				break
+			}
+			g := splitmix{seed ^ uint64(param+1)*0xbf58476d1ce4e5b9 ^ uint64(step+1)*0x94d049bb133111eb ^ uint64(c+1+try<<32)}
+			for i := range col {
+				col[i] = g.uniform()
+			}
+		}
+	}
+}
+
+// splitmix is SplitMix64: a deterministic generator that allocates nothing.
+type splitmix struct{ s uint64 }
+
+func (g *splitmix) next() uint64 {
+	g.s += 0x9e3779b97f4a7c15
+	z := g.s
+	z = (z ^ z>>30) * 0xbf58476d1ce4e5b9
+	z = (z ^ z>>27) * 0x94d049bb133111eb
+	return z ^ z>>31
+}
+
+// uniform is in [-1, 1).
+func (g *splitmix) uniform() float64 { return float64(g.next()>>11)/(1<<52) - 1 }
