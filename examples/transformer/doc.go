@@ -65,6 +65,24 @@
 // so a checkpoint resumes at its own world size only: see Note [Checkpoints] in
 // checkpoint.go.
 //
+// # gorgonia and the matrix products
+//
+// The model is built in gorgonia (v0.9.18). Its matrix products run on goddp's own SGEMM
+// (package fastblas/sgemm, through package fastblas): avo-generated AVX-512 and AVX2
+// kernels that read A in place and pack B Goto/BLIS-style, the packing in assembly too,
+// since in Go it costs more than attention's small per-head products. It needs no cgo and
+// is far faster than gorgonia's pure-Go BLAS: see
+// docs/results/2026-12-02-compute-against-pytorch.md.
+// With -tags openblas the products run on OpenBLAS, whose Debian build picks slow kernels
+// on CPUs it does not know, so ddprun sets OPENBLAS_CORETYPE.
+//
+// gorgonia has no per-gradient callback: package ddp/gorgoniaddp's taps report the
+// gradients (Note [Tap placement] and Note [Tap outputs] there). gorgonia's faults that a
+// trainer must know: its initialisers seed from the clock (rank 0's broadcast is needed),
+// its VM must be reset before every run, InverseSqrt's gradient is wrong, Dropout reuses a
+// stale mask, and it starts under Go 1.26 only with go4.org/unsafe/assume-no-moving-gc at
+// a 2023 version.
+//
 // # Seeing where the time goes
 //
 //	--trace FILE          each rank's timeline, Chrome trace JSON ("{rank}" expands, else

@@ -25,9 +25,9 @@
 // log-softmax cross-entropy for TaskCopy) and the copy task's embedding are gorgonia
 // primitives.
 //
-// Workarounds for gorgonia's faults (docs/DESIGN.md lists them): dropout multiplies by
-// mask inputs filled by Load (gorgonia's Dropout reuses a stale output), Run calls
-// vm.Reset() before RunAll, and the tape machine is built without BindDualValues, so a
+// Workarounds for gorgonia's faults (the examples/transformer doc lists them): dropout
+// multiplies by mask inputs filled by Load (gorgonia's Dropout reuses a stale output), Run
+// calls vm.Reset() before RunAll, and the tape machine is built without BindDualValues, so a
 // gradient is the value of one step, not accumulated across steps. Runs are bit-for-bit
 // repeatable.
 package model
