@@ -22,7 +22,7 @@ import (
 // rebuild then takes, held meanwhile as the spare. It used to run on a buffer of its own.
 // At L=4 h=512 that buffer left each rank 50 MB larger for the rest of the job, and on
 // the testbed at 10 Gbit/s auto's steps ran 1.03-1.04x those of cap 25 in the same layout
-// (docs/DESIGN.md).
+// (docs/results/2026-12-06-auto-probe-memory.md).
 
 // hostMem is one layout's host memory for the buckets of one element type: from the group's
 // BufferAllocator (shared), or an ordinary slice.
