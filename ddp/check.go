@@ -141,9 +141,9 @@ func joinInts(v []int) string {
 // collectives) would not line up. New compares the ranks in at most three AllGathers that
 // every rank issues in the same order, deciding from the same gathered data, so all ranks
 // return the same error and none hangs:
-//  1. counts of parameters and buffers, a hash of every description, Options.Shards and a
-//     hash of the CommHook's description (DescribeHook) (one AllGather of five int64s per
-//     rank); if they are all equal, that is the end;
+//  1. counts of parameters and buffers, a hash of every description, Options.Shards, a
+//     hash of the CommHook's description (DescribeHook) and Options.NoFiniteCheck (one
+//     AllGather of six int64s per rank); if they are all equal, that is the end;
 //  2. otherwise one hash per tensor (absent ones as 0), to find the first differing tensor
 //     and the ranks that differ from rank 0 there;
 //  3. that tensor's description as a fixed-size record (element type, length, up to
@@ -151,7 +151,9 @@ func joinInts(v []int) string {
 //
 // A count mismatch is reported first; then the first differing parameter, then buffer;
 // then Options.Shards, since ranks that cut the batch differently would issue different
-// collectives; then the CommHook, whose description every rank then gathers (one more
+// collectives; then Options.NoFiniteCheck, since at a non-finite step only the ranks that
+// check would issue the collective that names the sources (Note [Non-finite gradients] in
+// package reducer); then the CommHook, whose description every rank then gathers (one more
 // AllGather of hookRec bytes each) for a message that names both sides: ranks that
 // compress differently (another hook, PowerSGD's rank) would all-reduce messages of
 // different lengths, or average differently compressed gradients.
@@ -165,7 +167,7 @@ const (
 
 // verify compares the ranks' models (Note [Model check]): nil if they agree, otherwise a
 // *MismatchError (or an error wrapping ErrMismatch) that every rank returns alike.
-func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards int, hook string) error {
+func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards int, hook string, noFinite bool) error {
 	size := pg.Size()
 	var ps, bs []desc
 	for _, d := range descs {
@@ -175,7 +177,7 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 			bs = append(bs, d)
 		}
 	}
-	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs), shards, hook)
+	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs), shards, hook, noFinite)
 	if err != nil {
 		return err
 	}
@@ -183,6 +185,7 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 	maxP, maxB := 0, 0
 	var otherShards []int // ranks whose Options.Shards differ from rank 0's
 	var otherHooks []int  // ranks whose CommHook differs from rank 0's
+	var otherCheck []int  // ranks whose Options.NoFiniteCheck differs from rank 0's
 	for r := 0; r < size; r++ {
 		row := sum[summaryLen*r : summaryLen*r+summaryLen]
 		same = same && row[0] == sum[0] && row[1] == sum[1] && row[2] == sum[2]
@@ -193,11 +196,18 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 		if row[4] != sum[4] {
 			otherHooks = append(otherHooks, r)
 		}
+		if row[5] != sum[5] {
+			otherCheck = append(otherCheck, r)
+		}
 	}
 	if same {
 		if len(otherShards) > 0 {
 			r := otherShards[0]
 			return fmt.Errorf("%w: Options.Shards is %d on rank 0 but %d on rank %d%s", ErrMismatch, sum[3], sum[summaryLen*r+3], r, alsoDiffer(otherShards[1:]))
+		}
+		if len(otherCheck) > 0 {
+			r := otherCheck[0]
+			return fmt.Errorf("%w: Options.NoFiniteCheck is %v on rank 0 but %v on rank %d%s", ErrMismatch, sum[5] != 0, sum[summaryLen*r+5] != 0, r, alsoDiffer(otherCheck[1:]))
 		}
 		if len(otherHooks) > 0 {
 			return hookMismatch(ctx, pg, hook, otherHooks)
@@ -226,23 +236,27 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 }
 
 // summaryLen is the length of a rank's row in round 1 of the model check.
-const summaryLen = 5
+const summaryLen = 6
 
 // hookRec is the length in bytes of a CommHook's description in the check (a longer one
 // keeps its first hookRec bytes in the message; the hash compares it whole).
 const hookRec = 192
 
 // gatherSummary runs round 1 of the model check: every rank's counts of parameters (np) and
-// buffers (nb), a hash of all its descriptions, its Options.Shards and a hash of its
-// CommHook's description, summaryLen int64s per rank.
-func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb, shards int, hook string) ([]int64, error) {
+// buffers (nb), a hash of all its descriptions, its Options.Shards, a hash of its
+// CommHook's description and its Options.NoFiniteCheck, summaryLen int64s per rank.
+func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb, shards int, hook string, noFinite bool) ([]int64, error) {
 	all := fnv.New64a()
 	for _, d := range descs {
 		binary.Write(all, binary.LittleEndian, d.hash())
 	}
 	hh := fnv.New64a()
 	hh.Write([]byte(hook))
-	mine := []int64{int64(np), int64(nb), int64(all.Sum64()), int64(shards), int64(hh.Sum64())}
+	var check int64
+	if noFinite {
+		check = 1
+	}
+	mine := []int64{int64(np), int64(nb), int64(all.Sum64()), int64(shards), int64(hh.Sum64()), check}
 	sum := make([]int64, summaryLen*pg.Size())
 	if err := gather(ctx, pg, sum, mine, "model summary"); err != nil {
 		return nil, err

@@ -240,7 +240,7 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	}
 	d.opts.Buffers = d.buffers
 	if pg.Size() > 1 {
-		if err := verify(ctx, pg, descs, opts.Shards, reducer.DescribeHook(opts.CommHook)); err != nil {
+		if err := verify(ctx, pg, descs, opts.Shards, reducer.DescribeHook(opts.CommHook), opts.NoFiniteCheck); err != nil {
 			return nil, err
 		}
 		if err := broadcastAll(ctx, pg, d.tensors(true), chunkBytes(opts.BroadcastChunkMB)); err != nil {

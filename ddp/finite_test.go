@@ -110,3 +110,22 @@ func TestNonFiniteFinalize(t *testing.T) {
 		}
 	}
 }
+
+// TestNoFiniteCheckMismatch: at a non-finite step only the ranks that check would issue the
+// collective that names the sources, so ranks that disagree on Options.NoFiniteCheck are
+// refused at New on every rank, naming both values.
+func TestNoFiniteCheckMismatch(t *testing.T) {
+	c := pgtest.NewCluster(3)
+	defer c.Close()
+	errs := make([]error, 3)
+	_ = c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+		_, errs[rank] = New(context.Background(), pg, []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}}, Options{NoFiniteCheck: rank == 1})
+		return nil
+	})
+	const msg = "ddp: ranks disagree on the model: Options.NoFiniteCheck is false on rank 0 but true on rank 1"
+	for rank, err := range errs {
+		if !errors.Is(err, ErrMismatch) || err.Error() != msg {
+			t.Errorf("rank %d: %v, want %q", rank, err, msg)
+		}
+	}
+}
