@@ -23,7 +23,10 @@ import (
 // and the dropout masks from (seed, global sample index, step). The global sample index
 // depends on the world size here (micro-batch mb of rank r holds samples (mb·world + r)·B …),
 // so the world size, --seed, --batch_size and --accum_steps are registered settings, and a
-// checkpoint written with others is refused, naming them.
+// checkpoint written with others is refused, naming them. With --global_batch_size shard s
+// holds the samples s·micro … at every world size and the shards are summed in shard
+// order, so --seed, --global_batch_size and --micro_batch_size are the settings, not the
+// world size: the file resumes at any world size that divides the shards.
 
 // ckpt is a rank's registered state, in the checkpointer c.
 type ckpt struct {
@@ -48,9 +51,16 @@ func newCkpt(f flags, w world, pg procgroup.ProcessGroup, m *model.Model, opt *o
 	c.Float32("adamw.v", v)
 	c.Int64("adamw.step", &k.optStep)
 	c.Config("--seed", strconv.FormatUint(f.seed, 10))
-	c.Config("world size", strconv.Itoa(w.size))
-	c.Config("--batch_size", strconv.Itoa(f.batch))
-	c.Config("--accum_steps", strconv.Itoa(f.accum))
+	if f.shards() > 0 {
+		// Shard s of a step holds the same samples at every world size, and their sum does
+		// not depend on it either: the file resumes at any world size that divides L.
+		c.Config("--global_batch_size", strconv.Itoa(f.global))
+		c.Config("--micro_batch_size", strconv.Itoa(f.micro))
+	} else {
+		c.Config("world size", strconv.Itoa(w.size))
+		c.Config("--batch_size", strconv.Itoa(f.batch))
+		c.Config("--accum_steps", strconv.Itoa(f.accum))
+	}
 	return k, nil
 }
 

@@ -37,6 +37,20 @@
 // m of rank r holds samples (m·world + r)·batch …, so 2 ranks with --batch_size B, or
 // --accum_steps 2, see exactly the data of one process with batch 2B.
 //
+// # The same bits at every world size
+//
+// --global_batch_size B --micro_batch_size m (instead of --batch_size and --accum_steps)
+// fix the global batch: each step is L = B/m logical shards (ddp.Options.Shards), shard s
+// holding the step's global samples s·m … (s+1)·m−1 and their dropout masks whatever rank
+// runs it, and ddp sums the shards' gradients in shard order, so any world size that
+// divides L ends with the same params_crc32 and prints the same losses (another is refused
+// at start, with the sizes that work). --no_ddp runs all L shards in one process and sums
+// them the same way. The parameters come from --seed alone. A checkpoint then resumes at
+// any of those world sizes:
+//
+//	ddprun --nproc_per_node 3 ./examples/transformer -- --global_batch_size 48 --micro_batch_size 8
+//	go run ./examples/transformer --no_ddp --global_batch_size 48 --micro_batch_size 8
+//
 // # Non-finite gradients
 //
 // A NaN or an infinity in any rank's gradient makes every rank's Finalize return the same
@@ -61,9 +75,9 @@
 // none at all, or an empty or missing directory, is a fresh start; a rank whose directory
 // lacks it gets the state from one that has it). Data and reductions are deterministic, so
 // a run whose ranks are killed and restarted ends with the same params_crc32 as an
-// uninterrupted one (scripts/kill_test.sh). This trainer's data depend on the world size,
-// so a checkpoint resumes at its own world size only: see Note [Checkpoints] in
-// checkpoint.go.
+// uninterrupted one (scripts/kill_test.sh). Without --global_batch_size this trainer's
+// data depend on the world size, so a checkpoint resumes at its own world size only; with
+// it, at any world size that divides the shards: see Note [Checkpoints] in checkpoint.go.
 //
 // # gorgonia and the matrix products
 //

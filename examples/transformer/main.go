@@ -65,6 +65,8 @@ type flags struct {
 	straggle      time.Duration // … sleeps this long per step before backward
 	inject        injection     // --inject_nan
 	noFiniteCheck bool
+	global        int // --global_batch_size: samples per step over all ranks (with --micro_batch_size)
+	micro         int // --micro_batch_size: samples per logical shard
 
 	// stderr is where a rank says a non-finite gradient before it leaves (nonFinite).
 	stderr   io.Writer
@@ -80,6 +82,15 @@ type flags struct {
 	// onGrads, when set (by tests), sees each step's final gradients before the
 	// optimizer step. It must not keep grads.
 	onGrads func(step int, grads []float32)
+}
+
+// shards is the number of logical shards of a step's batch, L = global/micro; 0 without
+// --global_batch_size.
+func (f flags) shards() int {
+	if f.micro == 0 {
+		return 0
+	}
+	return f.global / f.micro
 }
 
 // capMB is --bucket_cap_mb: a size in MB, or auto (ddp.AutoBucketCap).
@@ -124,7 +135,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.seqLen, "seq_len", 64, "tokens per sample")
 	fs.IntVar(&f.warmup, "warmup_steps", 3, "untimed steps")
 	fs.IntVar(&f.bench, "bench_steps", 12, "timed steps")
-	fs.BoolVar(&f.noDDP, "no_ddp", false, "one process, same per-rank batch, no communication")
+	fs.BoolVar(&f.noDDP, "no_ddp", false, "one process, same per-rank batch, no communication (with --global_batch_size: every shard, summed in shard order)")
 	fs.IntVar(&f.accum, "accum_steps", 1, "micro-batches per optimizer step (all but the last under NoSync)")
 	fs.StringVar(&f.backend, "backend", "gloo", "process group backend")
 	fs.Uint64Var(&f.seed, "seed", 0, "seed of the parameters, data and dropout")
@@ -141,6 +152,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.reportEvery, "report_every", 50, "rank 0 prints the DDP overlap report every N steps (and at the end); the ranks exchange straggler data as often")
 	fs.Var(&f.inject, "inject_nan", "RANK:STEP:PARAM: put a NaN into rank RANK's gradient of parameter PARAM (index or name) in step STEP, to see ddp name it")
 	fs.BoolVar(&f.noFiniteCheck, "no_finite_check", false, "turn off ddp's check that names the ranks and parameters of non-finite gradients (ddp.Options.NoFiniteCheck)")
+	fs.IntVar(&f.global, "global_batch_size", 0, "samples per step over all ranks, cut into global/micro logical shards whose sum is the same bits at every world size that divides it (with --micro_batch_size; instead of --batch_size and --accum_steps)")
+	fs.IntVar(&f.micro, "micro_batch_size", 0, "samples per logical shard (with --global_batch_size)")
 	straggle := fs.String("straggle_ms", "", "R:MS: rank R sleeps MS milliseconds per step before backward (a straggler on purpose, for the straggler report)")
 	fs.StringVar(&f.commHook, "comm_hook", "none", "DDP communication hook: "+ddp.CommHookNames)
 	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 1, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank)")
@@ -158,6 +171,9 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	}
 	if _, err := ddp.CommHookNamed(f.commHook, f.psgd); err != nil {
 		return f, fmt.Errorf("--comm_hook: %w", err)
+	}
+	if err := checkShardFlags(f, fs); err != nil {
+		return f, err
 	}
 	switch {
 	case fs.NArg() > 0:
@@ -192,6 +208,28 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	f.getenv = os.Getenv
 	f.stderr = stderr
 	return f, nil
+}
+
+// checkShardFlags checks --global_batch_size and --micro_batch_size, which go together and
+// fix the batch, so --batch_size and --accum_steps cannot go beside them, nor what
+// ddp.Options.Shards cannot be combined with.
+func checkShardFlags(f flags, fs *flag.FlagSet) error {
+	set := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	if !set["global_batch_size"] && !set["micro_batch_size"] {
+		return nil
+	}
+	switch {
+	case f.global <= 0 || f.micro <= 0 || f.global%f.micro != 0:
+		return fmt.Errorf("--global_batch_size %d, --micro_batch_size %d: want both positive, the global batch a multiple of the micro-batch", f.global, f.micro)
+	case set["batch_size"] || set["accum_steps"]:
+		return errors.New("--global_batch_size and --micro_batch_size fix the batch: drop --batch_size and --accum_steps")
+	case float64(f.bucketCapMB) == ddp.AutoBucketCap:
+		return errors.New("--global_batch_size: the shards take a fixed --bucket_cap_mb, not auto")
+	case f.commHook != "none" && f.commHook != "":
+		return fmt.Errorf("--global_batch_size: the shards are gathered and summed in shard order, without --comm_hook %s", f.commHook)
+	}
+	return nil
 }
 
 // usageError is a bad command line (exit status 2; other errors exit 1).
@@ -400,9 +438,18 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 	if err != nil {
 		return err
 	}
+	batch := f.batch
+	if L := f.shards(); L > 0 {
+		batch = f.micro // one shard per run, its own mean loss (--accum_steps is 1)
+		lo, hi := 0, L
+		if t.d != nil {
+			lo, hi = t.d.LocalShards()
+		}
+		t.shardLo, t.shardLoss = lo, make([]float64, hi-lo)
+	}
 	graphBuild.Lock()
 	t.g, err = m.NewGraph(model.GraphOptions{
-		Batch: f.batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
+		Batch: batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
 		LossScale: 1 / float64(f.accum), Hook: hook,
 	})
 	graphBuild.Unlock()
@@ -455,6 +502,11 @@ type trainer struct {
 	stdout io.Writer
 	cur    int // the running step
 
+	// With --global_batch_size: this rank's first shard, and the last step's loss of each
+	// of its shards.
+	shardLo   int
+	shardLoss []float64
+
 	timed  time.Duration // the total time of the timed steps (after --warmup_steps)
 	nTimed int
 	// timedCPU: the process's CPU time (user and system) over the timed steps
@@ -485,8 +537,12 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
-	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook, NoFiniteCheck: t.f.noFiniteCheck})
+	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook,
+		NoFiniteCheck: t.f.noFiniteCheck, Shards: t.f.shards()})
 	if err != nil {
+		if t.f.shards() > 0 {
+			return fmt.Errorf("--global_batch_size %d / --micro_batch_size %d: %w", t.f.global, t.f.micro, err)
+		}
 		return err
 	}
 	t.d = d
@@ -527,8 +583,12 @@ func (t *trainer) banner(start int) {
 	}
 	f, cfg := t.f, t.m.Config()
 	fmt.Fprintf(t.stdout, "Model: %.2f MB | bucket_cap_mb=%v\n", float64(t.m.NumParams())*4/1e6, f.bucketCapMB)
-	fmt.Fprintf(t.stdout, "params=%d task=%s layers=%d hidden=%d batch=%d seq=%d accum=%d world=%d blas=%s start_step=%d\n",
-		t.m.NumParams(), cfg.Task, cfg.NumLayers, cfg.Hidden, f.batch, f.seqLen, f.accum, t.w.size, blasName, start)
+	batch := fmt.Sprintf("batch=%d seq=%d accum=%d", f.batch, f.seqLen, f.accum)
+	if L := f.shards(); L > 0 {
+		batch = fmt.Sprintf("global_batch=%d micro_batch=%d shards=%d seq=%d", f.global, f.micro, L, f.seqLen)
+	}
+	fmt.Fprintf(t.stdout, "params=%d task=%s layers=%d hidden=%d %s world=%d blas=%s start_step=%d\n",
+		t.m.NumParams(), cfg.Task, cfg.NumLayers, cfg.Hidden, batch, t.w.size, blasName, start)
 }
 
 // runStep runs optimizer step step of total, times it (after --warmup), and reports,
@@ -582,13 +642,24 @@ func (t *trainer) step(ctx context.Context, step int) (float64, error) {
 		end()
 	}
 	end := t.obs.tr.Span("forward+backward")
-	loss, err := t.forwardBackward(step)
-	if err != nil {
-		return 0, err
-	}
-	end()
-	if err := t.sync.Finalize(ctx); err != nil {
-		return 0, t.nonFinite(ctx, step, err)
+	var loss float64
+	if t.f.shards() > 0 {
+		l, err := t.backwardShards(ctx, step) // with ddp, Finalize too
+		if err != nil {
+			return 0, t.nonFinite(ctx, step, err)
+		}
+		loss = l
+		end()
+	} else {
+		l, err := t.forwardBackward(step)
+		if err != nil {
+			return 0, err
+		}
+		loss = l
+		end()
+		if err := t.sync.Finalize(ctx); err != nil {
+			return 0, t.nonFinite(ctx, step, err)
+		}
 	}
 	if err := t.obs.afterFinalize(ctx, t.d); err != nil {
 		return 0, fmt.Errorf("step %d: %w", step, err)
@@ -633,9 +704,54 @@ func (t *trainer) forwardBackward(step int) (float64, error) {
 	return loss, nil
 }
 
+// backwardShards runs the step's backward with --global_batch_size: a pass for each of this
+// rank's shards, shard s holding the global samples s·micro … of the step whatever rank
+// runs it, so that its data and dropout masks depend on (seed, shard, step) only (Load);
+// with ddp, d.BackwardShards sums the shards' gradients in shard order and ends with
+// Finalize. Alone (--no_ddp) it runs every shard and sums them the same way: the first
+// shard's gradient, plus each next one in order, in float32, times 1/L. It returns the
+// mean of this rank's shards' losses.
+func (t *trainer) backwardShards(ctx context.Context, step int) (float64, error) {
+	pass := func(s int) error {
+		if err := t.g.Load(step, s*t.f.micro); err != nil {
+			return err
+		}
+		l, err := t.g.Run()
+		if err != nil {
+			return fmt.Errorf("step %d shard %d: %w", step, s, err)
+		}
+		t.shardLoss[s-t.shardLo] = l
+		return nil
+	}
+	if t.d != nil {
+		if err := t.d.BackwardShards(ctx, pass); err != nil {
+			return 0, err
+		}
+	} else {
+		for s := range t.shardLoss {
+			t.local.first = s == 0
+			if err := pass(s); err != nil {
+				return 0, err
+			}
+		}
+		inv := 1 / float32(t.f.shards())
+		for k := range t.grads {
+			t.grads[k] *= inv
+		}
+	}
+	var loss float64
+	for _, l := range t.shardLoss {
+		loss += l
+	}
+	return loss / float64(len(t.shardLoss)), nil
+}
+
 // showLoss shows the loss over the global batch (the mean of the ranks' losses),
 // comparable with a --no_ddp run on the global batch; collected after the step's timing.
 func (t *trainer) showLoss(ctx context.Context, step int, loss float64) error {
+	if t.f.shards() > 0 {
+		return t.showShardsLoss(ctx, step)
+	}
 	if t.pg != nil {
 		lb := []float64{loss}
 		if err := t.pg.AllReduce(ctx, lb, procgroup.Sum).Wait(ctx); err != nil {
@@ -644,6 +760,24 @@ func (t *trainer) showLoss(ctx context.Context, step int, loss float64) error {
 		loss = lb[0] / float64(t.w.size)
 	}
 	t.obs.showLoss(step, loss)
+	return nil
+}
+
+// showShardsLoss shows the mean of every shard's loss, summed in shard order, the same
+// bits at every world size: the ranks all-gather their shards' losses.
+func (t *trainer) showShardsLoss(ctx context.Context, step int) error {
+	all := t.shardLoss
+	if t.pg != nil {
+		all = make([]float64, t.f.shards())
+		if err := t.pg.AllGather(ctx, all, t.shardLoss).Wait(ctx); err != nil {
+			return fmt.Errorf("rank %d: step %d: gathering the shards' losses: %w", t.w.rank, step, err)
+		}
+	}
+	loss := all[0]
+	for _, l := range all[1:] {
+		loss += l
+	}
+	t.obs.showLoss(step, loss/float64(len(all)))
 	return nil
 }
 
