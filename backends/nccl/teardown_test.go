@@ -181,7 +181,7 @@ func recvWork(t *testing.T, got <-chan procgroup.Work, what string, unblock func
 
 // TestAbortSparesSlowIssuer: an issuer is slow before its NCCL call (here the fake driver
 // holds it in cuMemcpyHtoDAsync: a large staging copy, a descheduled thread) while Abort
-// runs, well past abortGrace. The communicator may be aborted (which frees it), but the
+// runs, well past the abort's grace. The communicator may be aborted (which frees it), but the
 // issuer must then make no NCCL call on it: the fake counts calls on a freed communicator.
 func TestAbortSparesSlowIssuer(t *testing.T) {
 	l := fake(t)
@@ -198,7 +198,7 @@ func TestAbortSparesSlowIssuer(t *testing.T) {
 		defer close(aborted)
 		gs[0].Abort(errors.New("shutting down"))
 	}()
-	time.Sleep(4 * abortGrace)
+	time.Sleep(4 * defaultAbortGrace)
 	release()
 	w := recvWork(t, got, "AllReduce", release)
 	select {
@@ -344,15 +344,19 @@ func TestCloseBoundedWhenAbortHangs(t *testing.T) {
 // TestAbortWaitsForCallInProgress: Abort while an issuer is inside an NCCL call that is
 // not waiting for peers (slow host work in the call): the watchdog must let it return
 // before ncclCommAbort, since only one thread may operate a communicator at a time (the
-// fake counts an abort during a running call).
+// fake counts an abort during a running call). The grace is set well above the call's
+// length, itself several times the default grace, so that the check does not depend on
+// how fast the call runs under load.
 func TestAbortWaitsForCallInProgress(t *testing.T) {
 	l := fake(t)
 	gs := startGroups(t, 2, 0)
+	setAbortGrace(gs[0], hangBound)
+	const call = 4 * defaultAbortGrace
 	before := l.knob("nccl_use_after_free", 0)
-	defer l.knob("nccl_enqueue_delay_us", l.knob("nccl_enqueue_delay_us", int64(abortGrace/time.Microsecond/2)))
+	defer l.knob("nccl_enqueue_delay_us", l.knob("nccl_enqueue_delay_us", int64(call/time.Microsecond)))
 	got := make(chan procgroup.Work, 1)
 	go func() { got <- gs[0].AllReduce(context.Background(), []float32{1, 2}, procgroup.Sum) }()
-	for deadline := time.Now().Add(hangBound); l.knob("nccl_in_call", 0) != 1; runtime.Gosched() { // the call lasts abortGrace/2
+	for deadline := time.Now().Add(hangBound); l.knob("nccl_in_call", 0) != 1; runtime.Gosched() {
 		if time.Now().After(deadline) {
 			t.Fatal("the all-reduce never entered ncclAllReduce")
 		}

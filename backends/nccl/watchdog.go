@@ -204,9 +204,10 @@ func (g *Group) complete(w *Work) {
 	w.Complete(nil)
 }
 
-// abortGrace is how long the watchdog lets an issuer that is inside its NCCL call finish
-// it before it aborts the communicator under it (Note [Communicator gate] in shim.h).
-const abortGrace = 50 * time.Millisecond
+// defaultAbortGrace is g.abortGrace, how long the watchdog lets an issuer that is inside
+// its NCCL call finish it before it aborts the communicator under it (Note [Communicator
+// gate] in shim.h).
+const defaultAbortGrace = 50 * time.Millisecond
 
 // finishAbort aborts the communicator, waits (bounded) for an issuer inside NCCL to return
 // and for the comm stream to drain, fails every pending work and releases the group.
@@ -215,7 +216,7 @@ const abortGrace = 50 * time.Millisecond
 // nor be running during it unless the abort is what unblocks it. The watchdog first closes
 // the gate (Note [Communicator gate]): an issuer that has not yet entered its NCCL call
 // then makes none, however long it takes to get there (a large host copy, a descheduled
-// thread). An issuer found inside its call gets abortGrace to return; one still inside
+// thread). An issuer found inside its call gets g.abortGrace to return; one still inside
 // after it is blocked there (waiting for peers), and the abort is what unblocks it.
 func (g *Group) finishAbort() {
 	deadline := time.Now().Add(g.drainTimeout)
@@ -223,7 +224,7 @@ func (g *Group) finishAbort() {
 	if g.comm != nil && !g.commGone {
 		g.commGone = true
 		if C.goddp_gate_close(g.gate)&C.GODDP_GATE_IN_CALL != 0 {
-			grace := time.Now().Add(abortGrace)
+			grace := time.Now().Add(g.abortGrace)
 			for d := 10 * time.Microsecond; C.goddp_gate_load(g.gate)&C.GODDP_GATE_IN_CALL != 0 && time.Now().Before(grace); d = min(2*d, time.Millisecond) {
 				time.Sleep(d)
 			}
