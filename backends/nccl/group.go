@@ -637,9 +637,10 @@ func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 	return w
 }
 
-// lockIssue takes g.issueSem. While another issuer holds it (one stuck in NCCL, perhaps),
-// it gives up when the group aborts, failing with the abort's error, or when ctx ends,
-// which aborts the group: this rank's collectives would no longer match its peers'.
+// lockIssue takes g.issueSem. While another issuer holds it (one stuck in NCCL, perhaps,
+// or a healthy one copying a large host buffer), it gives up when the group aborts,
+// failing with the abort's error, or when ctx ends, which aborts the group: this rank's
+// collectives would no longer match its peers' (see the package doc on a collective's ctx).
 func (g *Group) lockIssue(ctx context.Context, op procgroup.CollectiveOp) error {
 	select {
 	case g.issueSem <- struct{}{}:
