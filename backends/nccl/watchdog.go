@@ -44,6 +44,21 @@ const (
 // calls ncclCommDestroy alone, and a destroy that hangs cannot be aborted (it is freeing
 // the communicator): Close then returns past its deadline, leaving the resources
 // allocated.
+//
+// One hazard remains, on the blocking communicators that the group creates: an abort (a
+// timeout, an async error, Abort, a ctx that ends) while an issuer is inside a
+// collective's NCCL call that is slow but live. The lazy connection of
+// NCCL_RUNTIME_CONNECT (on by default since NCCL 2.22) to peers that are late but alive is
+// such a call, and so is slow host work inside the call. finishAbort cannot tell it from a
+// call blocked on a dead peer: past g.abortGrace it runs ncclCommAbort under the call,
+// although NCCL lets only one thread at a time operate a blocking communicator, so the call
+// may go on to use the communicator that the abort frees (with nccl_enqueue_delay_us at
+// three graces the fake counts two such calls). The grace narrows that window; it does not
+// close it. Closing it needs non-blocking communicators (NCCL 2.14 or later:
+// ncclCommInitRankConfig with config.blocking = 0, whose calls return ncclInProgress
+// instead of blocking, completed by polling ncclCommGetAsyncError), for which the abort
+// could wait for the gate without a time limit, the grace left as the fallback for older
+// NCCL.
 const (
 	defaultFinalizeTimeout = 30 * time.Second
 	defaultDrainTimeout    = 10 * time.Second
