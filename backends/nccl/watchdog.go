@@ -35,8 +35,8 @@ const (
 // resources are freed, the comm stream is drained by polling an event recorded at its end
 // (never cuStreamSynchronize, which an abort cannot interrupt). The abort, the wait for the
 // calls it unblocks and the drain share one drainTimeout, so Close returns within
-// finalizeTimeout + drainTimeout in all, and Abort within drainTimeout. If by
-// then ncclCommAbort, an issuer's NCCL call, ncclCommFinalize or ncclCommDestroy has not
+// finalizeTimeout + drainTimeout in all, and Abort within drainTimeout. If by then
+// ncclCommAbort, an issuer's NCCL call, ncclCommFinalize or ncclCommDestroy has not
 // returned, or the stream has not drained, the group's device memory, events and stream
 // are left allocated rather than freed under a call or a kernel that may still use them, a
 // warning says so, and Close's error too (wrapping procgroup.ErrTimeout); the goroutines
@@ -96,7 +96,7 @@ func (g *Group) watchdog() {
 			if state == stateClosing {
 				quiet, deadline, err := g.finalize()
 				if quiet && !g.release(deadline) {
-					what := fmt.Sprintf("the comm stream did not drain within Close's bound of %v", g.finalizeTimeout+g.drainTimeout)
+					what := fmt.Sprintf("the comm stream did not drain by Close's deadline (at most %v after Close)", g.finalizeTimeout+g.drainTimeout)
 					if err == nil {
 						err = fmt.Errorf("nccl: rank %d (%s): closing: %s; the group's device resources are left allocated: %w",
 							g.rank, g.host, what, procgroup.ErrTimeout)
