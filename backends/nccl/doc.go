@@ -28,6 +28,14 @@
 // every pending work with an error naming the rank, op and sequence number, wrapping
 // procgroup.ErrAborted (and procgroup.ErrTimeout for a timeout).
 //
+// A collective's ctx bounds the whole collective, queueing included: collectives are issued
+// one at a time, in order, so one may wait for the one before it, even a healthy one that
+// is copying a large host buffer into its staging area. A ctx that ends at any point
+// before the work completes, there too, aborts the group rather than skip the collective:
+// a rank that skips a collective its peers make desynchronises every later one. So give
+// collectives a ctx that outlasts the slowest issue and collective (Options.Timeout already
+// bounds them), and use a short one only to abort the group.
+//
 // # Usage
 //
 //	import _ "github.com/goddp/goddp/backends/nccl" // in package main

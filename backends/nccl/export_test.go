@@ -13,6 +13,9 @@ func setTeardownTimeouts(g *Group, finalize, drain time.Duration) {
 	g.finalizeTimeout, g.drainTimeout = finalize, drain
 }
 
+// setAbortGrace sets how long g's abort waits for an NCCL call in progress (finishAbort).
+func setAbortGrace(g *Group, d time.Duration) { g.abortGrace = d }
+
 // streamHandle is g's comm stream.
 func (g *Group) streamHandle() Stream { return Stream(uintptr(unsafe.Pointer(g.stream))) }
 

@@ -73,8 +73,9 @@ type Group struct {
 	barrierBuf C.goddp_CUdeviceptr // one float32 on the device, the operand of Barrier
 	drainEv    C.goddp_CUevent     // recorded on the comm stream to drain it at teardown
 
-	// Bounds of the teardown (Note [Bounded teardown]), from the package's defaults.
-	finalizeTimeout, drainTimeout time.Duration
+	// Bounds of the teardown (Note [Bounded teardown]) and the abort's grace for a call in
+	// progress (finishAbort), from the package's defaults.
+	finalizeTimeout, drainTimeout, abortGrace time.Duration
 
 	// The watchdog's own: the communicator is gone (destroyed or aborted); Close's result.
 	commGone bool
@@ -148,7 +149,7 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		log:  opts.Logger.With(zap.String("backend", "nccl")),
 		pool: map[int][]*staging{},
 		kick: make(chan struct{}, 1), stop: make(chan struct{}), loopDone: make(chan struct{}),
-		finalizeTimeout: defaultFinalizeTimeout, drainTimeout: defaultDrainTimeout,
+		finalizeTimeout: defaultFinalizeTimeout, drainTimeout: defaultDrainTimeout, abortGrace: defaultAbortGrace,
 		cc: new(C.goddp_call), asyncR: new(C.goddp_ncclResult_t), gate: new(C.int),
 		issueSem: make(chan struct{}, 1),
 	}
@@ -636,9 +637,10 @@ func (g *Group) issue(ctx context.Context, c *call) procgroup.Work {
 	return w
 }
 
-// lockIssue takes g.issueSem. While another issuer holds it (one stuck in NCCL, perhaps),
-// it gives up when the group aborts, failing with the abort's error, or when ctx ends,
-// which aborts the group: this rank's collectives would no longer match its peers'.
+// lockIssue takes g.issueSem. While another issuer holds it (one stuck in NCCL, perhaps,
+// or a healthy one copying a large host buffer), it gives up when the group aborts,
+// failing with the abort's error, or when ctx ends, which aborts the group: this rank's
+// collectives would no longer match its peers' (see the package doc on a collective's ctx).
 func (g *Group) lockIssue(ctx context.Context, op procgroup.CollectiveOp) error {
 	select {
 	case g.issueSem <- struct{}{}:

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -180,7 +181,7 @@ func recvWork(t *testing.T, got <-chan procgroup.Work, what string, unblock func
 
 // TestAbortSparesSlowIssuer: an issuer is slow before its NCCL call (here the fake driver
 // holds it in cuMemcpyHtoDAsync: a large staging copy, a descheduled thread) while Abort
-// runs, well past abortGrace. The communicator may be aborted (which frees it), but the
+// runs, well past the abort's grace. The communicator may be aborted (which frees it), but the
 // issuer must then make no NCCL call on it: the fake counts calls on a freed communicator.
 func TestAbortSparesSlowIssuer(t *testing.T) {
 	l := fake(t)
@@ -197,7 +198,7 @@ func TestAbortSparesSlowIssuer(t *testing.T) {
 		defer close(aborted)
 		gs[0].Abort(errors.New("shutting down"))
 	}()
-	time.Sleep(4 * abortGrace)
+	time.Sleep(4 * defaultAbortGrace)
 	release()
 	w := recvWork(t, got, "AllReduce", release)
 	select {
@@ -343,15 +344,19 @@ func TestCloseBoundedWhenAbortHangs(t *testing.T) {
 // TestAbortWaitsForCallInProgress: Abort while an issuer is inside an NCCL call that is
 // not waiting for peers (slow host work in the call): the watchdog must let it return
 // before ncclCommAbort, since only one thread may operate a communicator at a time (the
-// fake counts an abort during a running call).
+// fake counts an abort during a running call). The grace is set well above the call's
+// length, itself several times the default grace, so that the check does not depend on
+// how fast the call runs under load.
 func TestAbortWaitsForCallInProgress(t *testing.T) {
 	l := fake(t)
 	gs := startGroups(t, 2, 0)
+	setAbortGrace(gs[0], hangBound)
+	const call = 4 * defaultAbortGrace
 	before := l.knob("nccl_use_after_free", 0)
-	defer l.knob("nccl_enqueue_delay_us", l.knob("nccl_enqueue_delay_us", int64(abortGrace/time.Microsecond/2)))
+	defer l.knob("nccl_enqueue_delay_us", l.knob("nccl_enqueue_delay_us", int64(call/time.Microsecond)))
 	got := make(chan procgroup.Work, 1)
 	go func() { got <- gs[0].AllReduce(context.Background(), []float32{1, 2}, procgroup.Sum) }()
-	for deadline := time.Now().Add(hangBound); l.knob("nccl_in_call", 0) != 1; runtime.Gosched() { // the call lasts abortGrace/2
+	for deadline := time.Now().Add(hangBound); l.knob("nccl_in_call", 0) != 1; runtime.Gosched() {
 		if time.Now().After(deadline) {
 			t.Fatal("the all-reduce never entered ncclAllReduce")
 		}
@@ -362,5 +367,178 @@ func TestAbortWaitsForCallInProgress(t *testing.T) {
 	if n := l.knob("nccl_use_after_free", 0) - before; n != 0 {
 		t.Fatalf("ncclCommAbort ran while the collective's NCCL call did (%d)", n)
 	}
+	gs[1].Abort(nil)
+}
+
+// TestCloseAfterAbortWithStuckIssuer: an issuer held before its NCCL call (a large host
+// copy, a descheduled thread) has not let go of the issue lock when Abort's bound passes,
+// so the device resources stay allocated: Close's error must say so, wrapping ErrTimeout.
+func TestCloseAfterAbortWithStuckIssuer(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	g := gs[0]
+	setTeardownTimeouts(g, time.Second, 200*time.Millisecond)
+	release := func() { l.knob("h2d_hold", 0) }
+	defer release()
+	l.knob("h2d_hold", 1)
+	got := make(chan procgroup.Work, 1)
+	go func() { got <- g.AllReduce(context.Background(), []float32{1}, procgroup.Sum) }()
+	waitKnob(t, l, "h2d_held", 1, release)
+	within(t, hangBound, "Abort with an issuer stuck outside NCCL", release, func() { g.Abort(nil) })
+	wantErr(t, g.Close(), procgroup.ErrTimeout, "rank 0", "a collective being issued", "within 200ms", "left allocated")
+	release()
+	w := recvWork(t, got, "the stuck AllReduce", release)
+	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1")
+	gs[1].Abort(nil)
+}
+
+// TestCloseAfterAbortWithUndrainedStream: after ncclCommAbort the comm stream does not
+// drain (a kernel that never ends), so the device resources stay allocated: Close's error
+// must say so, wrapping ErrTimeout.
+func TestCloseAfterAbortWithUndrainedStream(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	g := gs[0]
+	setTeardownTimeouts(g, time.Second, 200*time.Millisecond)
+	l.knob("gate_close", int64(uintptr(g.streamHandle())))
+	defer l.knob("gate_open", 0)
+	w := g.AllReduce(context.Background(), []float32{1}, procgroup.Sum)
+	within(t, hangBound, "Abort with a comm stream that does not drain", func() { l.knob("gate_open", 0) },
+		func() { g.Abort(nil) })
+	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1")
+	wantErr(t, g.Close(), procgroup.ErrTimeout, "rank 0", "comm stream did not drain within 200ms", "left allocated")
+	gs[1].Abort(nil)
+}
+
+// TestCloseWithUndrainedStream: the communicator closes cleanly but the comm stream does
+// not drain by Close's deadline: the device resources stay allocated, and Close's error
+// must say so, wrapping ErrTimeout.
+func TestCloseWithUndrainedStream(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	each(t, gs, func(r int, g *Group) error {
+		return waitT(t, g.AllReduce(context.Background(), []float32{float32(r)}, procgroup.Sum))
+	})
+	g := gs[0]
+	setTeardownTimeouts(g, time.Second, 200*time.Millisecond)
+	l.knob("gate_close", int64(uintptr(g.streamHandle())))
+	defer l.knob("gate_open", 0)
+	var err error
+	within(t, hangBound, "Close with a comm stream that does not drain", func() { l.knob("gate_open", 0) },
+		func() { err = g.Close() })
+	wantErr(t, err, procgroup.ErrTimeout, "rank 0", "comm stream did not drain", "left allocated")
+	if l.knob("stream_live", int64(g.streamHandle())) != 1 {
+		t.Error("Close destroyed the comm stream that had not drained")
+	}
+	l.knob("gate_open", 0)
+	if err := gs[1].Close(); err != nil {
+		t.Fatalf("rank 1's Close: %v", err)
+	}
+}
+
+// TestCloseNamesFailedFinalizeAndHungAbort: ncclCommFinalize fails at once, and the
+// ncclCommAbort that follows does not return (NVIDIA/nccl#829). Close must return within
+// its bound with an error that names both, not a destroy that was never called.
+func TestCloseNamesFailedFinalizeAndHungAbort(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	each(t, gs, func(r int, g *Group) error {
+		return waitT(t, g.AllReduce(context.Background(), []float32{float32(r)}, procgroup.Sum))
+	})
+	g := gs[0]
+	setTeardownTimeouts(g, 200*time.Millisecond, 200*time.Millisecond)
+	release := func() { l.knob("nccl_abort_hang", 0) }
+	defer release()
+	defer l.knob("nccl_finalize_fail", l.knob("nccl_finalize_fail", 6)) // ncclRemoteError
+	l.knob("nccl_abort_hang", 1)
+	var err error
+	within(t, 3*time.Second, "Close with a failing finalize and an ncclCommAbort that does not return", release,
+		func() { err = g.Close() })
+	wantErr(t, err, procgroup.ErrTimeout, "rank 0", "ncclCommFinalize: remote process exited", "ncclCommAbort did not return within 200ms", "left allocated")
+	if strings.Contains(err.Error(), "ncclCommDestroy") {
+		t.Errorf("Close's error names ncclCommDestroy, which was never called: %v", err)
+	}
+	release()
+	waitStuck(g)
+	l.knob("nccl_finalize_fail", 0)
+	gs[1].Abort(nil)
+}
+
+// TestAbortDuringCloseKeepsFinalizeError: ncclCommFinalize fails, and Abort comes while
+// Close is handling that: Close must still report the failure.
+func TestAbortDuringCloseKeepsFinalizeError(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	each(t, gs, func(r int, g *Group) error {
+		return waitT(t, g.AllReduce(context.Background(), []float32{float32(r)}, procgroup.Sum))
+	})
+	g := gs[0]
+	release := func() { l.knob("nccl_abort_hang", 0) }
+	defer release()
+	defer l.knob("nccl_finalize_fail", l.knob("nccl_finalize_fail", 6)) // ncclRemoteError
+	// ncclCommAbort, which follows the failed finalize, holds until released.
+	l.knob("nccl_abort_hang", 1)
+	closed := make(chan error, 1)
+	go func() { closed <- g.Close() }()
+	waitKnob(t, l, "nccl_aborting", 1, release)
+	aborted := make(chan struct{})
+	go func() {
+		defer close(aborted)
+		g.Abort(errors.New("shutting down"))
+	}()
+	time.Sleep(50 * time.Millisecond) // the watchdog has seen the abort
+	release()
+	var err error
+	select {
+	case err = <-closed:
+	case <-time.After(hangBound):
+		t.Fatal("Close did not return")
+	}
+	<-aborted
+	wantErr(t, err, nil, "rank 0", "ncclCommFinalize: remote process exited")
+	l.knob("nccl_finalize_fail", 0)
+	gs[1].Abort(nil)
+}
+
+// TestCloseBoundedInTotal: Close returns within finalizeTimeout + drainTimeout (Note
+// [Bounded teardown]) even when the abort after the finalize deadline takes most of the
+// drain bound and the comm stream then does not drain.
+func TestCloseBoundedInTotal(t *testing.T) {
+	l := fake(t)
+	gs := startGroups(t, 2, 0)
+	each(t, gs, func(r int, g *Group) error {
+		return waitT(t, g.AllReduce(context.Background(), []float32{float32(r)}, procgroup.Sum))
+	})
+	g := gs[0]
+	const finalize, drain = 200 * time.Millisecond, 2 * time.Second
+	setTeardownTimeouts(g, finalize, drain)
+	release := func() {
+		l.knob("nccl_abort_hang", 0)
+		l.knob("nccl_finalize_hang", 0)
+		l.knob("gate_open", 0)
+	}
+	defer release()
+	l.knob("nccl_finalize_hang", 1) // until the abort
+	l.knob("nccl_abort_hang", 1)
+	l.knob("gate_close", int64(uintptr(g.streamHandle())))
+	start := time.Now()
+	closed := make(chan error, 1)
+	go func() { closed <- g.Close() }()
+	waitKnob(t, l, "nccl_aborting", 1, release)
+	time.Sleep(drain * 3 / 4)
+	l.knob("nccl_abort_hang", 0)
+	var err error
+	select {
+	case err = <-closed:
+	case <-time.After(hangBound):
+		release()
+		t.Fatal("Close did not return")
+	}
+	d := time.Since(start)
+	wantErr(t, err, procgroup.ErrTimeout, "rank 0", "ncclCommFinalize did not complete within 200ms", "comm stream did not drain")
+	if limit := finalize + drain + drain/4; d > limit {
+		t.Errorf("Close took %v, want at most finalizeTimeout + drainTimeout = %v (limit %v)", d, finalize+drain, limit)
+	}
+	release()
 	gs[1].Abort(nil)
 }

@@ -27,19 +27,38 @@ const (
 // Note [Bounded teardown]: no wait on the way out of a group is unbounded, since a peer may
 // be dead. Close finalizes the communicator (ncclCommFinalize, NCCL 2.14 or later, which
 // waits for the peers to finish their operations) and then destroys it; past
-// finalizeTimeout the watchdog aborts it instead (ncclCommAbort, from another thread,
-// unblocks a finalize or destroy that waits for a peer) and Close returns an error wrapping
-// procgroup.ErrTimeout. ncclCommAbort itself may not return (NVIDIA/nccl#829): it runs on
-// a goroutine of its own, waited for drainTimeout at most. After ncclCommAbort, or before
-// the device resources are freed, the comm stream is drained by polling an event recorded
-// at its end, for at most drainTimeout (never cuStreamSynchronize, which an abort cannot
-// interrupt). If by then ncclCommAbort, an issuer's NCCL call, ncclCommFinalize or
-// ncclCommDestroy has not returned, or the stream has not drained, the group's device
-// memory, events and stream are left allocated rather than freed under a call or a kernel
-// that may still use them, a warning says so, and Close's error too; the goroutines given
-// up on are counted in g.stuck. Without ncclCommFinalize (NCCL before 2.14) Close calls
-// ncclCommDestroy alone, and a destroy that hangs cannot be aborted (it is freeing the
-// communicator): Close then returns past its deadline, leaving the resources allocated.
+// finalizeTimeout, or when ncclCommFinalize fails, the watchdog aborts it instead
+// (ncclCommAbort, from another thread, unblocks a finalize or destroy that waits for a
+// peer) and Close returns an error naming the call, wrapping procgroup.ErrTimeout for a
+// deadline. ncclCommAbort itself may not return (NVIDIA/nccl#829): it runs on a goroutine
+// of its own, waited for drainTimeout at most. After ncclCommAbort, or before the device
+// resources are freed, the comm stream is drained by polling an event recorded at its end
+// (never cuStreamSynchronize, which an abort cannot interrupt). The abort, the wait for the
+// calls it unblocks and the drain share one drainTimeout, so Close returns within
+// finalizeTimeout + drainTimeout in all, and Abort within drainTimeout. If by then
+// ncclCommAbort, an issuer's NCCL call, ncclCommFinalize or ncclCommDestroy has not
+// returned, or the stream has not drained, the group's device memory, events and stream
+// are left allocated rather than freed under a call or a kernel that may still use them, a
+// warning says so, and Close's error too (wrapping procgroup.ErrTimeout); the goroutines
+// given up on are counted in g.stuck. Without ncclCommFinalize (NCCL before 2.14) Close
+// calls ncclCommDestroy alone, and a destroy that hangs cannot be aborted (it is freeing
+// the communicator): Close then returns past its deadline, leaving the resources
+// allocated.
+//
+// One hazard remains, on the blocking communicators that the group creates: an abort (a
+// timeout, an async error, Abort, a ctx that ends) while an issuer is inside a
+// collective's NCCL call that is slow but live. The lazy connection of
+// NCCL_RUNTIME_CONNECT (on by default since NCCL 2.22) to peers that are late but alive is
+// such a call, and so is slow host work inside the call. finishAbort cannot tell it from a
+// call blocked on a dead peer: past g.abortGrace it runs ncclCommAbort under the call,
+// although NCCL lets only one thread at a time operate a blocking communicator, so the call
+// may go on to use the communicator that the abort frees (with nccl_enqueue_delay_us at
+// three graces the fake counts two such calls). The grace narrows that window; it does not
+// close it. Closing it needs non-blocking communicators (NCCL 2.14 or later:
+// ncclCommInitRankConfig with config.blocking = 0, whose calls return ncclInProgress
+// instead of blocking, completed by polling ncclCommGetAsyncError), for which the abort
+// could wait for the gate without a time limit, the grace left as the fallback for older
+// NCCL.
 const (
 	defaultFinalizeTimeout = 30 * time.Second
 	defaultDrainTimeout    = 10 * time.Second
@@ -75,11 +94,17 @@ func (g *Group) watchdog() {
 		}
 		if head == nil {
 			if state == stateClosing {
-				quiet, err := g.finalize()
-				g.closeErr = err
-				if quiet {
-					g.release(time.Now().Add(g.drainTimeout))
+				quiet, deadline, err := g.finalize()
+				if quiet && !g.release(deadline) {
+					what := fmt.Sprintf("the comm stream did not drain by Close's deadline (at most %v after Close)", g.finalizeTimeout+g.drainTimeout)
+					if err == nil {
+						err = fmt.Errorf("nccl: rank %d (%s): closing: %s; the group's device resources are left allocated: %w",
+							g.rank, g.host, what, procgroup.ErrTimeout)
+					} else {
+						err = fmt.Errorf("%w; %s, so the group's device resources are left allocated: %w", err, what, procgroup.ErrTimeout)
+					}
 				}
+				g.closeErr = err
 				return
 			}
 			select {
@@ -194,9 +219,10 @@ func (g *Group) complete(w *Work) {
 	w.Complete(nil)
 }
 
-// abortGrace is how long the watchdog lets an issuer that is inside its NCCL call finish
-// it before it aborts the communicator under it (Note [Communicator gate] in shim.h).
-const abortGrace = 50 * time.Millisecond
+// defaultAbortGrace is g.abortGrace, how long the watchdog lets an issuer that is inside
+// its NCCL call finish it before it aborts the communicator under it (Note [Communicator
+// gate] in shim.h).
+const defaultAbortGrace = 50 * time.Millisecond
 
 // finishAbort aborts the communicator, waits (bounded) for an issuer inside NCCL to return
 // and for the comm stream to drain, fails every pending work and releases the group.
@@ -205,7 +231,7 @@ const abortGrace = 50 * time.Millisecond
 // nor be running during it unless the abort is what unblocks it. The watchdog first closes
 // the gate (Note [Communicator gate]): an issuer that has not yet entered its NCCL call
 // then makes none, however long it takes to get there (a large host copy, a descheduled
-// thread). An issuer found inside its call gets abortGrace to return; one still inside
+// thread). An issuer found inside its call gets g.abortGrace to return; one still inside
 // after it is blocked there (waiting for peers), and the abort is what unblocks it.
 func (g *Group) finishAbort() {
 	deadline := time.Now().Add(g.drainTimeout)
@@ -213,7 +239,7 @@ func (g *Group) finishAbort() {
 	if g.comm != nil && !g.commGone {
 		g.commGone = true
 		if C.goddp_gate_close(g.gate)&C.GODDP_GATE_IN_CALL != 0 {
-			grace := time.Now().Add(abortGrace)
+			grace := time.Now().Add(g.abortGrace)
 			for d := 10 * time.Microsecond; C.goddp_gate_load(g.gate)&C.GODDP_GATE_IN_CALL != 0 && time.Now().Before(grace); d = min(2*d, time.Millisecond) {
 				time.Sleep(d)
 			}
@@ -243,9 +269,13 @@ func (g *Group) finishAbort() {
 		g.log.Warn("nccl: ncclCommAbort did not return; the group's device resources are left allocated",
 			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
 	case !quiet:
-		g.log.Warn("nccl: a collective's NCCL call did not return after ncclCommAbort; the group's device resources are left allocated",
+		g.closeErr = fmt.Errorf("nccl: rank %d (%s): a collective being issued (inside its NCCL call or before it) had not returned within %v of ncclCommAbort; the group's device resources are left allocated: %w",
+			g.rank, g.host, g.drainTimeout, procgroup.ErrTimeout)
+		g.log.Warn("nccl: a collective being issued did not return after ncclCommAbort; the group's device resources are left allocated",
 			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
 	case !drained:
+		g.closeErr = fmt.Errorf("nccl: rank %d (%s): the comm stream did not drain within %v of ncclCommAbort; the group's device resources are left allocated: %w",
+			g.rank, g.host, g.drainTimeout, procgroup.ErrTimeout)
 		g.log.Warn("nccl: the comm stream did not drain after ncclCommAbort; the group's device resources are left allocated",
 			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
 	default:
@@ -324,12 +354,14 @@ const (
 )
 
 // finalize finalizes and destroys the communicator under g.finalizeTimeout (Note [Bounded
-// teardown]); past it, or if ncclCommFinalize fails, the communicator is aborted. It
-// returns whether the communicator's calls have all returned (else the device resources
-// must stay allocated) and Close's error.
-func (g *Group) finalize() (quiet bool, err error) {
+// teardown]); past it, or if ncclCommFinalize fails, the watchdog aborts the communicator
+// (abortComm, bounded). It returns whether the communicator's calls have all returned
+// (else the device resources must stay allocated), the deadline by which the comm stream
+// must then drain (so that Close is bounded by finalizeTimeout + drainTimeout in all), and
+// Close's error.
+func (g *Group) finalize() (quiet bool, deadline time.Time, err error) {
 	if g.comm == nil || g.commGone {
-		return true, nil
+		return true, time.Now().Add(g.drainTimeout), nil
 	}
 	g.commGone = true
 	C.goddp_gate_close(g.gate) // no collective now (the group is closing): none ever again
@@ -345,56 +377,89 @@ func (g *Group) finalize() (quiet bool, err error) {
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()
 		if r := C.goddp_comm_finalize(g.lib.p, g.cuCtx, g.comm); r != 0 {
-			if claim.CompareAndSwap(freeUnclaimed, freeByAbort) {
-				C.goddp_comm_abort(g.lib.p, g.cuCtx, g.comm)
-			}
-			done <- result{"ncclCommFinalize", r}
+			done <- result{"ncclCommFinalize", r} // the watchdog aborts the communicator
 			return
 		}
 		if !claim.CompareAndSwap(freeUnclaimed, freeByDestroy) {
-			done <- result{} // the watchdog aborted it
+			done <- result{"ncclCommFinalize", 0} // the watchdog aborted it
 			return
 		}
 		done <- result{"ncclCommDestroy", C.goddp_comm_destroy(g.lib.p, g.cuCtx, g.comm)}
 	}()
+	closing := func(format string, a ...any) error {
+		return fmt.Errorf("nccl: rank %d (%s): closing: "+format, append([]any{g.rank, g.host}, a...)...)
+	}
 	timer := time.NewTimer(g.finalizeTimeout)
 	defer timer.Stop()
-	timedOut := false
+	var res result
+	got, timedOut := false, false
 	select {
-	case res := <-done:
-		if res.r != 0 {
-			return true, fmt.Errorf("nccl: rank %d (%s): closing: %w", g.rank, g.host, g.lib.ncclErr(res.step, res.r))
-		}
-		return true, nil
-	case <-g.stop: // Abort during Close: no error of Close's own
+	case res = <-done:
+		got = true
+	case <-g.stop: // Abort during Close
 	case <-timer.C:
 		timedOut = true
 	}
-	deadline := time.Now().Add(g.drainTimeout)
-	// The finalize, if any, is still running: abort it. A destroy cannot be.
-	aborted := claim.CompareAndSwap(freeUnclaimed, freeByAbort)
-	step := "ncclCommDestroy"
-	if aborted {
-		step = "ncclCommFinalize"
+	if !got { // a result that came meanwhile counts (select picks a ready case at random)
+		select {
+		case res = <-done:
+			got = true
+		default:
+		}
+	}
+	deadline = time.Now().Add(g.drainTimeout)
+	if got && res.step == "ncclCommDestroy" { // the communicator is gone
+		if res.r != 0 {
+			return true, deadline, closing("%w", g.lib.ncclErr(res.step, res.r))
+		}
+		return true, deadline, nil
+	}
+	// ncclCommFinalize failed (got), or the finalize or destroy is still running: abort
+	// the communicator, unless the destroy has begun (it cannot be aborted).
+	aborted := claim.CompareAndSwap(freeUnclaimed, freeByAbort) // got implies aborted
+	step := "ncclCommFinalize"
+	if !aborted {
+		step = "ncclCommDestroy"
+	}
+	var first error // what went wrong before the abort
+	switch {
+	case got:
+		first = g.lib.ncclErr(res.step, res.r)
+	case timedOut:
+		first = fmt.Errorf("%s did not complete within %v (a peer that does not close?): %w", step, g.finalizeTimeout, procgroup.ErrTimeout)
 	}
 	if aborted && !g.abortComm(deadline) { // the abort unblocks the finalize
 		g.log.Warn("nccl: ncclCommAbort did not return at Close; the group's device resources are left allocated",
 			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
-		return false, fmt.Errorf("nccl: rank %d (%s): closing: ncclCommAbort did not return within %v; the group's device resources are left allocated: %w",
-			g.rank, g.host, g.drainTimeout, procgroup.ErrTimeout)
+		if first == nil {
+			return false, deadline, closing("ncclCommAbort did not return within %v; the group's device resources are left allocated: %w",
+				g.drainTimeout, procgroup.ErrTimeout)
+		}
+		return false, deadline, closing("%w; then ncclCommAbort did not return within %v, so the group's device resources are left allocated: %w",
+			first, g.drainTimeout, procgroup.ErrTimeout)
 	}
 	switch {
-	case timedOut && aborted:
-		err = fmt.Errorf("nccl: rank %d (%s): closing: %s did not complete within %v (a peer that does not close?); the communicator was aborted: %w",
-			g.rank, g.host, step, g.finalizeTimeout, procgroup.ErrTimeout)
-	case timedOut:
-		err = fmt.Errorf("nccl: rank %d (%s): closing: %s did not complete within %v (a peer that does not close?): %w",
-			g.rank, g.host, step, g.finalizeTimeout, procgroup.ErrTimeout)
+	case first != nil && aborted:
+		err = closing("%w; the communicator was aborted", first)
+	case first != nil:
+		err = closing("%w", first)
+	}
+	if got {
+		return true, deadline, err
 	}
 	timer.Reset(time.Until(deadline))
 	select {
-	case <-done:
-		return true, err
+	case res = <-done:
+		// The finalize or destroy returned; a failure is Close's error too, even where
+		// an Abort during Close caused it.
+		switch {
+		case res.r == 0:
+		case err == nil:
+			err = closing("%w", g.lib.ncclErr(res.step, res.r))
+		default:
+			err = fmt.Errorf("%w; %w", err, g.lib.ncclErr(res.step, res.r))
+		}
+		return true, deadline, err
 	case <-timer.C:
 	}
 	// Still inside ncclCommFinalize (one that the abort did not unblock) or
@@ -403,18 +468,20 @@ func (g *Group) finalize() (quiet bool, err error) {
 	g.log.Warn("nccl: the communicator's finalize or destroy did not return; the group's device resources are left allocated",
 		zap.String("call", step), zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
 	if err == nil {
-		return false, fmt.Errorf("nccl: rank %d (%s): closing: %s did not return within %v; the group's device resources are left allocated: %w",
-			g.rank, g.host, step, g.drainTimeout, procgroup.ErrTimeout)
+		return false, deadline, closing("%s did not return within %v; the group's device resources are left allocated: %w",
+			step, g.drainTimeout, procgroup.ErrTimeout)
 	}
-	return false, fmt.Errorf("%w; %s did not return after %v more, so the group's device resources are left allocated", err, step, g.drainTimeout)
+	return false, deadline, fmt.Errorf("%w; %s did not return after %v more, so the group's device resources are left allocated", err, step, g.drainTimeout)
 }
 
-// release frees the device resources once the comm stream has drained by deadline.
-func (g *Group) release(deadline time.Time) {
+// release frees the device resources once the comm stream has drained by deadline; it
+// reports whether it did.
+func (g *Group) release(deadline time.Time) bool {
 	if !g.drain(deadline) {
 		g.log.Warn("nccl: the comm stream did not drain at Close; the group's device resources are left allocated",
 			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
-		return
+		return false
 	}
 	g.releaseDevice()
+	return true
 }

@@ -23,7 +23,9 @@
 // nccl_finalize_hang 2: as 1, but ncclCommAbort does not unblock them. nccl_abort_hang
 // (1: ncclCommAbort blocks until 0, as in NVIDIA/nccl#829). nccl_enqueue_delay_us: host
 // work of every collective's call before it queues (a slow call that does not wait for
-// peers); nccl_in_call (read: threads inside a collective's call now).
+// peers); nccl_in_call (read: threads inside a collective's call now). nccl_finalize_fail
+// (result code that ncclCommFinalize returns at once, 0 = off); nccl_aborting (read:
+// threads held inside ncclCommAbort by nccl_abort_hang now).
 //
 // A communicator that ncclCommAbort or ncclCommDestroy has begun to free is poisoned: any
 // later call on it (a collective, ncclCommGetAsyncError, ncclCommFinalize, ncclCommDestroy,
@@ -84,8 +86,8 @@ static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static shared *shareds;
 static comm *comms; // every communicator ever created (never freed: streams may still refer to them)
 static int version = 22105;
-static int init_fail, gate_closed, connect_block, finalize_hang, abort_hang, enqueue_delay_us;
-static long long in_calls;
+static int init_fail, finalize_fail, gate_closed, connect_block, finalize_hang, abort_hang, enqueue_delay_us;
+static long long in_calls, aborting;
 static long long performed, finalizes, unblock_gen, connecting, use_after_free;
 
 // gone reports (and counts, and prints) a call on a communicator that ncclCommAbort or
@@ -109,6 +111,11 @@ long long fake_knob(const char *name, long long value) {
 	} else if (!strcmp(name, "nccl_init_fail")) {
 		old = init_fail;
 		init_fail = (int)value;
+	} else if (!strcmp(name, "nccl_finalize_fail")) {
+		old = finalize_fail;
+		finalize_fail = (int)value;
+	} else if (!strcmp(name, "nccl_aborting")) {
+		old = aborting;
 	} else if (!strcmp(name, "nccl_gate_close")) {
 		old = gate_closed;
 		gate_closed = 1;
@@ -229,7 +236,9 @@ ncclResult_t ncclCommAbort(comm *c) {
 	c->sh->broken = 1;
 	pthread_cond_broadcast(&cv);
 	long long gen = unblock_gen;
+	aborting++;
 	while (abort_hang && gen == unblock_gen) pthread_cond_wait(&cv, &mu); // NVIDIA/nccl#829
+	aborting--;
 	pthread_mutex_unlock(&mu);
 	return ncclSuccess;
 }
@@ -250,7 +259,7 @@ ncclResult_t ncclCommFinalize(comm *c) {
 		pthread_mutex_unlock(&mu);
 		return ncclInvalidUsage;
 	}
-	ncclResult_t r = hang_finalize(c);
+	ncclResult_t r = finalize_fail ? finalize_fail : hang_finalize(c);
 	if (r == ncclSuccess) c->finalized = 1;
 	pthread_mutex_unlock(&mu);
 	return r;
