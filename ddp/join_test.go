@@ -23,6 +23,7 @@ type joinCase struct {
 	hook     bool // a CommHook that records whether each bucket it gets is all zeros
 	byActive bool // JoinDivideByActive
 	gloo     bool // gloo over loopback instead of pgtest
+	auto     bool // AutoBucketCap: layouts chosen from measurements, with collectives of their own
 }
 
 func (jc joinCase) String() string {
@@ -38,6 +39,9 @@ func (jc joinCase) String() string {
 	}
 	if jc.gloo {
 		s += "_gloo"
+	}
+	if jc.auto {
+		s += "_auto"
 	}
 	return strings.ReplaceAll(s, " ", ",")
 }
@@ -177,6 +181,9 @@ func runJoin(t *testing.T, jc joinCase) ([][3][]float64, [][]pgtest.Record, erro
 		}
 		opts := Options{UnevenInputs: true, JoinDivideByActive: jc.byActive, FindUnusedParameters: jc.unused,
 			BucketCapMB: 16 / float64(1<<20), FirstBucketCapMB: 16 / float64(1<<20)} // several buckets
+		if jc.auto {
+			opts.BucketCapMB = AutoBucketCap
+		}
 		var hook *zeroHook
 		if jc.hook {
 			hook = &zeroHook{}
@@ -279,7 +286,7 @@ func runJoin(t *testing.T, jc joinCase) ([][3][]float64, [][]pgtest.Record, erro
 
 // TestJoinUneven: ranks with 0, 3 and 5 batches (and other counts) at n = 2, 3 and 4,
 // through New on pgtest (and on gloo over loopback), with NoSync micro-batches,
-// FindUnusedParameters, a CommHook and JoinDivideByActive. Every rank's final parameters
+// FindUnusedParameters, a CommHook, JoinDivideByActive and AutoBucketCap. Every rank's final parameters
 // equal, element by element, those of the same batches run in one process
 // (joinReference); on pgtest bit for bit, since it sums in rank order as the reference
 // does, on gloo within 1e-6 (float32) and 1e-13 (float64). On pgtest every rank issued the
@@ -300,6 +307,8 @@ func TestJoinUneven(t *testing.T) {
 		{counts: []int{3, 3, 3}, accum: 1},
 		{counts: []int{0, 0}, accum: 1},
 		{counts: []int{0, 3, 5}, accum: 2, gloo: true},
+		{counts: []int{0, 5, 3}, accum: 1, auto: true},
+		{counts: []int{5, 3, 0, 5}, accum: 2, auto: true, unused: true},
 	}
 	for _, jc := range cases {
 		t.Run(jc.String(), func(t *testing.T) {
