@@ -116,8 +116,8 @@ type Options struct {
 	// (Note [Join] in join.go). It costs one small all-reduce per synced step, the count of
 	// the ranks still training, issued by BeginBackward(Sync); without it Join is refused
 	// and a rank that leaves early fails its peers, as before. It must be the same on every
-	// rank, and takes host memory, without Shards. BroadcastBuffers is not shadowed: call
-	// it only while no rank is in Join.
+	// rank, and takes host memory, without Shards. BroadcastBuffers then issues the count
+	// too, so that the ranks in Join take part in it.
 	UnevenInputs bool
 	// JoinDivideByActive (with UnevenInputs) averages each synced step's gradients over the
 	// ranks still training in it (PyTorch's divide_by_initial_world_size=False) instead of
@@ -377,7 +377,7 @@ func (d *DDP) BeginBackward(mode SyncMode) {
 	}
 	if mode == Sync && d.opts.UnevenInputs {
 		// Before any bucket of the pass can launch: Note [Join].
-		if err := d.join.launch(d.pg, 1); err != nil {
+		if err := d.join.launch(d.pg, 1, 0); err != nil {
 			d.failLocked(err)
 			return
 		}
@@ -508,7 +508,7 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	var active int
 	var err error
 	if synced && d.opts.UnevenInputs {
-		active, err = d.join.wait(ctx)
+		active, _, err = d.join.wait(ctx)
 	}
 	if err == nil {
 		err = d.r.Finalize(ctx) // without d.mu: Stats, Err and Close stay responsive
@@ -643,7 +643,8 @@ func (d *DDP) Generation() int { return d.r.Generation() }
 
 // BroadcastBuffers copies rank 0's buffers (Options.Buffers) to every rank, as PyTorch does
 // before each forward with broadcast_buffers. Every rank must call it at the same point,
-// outside a backward pass.
+// outside a backward pass. With Options.UnevenInputs the ranks in Join take part, and once
+// a rank has joined the source is the highest rank still training (Note [Join]).
 func (d *DDP) BroadcastBuffers(ctx context.Context) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -659,8 +660,22 @@ func (d *DDP) BroadcastBuffers(ctx context.Context) error {
 	if d.pg.Size() == 1 || len(d.buffers) == 0 {
 		return nil
 	}
-	if err := broadcastAll(ctx, d.pg, d.tensors(false), chunkBytes(d.opts.BroadcastChunkMB)); err != nil {
-		return d.failLocked(fmt.Errorf("broadcast of buffers: %w", err))
+	root := 0
+	if d.opts.UnevenInputs { // Note [Join]: the ranks in Join take part
+		err := d.join.launch(d.pg, 0, 1)
+		var n int
+		if err == nil {
+			_, n, err = d.join.wait(ctx)
+		}
+		if err == nil {
+			root, err = bufferRoot(ctx, d.pg, n, true)
+		}
+		if err != nil {
+			return d.failLocked(fmt.Errorf("broadcast of buffers: %w", err))
+		}
+	}
+	if err := broadcastFrom(ctx, d.pg, d.tensors(false), chunkBytes(d.opts.BroadcastChunkMB), root); err != nil {
+		return d.failLocked(fmt.Errorf("broadcast of buffers from rank %d: %w", root, err))
 	}
 	return nil
 }

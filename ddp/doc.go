@@ -134,8 +134,9 @@
 //	}
 //
 // Join comes between steps (after a synced Finalize, not after NoSync passes of an
-// unfinished step); collectives of the trainer's own (a loss's all-reduce, BroadcastBuffers)
-// are not shadowed, so they must not run while a rank may be in Join. Options.Shards and
+// unfinished step). BroadcastBuffers is shadowed too (its source is then the highest
+// rank still training), but collectives of the trainer's own (a loss's all-reduce) are
+// not, so they must not run while a rank may be in Join. Options.Shards and
 // Options.Device are refused with UnevenInputs.
 //
 // # Shards (the same bits at every world size)

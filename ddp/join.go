@@ -10,9 +10,10 @@ import (
 
 // Note [Join]: with Options.UnevenInputs, ranks may run different numbers of synced
 // steps (PyTorch's Join context manager with DDP's join hook). Every synced step opens
-// with one AllReduce (Sum) of a single int64, each rank's "still training" flag: an active
-// rank issues it with 1 in BeginBackward(Sync), before any bucket of the pass can launch,
-// and waits for it in Finalize; a rank in Join issues it with 0. So it holds the same place
+// with one AllReduce (Sum) of two int64s, each rank's "in a synced step" flag and its "in
+// BroadcastBuffers" flag (below): an active rank issues it with 1, 0 in
+// BeginBackward(Sync), before any bucket of the pass can launch, and waits for it in
+// Finalize; a rank in Join issues it with 0, 0. So it holds the same place
 // in every rank's collective sequence, and every rank learns, in every step, how many
 // ranks are still training.
 //
@@ -37,39 +38,72 @@ import (
 //
 // Join does not compose with Options.Shards (the shards fix the global batch, so every
 // rank runs its shards in every step) nor with Options.Device (the shadow passes would
-// need device zero buffers); New refuses both. BroadcastBuffers is not shadowed: a trainer
-// that calls it while a rank is in Join gets mismatched collectives, as Options.UnevenInputs says.
+// need device zero buffers); New refuses both.
+//
+// BroadcastBuffers opens with the same AllReduce, its flag in the second element, so that
+// a joined rank takes part in it too. It copies rank 0's buffers while every rank
+// broadcasts; once a rank has joined, its buffers are stale, and the highest rank still
+// training is the source instead (one more AllReduce, Max, as PyTorch's authoritative
+// rank). Collectives of the trainer's own, such as a loss's all-reduce, cannot be
+// shadowed: they must not run while a rank may be in Join.
 
-// joinState is the per-step count of Note [Join].
+// joinState is the per-step count of Note [Join]: two int64s, the ranks that begin a
+// synced step and those that broadcast buffers.
 type joinState struct {
 	buf  []int64
 	work procgroup.Work
 }
 
-// launch issues the count's AllReduce with this rank's flag v.
-func (j *joinState) launch(pg procgroup.ProcessGroup, v int64) error {
+// launch issues the count's AllReduce with this rank's flags.
+func (j *joinState) launch(pg procgroup.ProcessGroup, step, buffers int64) error {
 	if j.work != nil {
 		return fmt.Errorf("%w: a synced pass began before the last one's count of active ranks was waited for", ErrPhase)
 	}
 	if j.buf == nil {
-		j.buf = make([]int64, 1)
+		j.buf = make([]int64, 2)
 	}
-	j.buf[0] = v
+	j.buf[0], j.buf[1] = step, buffers
 	j.work = pg.AllReduce(context.Background(), j.buf, procgroup.Sum)
 	return nil
 }
 
-// wait waits for the count launch issued and returns it.
-func (j *joinState) wait(ctx context.Context) (int, error) {
+// wait waits for the count launch issued and returns it: the ranks in a synced step and
+// those in BroadcastBuffers. Both positive is an error: the active ranks are at different
+// points of their loop.
+func (j *joinState) wait(ctx context.Context) (steps, buffers int, err error) {
 	w := j.work
 	j.work = nil
 	if w == nil {
-		return 0, fmt.Errorf("%w: no count of active ranks in flight", ErrPhase)
+		return 0, 0, fmt.Errorf("%w: no count of active ranks in flight", ErrPhase)
 	}
 	if err := w.Wait(ctx); err != nil {
-		return 0, fmt.Errorf("Options.UnevenInputs: the count of the ranks still training: %w", err)
+		return 0, 0, fmt.Errorf("Options.UnevenInputs: the count of the ranks still training: %w", err)
 	}
-	return int(j.buf[0]), nil
+	steps, buffers = int(j.buf[0]), int(j.buf[1])
+	if steps > 0 && buffers > 0 {
+		return 0, 0, fmt.Errorf("%w: Options.UnevenInputs: %d ranks began a synced step while %d called BroadcastBuffers", ErrPhase, steps, buffers)
+	}
+	return steps, buffers, nil
+}
+
+// bufferRoot is the rank BroadcastBuffers copies from, when active of the world's ranks
+// broadcast (Note [Join]): rank 0 while every rank does, else the highest active rank (a
+// rank in Join passes active false), found with one AllReduce (Max).
+func bufferRoot(ctx context.Context, pg procgroup.ProcessGroup, active int, me bool) (int, error) {
+	if active == pg.Size() {
+		return 0, nil
+	}
+	r := []int64{-1}
+	if me {
+		r[0] = int64(pg.Rank())
+	}
+	if err := pg.AllReduce(ctx, r, procgroup.Max).Wait(ctx); err != nil {
+		return 0, fmt.Errorf("choosing the rank whose buffers are broadcast: %w", err)
+	}
+	if r[0] < 0 || r[0] >= int64(pg.Size()) { // cannot happen: active > 0
+		return 0, fmt.Errorf("the rank whose buffers are broadcast is %d, outside [0, %d)", r[0], pg.Size())
+	}
+	return int(r[0]), nil
 }
 
 // checkJoinOptions refuses the options Join does not compose with (Note [Join]).
@@ -149,17 +183,27 @@ func (d *DDP) shadow(ctx context.Context) error {
 	zero32, zero64 := make([]float32, n32), make([]float64, n64)
 	last := true // this rank joined in the last step: it ran every step
 	for {
-		if err := d.join.launch(d.pg, 0); err != nil {
+		if err := d.join.launch(d.pg, 0, 0); err != nil {
 			return err
 		}
-		active, err := d.join.wait(ctx)
+		active, buffers, err := d.join.wait(ctx)
 		if err != nil {
 			return fmt.Errorf("Join: %w", err)
 		}
-		if active == 0 {
+		if active == 0 && buffers == 0 {
 			break
 		}
 		last = false
+		if buffers > 0 { // the active ranks broadcast their buffers: take part
+			root, err := bufferRoot(ctx, d.pg, buffers, false)
+			if err != nil {
+				return fmt.Errorf("Join: %w", err)
+			}
+			if err := broadcastFrom(ctx, d.pg, d.tensors(false), chunkBytes(d.opts.BroadcastChunkMB), root); err != nil {
+				return fmt.Errorf("Join: broadcast of rank %d's buffers: %w", root, err)
+			}
+			continue
+		}
 		if err := d.r.BeginBackward(Sync); err != nil {
 			return fmt.Errorf("Join: %w", err)
 		}

@@ -24,6 +24,7 @@ type joinCase struct {
 	byActive bool // JoinDivideByActive
 	gloo     bool // gloo over loopback instead of pgtest
 	auto     bool // AutoBucketCap: layouts chosen from measurements, with collectives of their own
+	buffers  bool // BroadcastBuffers before each step, of buffers each rank sets to its own values
 }
 
 func (jc joinCase) String() string {
@@ -42,6 +43,9 @@ func (jc joinCase) String() string {
 	}
 	if jc.auto {
 		s += "_auto"
+	}
+	if jc.buffers {
+		s += "_buffers"
 	}
 	return strings.ReplaceAll(s, " ", ",")
 }
@@ -156,13 +160,24 @@ func (h *zeroHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *Buc
 
 func (h *zeroHook) Finish(*BucketView) error { return nil }
 
+// activeAt lists the ranks that run step.
+func activeAt(counts []int, step int) []int {
+	var a []int
+	for r, c := range counts {
+		if c > step {
+			a = append(a, r)
+		}
+	}
+	return a
+}
+
 // runJoin runs jc and returns every rank's final parameters, and the pgtest cluster's
 // records of the collectives each rank issued (nil on gloo).
-func runJoin(t *testing.T, jc joinCase) ([][3][]float64, [][]pgtest.Record, error) {
+func runJoin(t *testing.T, jc joinCase) ([][4][]float64, [][]pgtest.Record, error) {
 	n := len(jc.counts)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	final := make([][3][]float64, n)
+	final := make([][4][]float64, n)
 	body := func(rank int, pg procgroup.ProcessGroup) error {
 		w0, w1, w2 := make([]float32, 7), make([]float32, 3), joinInit(2)
 		for k, v := range joinInit(0) {
@@ -184,6 +199,10 @@ func runJoin(t *testing.T, jc joinCase) ([][3][]float64, [][]pgtest.Record, erro
 		if jc.auto {
 			opts.BucketCapMB = AutoBucketCap
 		}
+		bufI, bufF := make([]int64, 2), make([]float32, 3)
+		if jc.buffers {
+			opts.Buffers = []Buffer{{Name: "steps", Data: bufI}, {Name: "stats", Data: bufF}}
+		}
 		var hook *zeroHook
 		if jc.hook {
 			hook = &zeroHook{}
@@ -197,6 +216,19 @@ func runJoin(t *testing.T, jc joinCase) ([][3][]float64, [][]pgtest.Record, erro
 		initial := len(d.BucketParams()) // the layout of the first synced step, before the rebuild
 		g32, g64 := make([]float32, 7), make([]float64, 4)
 		for step := range jc.counts[rank] {
+			if jc.buffers { // each rank's own values, then the source's everywhere
+				bufI[0], bufI[1], bufF[2] = int64(rank), int64(step), float32(rank)+0.5
+				if err := d.BroadcastBuffers(ctx); err != nil {
+					return err
+				}
+				src := 0 // rank 0 while every rank trains, else the highest one still training
+				if active := activeAt(jc.counts, step); len(active) < n {
+					src = slices.Max(active)
+				}
+				if bufI[0] != int64(src) || bufI[1] != int64(step) || bufF[2] != float32(src)+0.5 {
+					return fmt.Errorf("rank %d step %d: buffers %v %v after BroadcastBuffers, want rank %d's", rank, step, bufI, bufF, src)
+				}
+			}
 			for mb := range jc.accum {
 				mode := Accumulate
 				if mb == jc.accum-1 {
@@ -259,6 +291,9 @@ func runJoin(t *testing.T, jc joinCase) ([][3][]float64, [][]pgtest.Record, erro
 				return fmt.Errorf("rank %d: %d bucket launches in Join, want %d", rank, len(hook.zero)-before, want)
 			}
 		}
+		if jc.buffers { // the last joiner's buffers
+			final[rank][3] = []float64{float64(bufI[0]), float64(bufI[1]), float64(bufF[2])}
+		}
 		for p := range 3 {
 			switch w := params[p].Data.(type) {
 			case []float32:
@@ -270,6 +305,14 @@ func runJoin(t *testing.T, jc joinCase) ([][3][]float64, [][]pgtest.Record, erro
 			}
 		}
 		return nil
+	}
+	rankBody := body
+	body = func(rank int, pg procgroup.ProcessGroup) error {
+		err := rankBody(rank, pg)
+		if err != nil { // the peers fail at once instead of waiting in Join
+			pg.Abort(err)
+		}
+		return err
 	}
 	if jc.gloo {
 		return final, nil, glooWorld(n, body)
@@ -290,7 +333,9 @@ func runJoin(t *testing.T, jc joinCase) ([][3][]float64, [][]pgtest.Record, erro
 // equal, element by element, those of the same batches run in one process
 // (joinReference); on pgtest bit for bit, since it sums in rank order as the reference
 // does, on gloo within 1e-6 (float32) and 1e-13 (float64). On pgtest every rank issued the
-// same collectives; with the hook, a joined rank's buckets are all zeros.
+// same collectives; with the hook, a joined rank's buckets are all zeros. With buffers,
+// BroadcastBuffers before each step copies rank 0's while every rank trains and the
+// highest active rank's once one has joined, the joined ranks taking part.
 func TestJoinUneven(t *testing.T) {
 	cases := []joinCase{
 		{counts: []int{3, 5}, accum: 1},
@@ -308,6 +353,8 @@ func TestJoinUneven(t *testing.T) {
 		{counts: []int{0, 0}, accum: 1},
 		{counts: []int{0, 3, 5}, accum: 2, gloo: true},
 		{counts: []int{0, 5, 3}, accum: 1, auto: true},
+		{counts: []int{3, 5, 0, 5}, accum: 1, buffers: true},
+		{counts: []int{5, 3}, accum: 2, buffers: true, gloo: true},
 		{counts: []int{5, 3, 0, 5}, accum: 2, auto: true, unused: true},
 	}
 	for _, jc := range cases {
@@ -330,6 +377,19 @@ func TestJoinUneven(t *testing.T) {
 						if math.Abs(got-want) > tol*math.Max(1, math.Abs(want)) {
 							t.Fatalf("rank %d: parameter %d[%d] = %v, want %v (one process)", r, p, k, got, want)
 						}
+					}
+				}
+			}
+			if jc.buffers && slices.Max(jc.counts) > 0 {
+				last := slices.Max(jc.counts) - 1
+				src := 0
+				if active := activeAt(jc.counts, last); len(active) < len(jc.counts) {
+					src = slices.Max(active)
+				}
+				want := []float64{float64(src), float64(last), float64(src) + 0.5}
+				for r := range jc.counts {
+					if !slices.Equal(final[r][3], want) {
+						t.Fatalf("rank %d: buffers %v after Join, want %v (the last step's source's)", r, final[r][3], want)
 					}
 				}
 			}
