@@ -510,3 +510,47 @@ func TestLeaveEarlyWithoutJoin(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestCloseDuringJoin: Close from another goroutine while a rank waits in Join (its peer
+// still training, slowly) ends Join with ErrClosed at once and aborts the group, so the
+// peer's step fails too instead of waiting.
+func TestCloseDuringJoin(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	start := time.Now()
+	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+		d, err := New(ctx, pg, []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}}, Options{UnevenInputs: true})
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		if rank == 1 {
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				time.Sleep(100 * time.Millisecond)
+				d.Close()
+			}()
+			err := d.Join(ctx)
+			<-done
+			if !errors.Is(err, ErrClosed) {
+				return fmt.Errorf("Join closed meanwhile: %v, want ErrClosed", err)
+			}
+			return nil
+		}
+		time.Sleep(300 * time.Millisecond) // a slow step: rank 1 is closed meanwhile
+		err = d.Backward(ctx, func() error { return d.GradReady(0, []float32{1, 2, 3, 4}) })
+		if err == nil {
+			return fmt.Errorf("rank 0's step after its peer closed in Join: no error")
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if el := time.Since(start); el > 10*time.Second {
+		t.Fatalf("took %v: Close did not end Join at once", el)
+	}
+}
