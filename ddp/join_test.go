@@ -554,3 +554,70 @@ func TestCloseDuringJoin(t *testing.T) {
 		t.Fatalf("took %v: Close did not end Join at once", el)
 	}
 }
+
+// TestJoinNonFinite: a NaN in an active rank's gradient while another rank is in Join.
+// The reduced bucket is not finite on every rank alike, so the joined rank issues the
+// non-finite check's AllGather with the others and goes on shadowing; the active ranks get
+// the *NonFiniteError naming rank 2 and skip that step; Join ends with every rank equal.
+func TestJoinNonFinite(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	counts := []int{1, 4, 4}
+	c := pgtest.NewCluster(3)
+	defer c.Close()
+	finals := make([][]float32, 3)
+	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+		w := []float32{1, 2, 3, 4}
+		d, err := New(ctx, pg, []Param{{Name: "w", Data: w, Grad: make([]float32, 4)}}, Options{UnevenInputs: true})
+		if err != nil {
+			pg.Abort(err)
+			return err
+		}
+		defer d.Close()
+		for step := range counts[rank] {
+			g := []float32{w[0], w[1], w[2], w[3]}
+			if rank == 2 && step == 2 {
+				g[1] = float32(math.NaN())
+			}
+			err := d.Backward(ctx, func() error { return d.GradReady(0, g) })
+			var nf *NonFiniteError
+			switch {
+			case step == 2 && errors.As(err, &nf):
+				if !strings.Contains(err.Error(), "rank 2") {
+					return fmt.Errorf("rank %d: %v, want it to name rank 2", rank, err)
+				}
+				continue // skip the optimizer step
+			case step == 2:
+				return fmt.Errorf("rank %d step 2: %v, want a *NonFiniteError", rank, err)
+			case err != nil:
+				return err
+			}
+			for k := range w {
+				w[k] -= 0.5 * d.Grad32(0)[k]
+			}
+		}
+		if err := d.Join(ctx); err != nil {
+			return err
+		}
+		finals[rank] = w
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Steps 0, 1 and 3 step w by 0.5 × (sum over the active ranks of w)/3: 1.5 the first
+	// time with 3 ranks, then 1 with 2.
+	want := []float32{1, 2, 3, 4}
+	for _, f := range []float32{0.5 * 3 / 3, 0.5 * 2 / 3, 0.5 * 2 / 3} {
+		for k := range want {
+			want[k] -= f * want[k]
+		}
+	}
+	for r, f := range finals {
+		for k := range f {
+			if math.Abs(float64(f[k]-want[k])) > 1e-6 {
+				t.Fatalf("rank %d: w = %v, want %v", r, f, want)
+			}
+		}
+	}
+}
