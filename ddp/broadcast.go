@@ -20,6 +20,11 @@ func chunkBytes(mb float64) int {
 // Device tensors (procgroup.DeviceBuffer) follow, one Broadcast each, in order, waited for
 // on the host (they are not packed: that would need a device staging buffer per type).
 func broadcastAll(ctx context.Context, pg procgroup.ProcessGroup, tensors []any, chunk int) error {
+	return broadcastFrom(ctx, pg, tensors, chunk, 0)
+}
+
+// broadcastFrom is broadcastAll from rank root.
+func broadcastFrom(ctx context.Context, pg procgroup.ProcessGroup, tensors []any, chunk, root int) error {
 	byType := map[procgroup.DType][]any{}
 	var devs []procgroup.DeviceBuffer
 	for _, t := range tensors {
@@ -42,24 +47,24 @@ func broadcastAll(ctx context.Context, pg procgroup.ProcessGroup, tensors []any,
 		var err error
 		switch dt {
 		case procgroup.Float32:
-			err = broadcastFlat(ctx, pg, asSlices[float32](ts), n)
+			err = broadcastFlat(ctx, pg, asSlices[float32](ts), n, root)
 		case procgroup.Float64:
-			err = broadcastFlat(ctx, pg, asSlices[float64](ts), n)
+			err = broadcastFlat(ctx, pg, asSlices[float64](ts), n, root)
 		case procgroup.Int32:
-			err = broadcastFlat(ctx, pg, asSlices[int32](ts), n)
+			err = broadcastFlat(ctx, pg, asSlices[int32](ts), n, root)
 		case procgroup.Int64:
-			err = broadcastFlat(ctx, pg, asSlices[int64](ts), n)
+			err = broadcastFlat(ctx, pg, asSlices[int64](ts), n, root)
 		case procgroup.BFloat16:
-			err = broadcastFlat(ctx, pg, asSlices[procgroup.BF16](ts), n)
+			err = broadcastFlat(ctx, pg, asSlices[procgroup.BF16](ts), n, root)
 		case procgroup.Float16:
-			err = broadcastFlat(ctx, pg, asSlices[procgroup.F16](ts), n)
+			err = broadcastFlat(ctx, pg, asSlices[procgroup.F16](ts), n, root)
 		}
 		if err != nil {
 			return fmt.Errorf("%v tensors: %w", dt, err)
 		}
 	}
 	for k, d := range devs {
-		if err := pg.Broadcast(ctx, d, 0).Wait(ctx); err != nil {
+		if err := pg.Broadcast(ctx, d, root).Wait(ctx); err != nil {
 			return fmt.Errorf("device tensor %d of %d (%v×%d): %w", k+1, len(devs), d.Type, d.Count, err)
 		}
 	}
@@ -74,9 +79,9 @@ func asSlices[T any](ts []any) [][]T {
 	return out
 }
 
-// broadcastFlat broadcasts the concatenation of bufs from rank 0, chunk elements at a
+// broadcastFlat broadcasts the concatenation of bufs from rank src, chunk elements at a
 // time, through one staging buffer.
-func broadcastFlat[T any](ctx context.Context, pg procgroup.ProcessGroup, bufs [][]T, chunk int) error {
+func broadcastFlat[T any](ctx context.Context, pg procgroup.ProcessGroup, bufs [][]T, chunk, src int) error {
 	total := 0
 	for _, b := range bufs {
 		total += len(b)
@@ -85,7 +90,7 @@ func broadcastFlat[T any](ctx context.Context, pg procgroup.ProcessGroup, bufs [
 		return nil
 	}
 	stage := make([]T, min(total, chunk))
-	root := pg.Rank() == 0
+	root := pg.Rank() == src
 	var cur cursor
 	for done := 0; done < total; {
 		s := stage[:min(chunk, total-done)]
@@ -93,7 +98,7 @@ func broadcastFlat[T any](ctx context.Context, pg procgroup.ProcessGroup, bufs [
 		if root {
 			next = moveT(cur, bufs, s, true)
 		}
-		if err := pg.Broadcast(ctx, s, 0).Wait(ctx); err != nil {
+		if err := pg.Broadcast(ctx, s, src).Wait(ctx); err != nil {
 			return fmt.Errorf("broadcast of elements [%d, %d): %w", done, done+len(s), err)
 		}
 		if !root {

@@ -142,8 +142,9 @@ func joinInts(v []int) string {
 // every rank issues in the same order, deciding from the same gathered data, so all ranks
 // return the same error and none hangs:
 //  1. counts of parameters and buffers, a hash of every description, Options.Shards, a
-//     hash of the CommHook's description (DescribeHook) and Options.NoFiniteCheck (one
-//     AllGather of six int64s per rank); if they are all equal, that is the end;
+//     hash of the CommHook's description (DescribeHook), Options.NoFiniteCheck and
+//     Options.UnevenInputs (one AllGather of seven int64s per rank); if they are all
+//     equal, that is the end;
 //  2. otherwise one hash per tensor (absent ones as 0), to find the first differing tensor
 //     and the ranks that differ from rank 0 there;
 //  3. that tensor's description as a fixed-size record (element type, length, up to
@@ -153,7 +154,8 @@ func joinInts(v []int) string {
 // then Options.Shards, since ranks that cut the batch differently would issue different
 // collectives; then Options.NoFiniteCheck, since at a non-finite step only the ranks that
 // check would issue the collective that names the sources (Note [Non-finite gradients] in
-// package reducer); then the CommHook, whose description every rank then gathers (one more
+// package reducer); then Options.UnevenInputs, since only the ranks that set it issue the
+// per-step count of Note [Join]; then the CommHook, whose description every rank then gathers (one more
 // AllGather of hookRec bytes each) for a message that names both sides: ranks that
 // compress differently (another hook, PowerSGD's rank) would all-reduce messages of
 // different lengths, or average differently compressed gradients.
@@ -167,7 +169,7 @@ const (
 
 // verify compares the ranks' models (Note [Model check]): nil if they agree, otherwise a
 // *MismatchError (or an error wrapping ErrMismatch) that every rank returns alike.
-func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards int, hook string, noFinite bool) error {
+func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards int, hook string, noFinite, uneven bool) error {
 	size := pg.Size()
 	var ps, bs []desc
 	for _, d := range descs {
@@ -177,7 +179,7 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 			bs = append(bs, d)
 		}
 	}
-	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs), shards, hook, noFinite)
+	sum, err := gatherSummary(ctx, pg, descs, len(ps), len(bs), shards, hook, noFinite, uneven)
 	if err != nil {
 		return err
 	}
@@ -186,6 +188,7 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 	var otherShards []int // ranks whose Options.Shards differ from rank 0's
 	var otherHooks []int  // ranks whose CommHook differs from rank 0's
 	var otherCheck []int  // ranks whose Options.NoFiniteCheck differs from rank 0's
+	var otherJoin []int   // ranks whose Options.UnevenInputs differs from rank 0's
 	for r := 0; r < size; r++ {
 		row := sum[summaryLen*r : summaryLen*r+summaryLen]
 		same = same && row[0] == sum[0] && row[1] == sum[1] && row[2] == sum[2]
@@ -199,6 +202,9 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 		if row[5] != sum[5] {
 			otherCheck = append(otherCheck, r)
 		}
+		if row[6] != sum[6] {
+			otherJoin = append(otherJoin, r)
+		}
 	}
 	if same {
 		if len(otherShards) > 0 {
@@ -208,6 +214,10 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 		if len(otherCheck) > 0 {
 			r := otherCheck[0]
 			return fmt.Errorf("%w: Options.NoFiniteCheck is %v on rank 0 but %v on rank %d%s", ErrMismatch, sum[5] != 0, sum[summaryLen*r+5] != 0, r, alsoDiffer(otherCheck[1:]))
+		}
+		if len(otherJoin) > 0 {
+			r := otherJoin[0]
+			return fmt.Errorf("%w: Options.UnevenInputs is %v on rank 0 but %v on rank %d%s", ErrMismatch, sum[6] != 0, sum[summaryLen*r+6] != 0, r, alsoDiffer(otherJoin[1:]))
 		}
 		if len(otherHooks) > 0 {
 			return hookMismatch(ctx, pg, hook, otherHooks)
@@ -236,7 +246,7 @@ func verify(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, shards
 }
 
 // summaryLen is the length of a rank's row in round 1 of the model check.
-const summaryLen = 6
+const summaryLen = 7
 
 // hookRec is the length in bytes of a CommHook's description in the check (a longer one
 // keeps its first hookRec bytes in the message; the hash compares it whole).
@@ -245,7 +255,7 @@ const hookRec = 192
 // gatherSummary runs round 1 of the model check: every rank's counts of parameters (np) and
 // buffers (nb), a hash of all its descriptions, its Options.Shards, a hash of its
 // CommHook's description and its Options.NoFiniteCheck, summaryLen int64s per rank.
-func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb, shards int, hook string, noFinite bool) ([]int64, error) {
+func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc, np, nb, shards int, hook string, noFinite, uneven bool) ([]int64, error) {
 	all := fnv.New64a()
 	for _, d := range descs {
 		binary.Write(all, binary.LittleEndian, d.hash())
@@ -256,7 +266,11 @@ func gatherSummary(ctx context.Context, pg procgroup.ProcessGroup, descs []desc,
 	if noFinite {
 		check = 1
 	}
-	mine := []int64{int64(np), int64(nb), int64(all.Sum64()), int64(shards), int64(hh.Sum64()), check}
+	var join int64
+	if uneven {
+		join = 1
+	}
+	mine := []int64{int64(np), int64(nb), int64(all.Sum64()), int64(shards), int64(hh.Sum64()), check, join}
 	sum := make([]int64, summaryLen*pg.Size())
 	if err := gather(ctx, pg, sum, mine, "model summary"); err != nil {
 		return nil, err

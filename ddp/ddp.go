@@ -111,6 +111,19 @@ type Options struct {
 	// gradients]): with it, such a gradient reaches every rank's average silently. It must
 	// be the same on every rank.
 	NoFiniteCheck bool
+	// UnevenInputs lets ranks run different numbers of steps: a rank whose data has run
+	// out calls Join, and shadows the other ranks' synced steps until every rank has
+	// (Note [Join] in join.go). It costs one small all-reduce per synced step, the count of
+	// the ranks still training, issued by BeginBackward(Sync); without it Join is refused
+	// and a rank that leaves early fails its peers, as before. It must be the same on every
+	// rank, and takes host memory, without Shards. BroadcastBuffers then issues the count
+	// too, so that the ranks in Join take part in it.
+	UnevenInputs bool
+	// JoinDivideByActive (with UnevenInputs) averages each synced step's gradients over the
+	// ranks still training in it (PyTorch's divide_by_initial_world_size=False) instead of
+	// over the world size (the default, as in PyTorch: every sample weighs the same in
+	// every step, and the averages are the reducer's own bits, with no extra pass).
+	JoinDivideByActive bool
 }
 
 // validate fills in the defaults (the reducer's options from reducer.Options.WithDefaults,
@@ -153,6 +166,7 @@ const (
 	phaseAccumulate              // a NoSync backward has begun
 	phaseFinalizing              // inside Finalize
 	phaseFailed                  // err ended the DDP
+	phaseJoined                  // inside Join: shadowing the others' synced steps
 	phaseClosed
 )
 
@@ -177,6 +191,8 @@ type DDP struct {
 	buffers []Buffer
 
 	failed atomic.Bool // the hot path's view of phase == phaseFailed
+
+	join joinState // with Options.UnevenInputs: the per-step count of active ranks
 
 	mu    sync.Mutex // guards the fields below
 	phase phase
@@ -203,6 +219,9 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	}
 	if err := reducer.CheckShards(opts.Shards, pg.Size()); err != nil { // before any collective
 		return nil, fmt.Errorf("%w: Options.Shards: %w", ErrInvalidArgument, err)
+	}
+	if err := checkJoinOptions(&opts); err != nil {
+		return nil, err
 	}
 	d := &DDP{pg: pg, opts: opts, log: opts.Logger}
 	descs := make([]desc, 0, len(params)+len(opts.Buffers))
@@ -240,7 +259,7 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	}
 	d.opts.Buffers = d.buffers
 	if pg.Size() > 1 {
-		if err := verify(ctx, pg, descs, opts.Shards, reducer.DescribeHook(opts.CommHook), opts.NoFiniteCheck); err != nil {
+		if err := verify(ctx, pg, descs, opts.Shards, reducer.DescribeHook(opts.CommHook), opts.NoFiniteCheck, opts.UnevenInputs); err != nil {
 			return nil, err
 		}
 		if err := broadcastAll(ctx, pg, d.tensors(true), chunkBytes(opts.BroadcastChunkMB)); err != nil {
@@ -338,6 +357,9 @@ func (d *DDP) BeginBackward(mode SyncMode) {
 	case phaseFinalizing:
 		d.failLocked(fmt.Errorf("BeginBackward during Finalize: %w", ErrPhase))
 		return
+	case phaseJoined:
+		d.failLocked(fmt.Errorf("BeginBackward during Join: %w", ErrPhase))
+		return
 	}
 	var next phase
 	switch mode {
@@ -352,6 +374,13 @@ func (d *DDP) BeginBackward(mode SyncMode) {
 	if err := d.r.BeginBackward(mode); err != nil {
 		d.failLocked(err)
 		return
+	}
+	if mode == Sync && d.opts.UnevenInputs {
+		// Before any bucket of the pass can launch: Note [Join].
+		if err := d.join.launch(d.pg, 1, 0); err != nil {
+			d.failLocked(err)
+			return
+		}
 	}
 	d.phase = next
 }
@@ -468,7 +497,7 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	case phaseClosed:
 		d.mu.Unlock()
 		return ErrClosed
-	case phaseIdle, phaseFinalizing:
+	case phaseIdle, phaseFinalizing, phaseJoined:
 		d.mu.Unlock()
 		return fmt.Errorf("%w: Finalize without a backward pass (call BeginBackward first)", ErrPhase)
 	}
@@ -476,7 +505,17 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	d.phase = phaseFinalizing
 	d.mu.Unlock()
 
-	err := d.r.Finalize(ctx) // without d.mu: Stats, Err and Close stay responsive
+	var active int
+	var err error
+	if synced && d.opts.UnevenInputs {
+		active, _, err = d.join.wait(ctx)
+	}
+	if err == nil {
+		err = d.r.Finalize(ctx) // without d.mu: Stats, Err and Close stay responsive
+	}
+	if err == nil && synced && d.opts.JoinDivideByActive && active < d.pg.Size() {
+		d.rescale(float64(d.pg.Size()) / float64(active))
+	}
 
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -604,7 +643,8 @@ func (d *DDP) Generation() int { return d.r.Generation() }
 
 // BroadcastBuffers copies rank 0's buffers (Options.Buffers) to every rank, as PyTorch does
 // before each forward with broadcast_buffers. Every rank must call it at the same point,
-// outside a backward pass.
+// outside a backward pass. With Options.UnevenInputs the ranks in Join take part, and once
+// a rank has joined the source is the highest rank still training (Note [Join]).
 func (d *DDP) BroadcastBuffers(ctx context.Context) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -620,8 +660,22 @@ func (d *DDP) BroadcastBuffers(ctx context.Context) error {
 	if d.pg.Size() == 1 || len(d.buffers) == 0 {
 		return nil
 	}
-	if err := broadcastAll(ctx, d.pg, d.tensors(false), chunkBytes(d.opts.BroadcastChunkMB)); err != nil {
-		return d.failLocked(fmt.Errorf("broadcast of buffers: %w", err))
+	root := 0
+	if d.opts.UnevenInputs { // Note [Join]: the ranks in Join take part
+		err := d.join.launch(d.pg, 0, 1)
+		var n int
+		if err == nil {
+			_, n, err = d.join.wait(ctx)
+		}
+		if err == nil {
+			root, err = bufferRoot(ctx, d.pg, n, true)
+		}
+		if err != nil {
+			return d.failLocked(fmt.Errorf("broadcast of buffers: %w", err))
+		}
+	}
+	if err := broadcastFrom(ctx, d.pg, d.tensors(false), chunkBytes(d.opts.BroadcastChunkMB), root); err != nil {
+		return d.failLocked(fmt.Errorf("broadcast of buffers from rank %d: %w", root, err))
 	}
 	return nil
 }
@@ -641,6 +695,9 @@ func (d *DDP) Close() {
 	defer d.mu.Unlock()
 	if d.phase == phaseClosed {
 		return
+	}
+	if d.phase == phaseJoined { // the peers wait for this rank's shadow collectives
+		d.pg.Abort(fmt.Errorf("ddp: rank %d: closed during Join", d.pg.Rank()))
 	}
 	d.phase = phaseClosed
 	_ = d.r.Close() // always nil: it only releases

@@ -194,7 +194,7 @@ func TestInitialBroadcast(t *testing.T) {
 				for _, r := range c.Issued(1) {
 					ops = append(ops, r.String())
 				}
-				wantOps := []string{"allgather int64×6", "broadcast float32×1017 root 0", "broadcast float64×7 root 0", "broadcast int64×4 root 0"}
+				wantOps := []string{"allgather int64×7", "broadcast float32×1017 root 0", "broadcast float64×7 root 0", "broadcast int64×4 root 0"}
 				if !slices.Equal(ops, wantOps) {
 					t.Errorf("collectives %q, want %q", ops, wantOps)
 				}

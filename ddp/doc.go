@@ -107,6 +107,38 @@
 // pass fails the DDP (ErrMarkedTwice): report a shared parameter once, after its
 // contributions are summed.
 //
+// # Join (uneven inputs)
+//
+// With Options.UnevenInputs (on every rank) the ranks may run different numbers of steps,
+// as with PyTorch's Join: a rank whose data has run out calls Join in place of more steps.
+// Join shadows the synced steps the others still run, with zero gradients (the same
+// collectives: the hook gets zero buckets; NoSync passes need no shadow), and returns on
+// every rank once all have called it, each rank then holding the parameters of a rank that
+// ran every step (Note [Join]). The averages divide by the world size (a joined rank's
+// share of the batch is missing, every sample weighs the same, as PyTorch's default
+// divide_by_initial_world_size); Options.JoinDivideByActive divides by the ranks still
+// training instead. Every synced step costs one more small all-reduce, the count of those
+// ranks. The loop of the plain trainer above becomes:
+//
+//	d, err := ddp.New(ctx, pg, params, ddp.Options{UnevenInputs: true})
+//	for batch := range myBatches { // as many as this rank has: 0, 3 or 5
+//		d.BeginBackward(ddp.Sync)
+//		forwardBackward(batch)     // GradReady for each gradient
+//		if err := d.Finalize(ctx); err != nil {
+//			return err
+//		}
+//		sgd(w1, gw1); sgd(w2, gw2)
+//	}
+//	if err := d.Join(ctx); err != nil { // until every rank's data has run out
+//		return err
+//	}
+//
+// Join comes between steps (after a synced Finalize, not after NoSync passes of an
+// unfinished step). BroadcastBuffers is shadowed too (its source is then the highest
+// rank still training), but collectives of the trainer's own (a loss's all-reduce) are
+// not, so they must not run while a rank may be in Join. Options.Shards and
+// Options.Device are refused with UnevenInputs.
+//
 // # Shards (the same bits at every world size)
 //
 // With Options.Shards = L the global batch is fixed, not the per-rank batch: each step's

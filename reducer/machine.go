@@ -251,6 +251,18 @@ func (m *Machine) InBackward() bool { return m.phase == phaseSync || m.phase == 
 // Busy reports whether a synced pass is in progress (begun and not yet done).
 func (m *Machine) Busy() bool { return m.phase == phaseSync || m.phase == phaseFinalizing }
 
+// Accumulated reports whether a slot holds gradients of the current accumulation window
+// (Accumulate passes since the last synced Finalize), which the next synced pass would
+// add to.
+func (m *Machine) Accumulated() bool {
+	for _, w := range m.filledWin {
+		if w == m.window {
+			return true
+		}
+	}
+	return false
+}
+
 // Unused lists the parameters that got no gradient in the last synced backward run with
 // FindUnusedParameters (ascending). It is valid until the next BeginBackward.
 func (m *Machine) Unused() []int { return m.unused }

@@ -240,6 +240,14 @@ func (r *Reducer) Generation() int {
 	return r.gen
 }
 
+// Accumulated reports whether Accumulate passes since the last synced Finalize left
+// gradients in the buckets, which the next synced pass adds to.
+func (r *Reducer) Accumulated() bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.m.Accumulated()
+}
+
 // fail ends the reducer with err and aborts the process group (see Reducer).
 // r.mu must be held.
 func (r *Reducer) failLocked(err error) error {

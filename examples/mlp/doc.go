@@ -49,6 +49,14 @@
 //	[rank0]: mlp: reducer: step 5: non-finite local gradient: rank 1: parameter 2 (w2)
 //	[rank1]: mlp: reducer: step 5: non-finite local gradient: rank 1: parameter 2 (w2)
 //
+// --steps_per_rank A,B,… (instead of --steps) gives the ranks uneven data: rank r runs
+// the r-th count of steps, then calls ddp's Join (ddp.Options.UnevenInputs), shadowing
+// the others' steps with zero gradients until every rank is done; every rank then ends
+// with the same parameters, those of a rank that ran every step. Rank 0 then prints its
+// own batch's loss, since a joined rank cannot take part in the loss's all-reduce:
+//
+//	ddprun --nproc_per_node 3 ./examples/mlp -- --steps_per_rank 0,3,5
+//
 // Output: rank 0 prints the loss of the global batch every --log_every steps; every rank
 // ends with "params_crc32=<8 hex>", the CRC-32 (IEEE) of its final parameters'
 // little-endian float32 bytes in registration order, the same on every rank.

@@ -43,6 +43,7 @@ type flags struct {
 	stderr        io.Writer // where a rank says a non-finite gradient before it leaves (see train)
 	commHook      string
 	psgd          ddp.PowerSGDOptions // --powersgd_rank, --powersgd_start_iter, --powersgd_min_compression_rate
+	stepsPerRank  []int               // --steps_per_rank: rank r runs stepsPerRank[r] steps, then ddp's Join (nil: --steps each)
 }
 
 // injection is --inject_nan RANK:STEP:PARAM: rank RANK's gradient of parameter PARAM (an
@@ -125,6 +126,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 1, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank)")
 	fs.IntVar(&f.psgd.StartIter, "powersgd_start_iter", 0, "with --comm_hook powersgd: steps all-reduced uncompressed first (PyTorch's start_powerSGD_iter)")
 	fs.Float64Var(&f.psgd.MinCompressionRate, "powersgd_min_compression_rate", 2, "with --comm_hook powersgd: a matrix is compressed only if that saves this factor (PyTorch's min_compression_rate)")
+	perRank := fs.String("steps_per_rank", "", "comma-separated steps of each rank (uneven data, e.g. 0,3,5): a rank whose steps are done joins (ddp.Options.UnevenInputs) until every rank's are; instead of --steps")
 	if err := fs.Parse(args); err != nil {
 		return f, err
 	}
@@ -139,6 +141,21 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 			return f, fmt.Errorf("--global_batch_size %d, --micro_batch_size %d: want both positive, the global batch a multiple of the micro-batch", f.global, f.micro)
 		case set["batch_size"] || set["accum_steps"]:
 			return f, fmt.Errorf("--global_batch_size and --micro_batch_size fix the batch: drop --batch_size and --accum_steps")
+		}
+	}
+	if set["steps_per_rank"] {
+		for _, p := range strings.Split(*perRank, ",") {
+			n, err := strconv.Atoi(strings.TrimSpace(p))
+			if err != nil || n < 0 {
+				return f, fmt.Errorf("--steps_per_rank %q: want comma-separated step counts, not negative, one per rank (e.g. 0,3,5)", *perRank)
+			}
+			f.stepsPerRank = append(f.stepsPerRank, n)
+		}
+		switch {
+		case set["steps"]:
+			return f, fmt.Errorf("--steps_per_rank gives each rank its steps: drop --steps")
+		case f.noDDP || f.shards() > 0 || f.checkpointDir != "":
+			return f, fmt.Errorf("--steps_per_rank takes neither --no_ddp, --global_batch_size nor --checkpoint_dir")
 		}
 	}
 	switch {
@@ -221,7 +238,14 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			return nil, err
 		}
 		// New checks the ranks' models and hooks agree and copies rank 0's parameters.
-		opts := ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards(), CommHook: hook}
+		opts := ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards(), CommHook: hook,
+			UnevenInputs: f.stepsPerRank != nil}
+		if f.stepsPerRank != nil {
+			if len(f.stepsPerRank) != world {
+				return nil, fmt.Errorf("--steps_per_rank %v: %d counts for a world of %d ranks", f.stepsPerRank, len(f.stepsPerRank), world)
+			}
+			f.steps = f.stepsPerRank[rank]
+		}
 		if d, err = ddp.New(ctx, pg, params, opts); err != nil {
 			if f.shards() > 0 {
 				return nil, fmt.Errorf("--global_batch_size %d / --micro_batch_size %d: %w", f.global, f.micro, err)
@@ -280,7 +304,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 
 		if f.logEvery > 0 && (step%f.logEvery == 0 || step == f.steps-1) {
 			l := []float32{loss}
-			if pg != nil { // every rank takes part: the global batch's loss
+			if pg != nil && f.stepsPerRank == nil { // every rank takes part: the global batch's loss
 				if err := pg.AllReduce(ctx, l, procgroup.Avg).Wait(ctx); err != nil {
 					return nil, err
 				}
@@ -290,6 +314,11 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			}
 		}
 		if err := k.after(rank, step); err != nil {
+			return nil, err
+		}
+	}
+	if f.stepsPerRank != nil { // this rank's data is done: shadow the others' steps
+		if err := d.Join(ctx); err != nil { // then every rank holds the same parameters
 			return nil, err
 		}
 	}

@@ -434,3 +434,31 @@ func TestCommHookFlag(t *testing.T) {
 		t.Errorf("--comm_hook powersdg: %v, want %q", err, want)
 	}
 }
+
+// TestUnevenStepsUnderDDPRun launches 3 ranks of this trainer under the real ddprun with
+// --steps_per_rank 0,3,5: rank 0 has no data at all, rank 1 three steps, rank 2 five. The
+// job finishes (without Join, rank 0 would leave at once and its peers fail with peer
+// lost), every rank ends with the same params_crc32, and that is not the crc of the
+// initial parameters (the steps did change them).
+func TestUnevenStepsUnderDDPRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun")
+	}
+	const args = "--hidden_size 16 --log_every 0 --steps_per_rank 0,3,5 --bucket_cap_mb 0.0001 --first_bucket_cap_mb 0.0001"
+	ddprun := buildDDPRun(t)
+	last, stdout, stderr, err := ddprunTrainer(t, ddprun, 3, args)
+	if err != nil {
+		t.Fatalf("ddprun: %v\nstdout:\n%s\nstderr:\n%s", err, stdout, stderr)
+	}
+	p0, _ := alone(t, "--hidden_size 16 --steps 0 --log_every 0")
+	initial := fmt.Sprintf("params_crc32=%08x", crc32.ChecksumIEEE(paramBytes(p0)))
+	for r := range 3 {
+		got := last[fmt.Sprint("rank", r)]
+		if !strings.HasPrefix(got, "params_crc32=") || got != last["rank0"] {
+			t.Fatalf("rank %d ends with %q, rank 0 with %q, want the same params_crc32\nstdout:\n%s", r, got, last["rank0"], stdout)
+		}
+		if got == initial {
+			t.Fatalf("rank %d ends with the initial parameters' %s", r, got)
+		}
+	}
+}
