@@ -18,9 +18,14 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/goddp/goddp/procgroup/storepb"
 )
@@ -33,6 +38,7 @@ const (
 	DefaultStoreMaxKeys       = 1 << 20
 	DefaultStoreMaxKeyBytes   = 4 << 10
 	DefaultStoreMaxValueBytes = 64 << 20
+	DefaultStoreMaxWaitKeys   = 1 << 14
 )
 
 // storeCloseGrace bounds how long Close waits for replies in flight before it cuts the
@@ -53,13 +59,16 @@ type StoreServerOptions struct {
 	// Bounds; 0 means the Default* constants. A call that exceeds one fails (codes.
 	// ResourceExhausted or InvalidArgument) and the server stays up.
 	MaxKeys, MaxKeyBytes, MaxValueBytes int
+	// MaxWaitKeys bounds the keys of one Wait; a longer list is refused before it is
+	// decoded (a message of one-byte keys would otherwise decode into ~8x its size).
+	MaxWaitKeys int
 }
 
 func (o *StoreServerOptions) validate() error {
 	if o.Token == "" {
 		return fmt.Errorf("%w: store server: empty token", ErrInvalidArgument)
 	}
-	if o.MaxKeys < 0 || o.MaxKeyBytes < 0 || o.MaxValueBytes < 0 {
+	if o.MaxKeys < 0 || o.MaxKeyBytes < 0 || o.MaxValueBytes < 0 || o.MaxWaitKeys < 0 {
 		return fmt.Errorf("%w: store server: negative bound", ErrInvalidArgument)
 	}
 	if o.MaxKeys == 0 {
@@ -71,10 +80,50 @@ func (o *StoreServerOptions) validate() error {
 	if o.MaxValueBytes == 0 {
 		o.MaxValueBytes = DefaultStoreMaxValueBytes
 	}
+	if o.MaxWaitKeys == 0 {
+		o.MaxWaitKeys = DefaultStoreMaxWaitKeys
+	}
 	if o.Logger == nil {
 		o.Logger = zap.NewNop()
 	}
 	return nil
+}
+
+// storeCodec is the proto codec, but it counts the keys of a WaitRequest on the wire and
+// refuses more than maxWaitKeys before it decodes any.
+type storeCodec struct {
+	base        encoding.CodecV2
+	maxWaitKeys int
+}
+
+func (c storeCodec) Name() string                           { return c.base.Name() }
+func (c storeCodec) Marshal(v any) (mem.BufferSlice, error) { return c.base.Marshal(v) }
+
+func (c storeCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	req, ok := v.(*storepb.WaitRequest)
+	if !ok {
+		return c.base.Unmarshal(data, v)
+	}
+	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+	defer buf.Free()
+	b := buf.ReadOnlyData()
+	for n := 0; len(b) > 0; {
+		num, typ, k := protowire.ConsumeTag(b)
+		if k < 0 {
+			break // malformed: proto.Unmarshal says so
+		}
+		m := protowire.ConsumeFieldValue(num, typ, b[k:])
+		if m < 0 {
+			break
+		}
+		if num == 1 {
+			if n++; n > c.maxWaitKeys {
+				return fmt.Errorf("goddp store: a wait for more than %d keys (the limit)", c.maxWaitKeys)
+			}
+		}
+		b = b[k+m:]
+	}
+	return proto.Unmarshal(buf.ReadOnlyData(), req)
 }
 
 // StoreServer serves a MemStore over gRPC to the ranks of one job.
@@ -119,6 +168,7 @@ func StartStoreServer(opts StoreServerOptions) (*StoreServer, error) {
 		grpc.MaxSendMsgSize(math.MaxInt32),
 		// Stop then waits for the handlers to return (Close promises no goroutine left).
 		grpc.WaitForHandlers(true),
+		grpc.ForceServerCodecV2(storeCodec{base: encoding.GetCodecV2(grpcproto.Name), maxWaitKeys: opts.MaxWaitKeys}),
 	}
 	if opts.TLS != nil {
 		sopts = append(sopts, grpc.Creds(newLoggedCreds(opts.TLS, opts.Logger))) // logs refused handshakes (tls.go)
@@ -335,6 +385,9 @@ func (s *StoreServer) Delete(ctx context.Context, req *storepb.DeleteRequest) (*
 
 // Wait implements storepb.StoreServer.
 func (s *StoreServer) Wait(ctx context.Context, req *storepb.WaitRequest) (*storepb.WaitResponse, error) {
+	if len(req.Keys) > s.opts.MaxWaitKeys { // storeCodec refuses it first, on the wire
+		return nil, status.Errorf(codes.InvalidArgument, "goddp store: a wait for %d keys exceeds the limit of %d", len(req.Keys), s.opts.MaxWaitKeys)
+	}
 	for _, k := range req.Keys {
 		if err := s.checkKey(k); err != nil {
 			return nil, err
@@ -420,7 +473,9 @@ func (c *storeClient) closed() bool {
 // stays in the chain (status.Code works on the result).
 func (c *storeClient) wrap(op, key string, ctx context.Context, err error) error {
 	what := "procgroup: store " + op
-	if key != "" {
+	if len(key) > 64 {
+		what += fmt.Sprintf(" %q… (%d bytes)", key[:64], len(key))
+	} else if key != "" {
 		what += fmt.Sprintf(" %q", key)
 	}
 	if c.closed() {
@@ -437,7 +492,7 @@ func (c *storeClient) wrap(op, key string, ctx context.Context, err error) error
 	case codes.Canceled:
 		return fmt.Errorf("%s: %w: %w", what, context.Canceled, err)
 	case codes.InvalidArgument, codes.ResourceExhausted:
-		return fmt.Errorf("%s: %w: %w", what, ErrInvalidArgument, err)
+		return fmt.Errorf("%s at %s: %w: %w", what, c.addr, ErrInvalidArgument, err)
 	}
 	return fmt.Errorf("%s at %s: %w", what, c.addr, err)
 }

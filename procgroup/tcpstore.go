@@ -329,7 +329,7 @@ func (s *TCPStore) do(ctx context.Context, op, key string, f func(c *tcpConn) er
 	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || isConnReset(err):
 		return fmt.Errorf("procgroup: tcpstore %s %q: the server %s closed the connection (it refuses a request it cannot parse, such as add to a value that is not an integer)", op, key, s.addr)
 	}
-	return fmt.Errorf("procgroup: tcpstore %s %q: %w", op, key, err)
+	return fmt.Errorf("procgroup: tcpstore %s %q: server %s: %w", op, key, s.addr, err)
 }
 
 // Request encoding.

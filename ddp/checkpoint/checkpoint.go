@@ -485,7 +485,11 @@ func (c *Checkpointer) load(path string, step int64) error {
 	if err != nil {
 		return &unreadableError{fmt.Errorf("checkpoint %s: %w", path, err)}
 	}
-	size := fi.Size()
+	return c.decode(fh, fi.Size(), path, step)
+}
+
+// decode is load's reader of the size bytes of r, the file at path.
+func (c *Checkpointer) decode(fh io.ReadSeeker, size int64, path string, step int64) error {
 	if size < int64(len(magic))+4+8+3*4+4 {
 		return &unreadableError{fmt.Errorf("checkpoint %s: %d bytes: cut short", path, size)}
 	}

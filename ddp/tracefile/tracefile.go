@@ -155,7 +155,11 @@ func Merge(files ...*File) (*File, error) {
 			}
 			out.OtherData.Hosts[r] = h
 		}
-		shift := float64(f.OtherData.EpochUnixMicro - epoch)
+		d := f.OtherData.EpochUnixMicro - epoch
+		if d < 0 { // it overflowed: no two real clocks are 292,000 years apart
+			return nil, fmt.Errorf("%w: Merge: trace %d's epoch %d µs is too far from trace epoch %d µs", ErrInvalidArgument, k, f.OtherData.EpochUnixMicro, epoch)
+		}
+		shift := float64(d)
 		out.OtherData.Offsets = append(out.OtherData.Offsets, shift)
 		for _, e := range f.TraceEvents {
 			if e.Ph != "M" {
