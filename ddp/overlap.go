@@ -4,9 +4,8 @@ import (
 	"cmp"
 	"fmt"
 	"slices"
-	"unsafe"
 
-	"github.com/goddp/goddp/procgroup"
+	"github.com/goddp/goddp/reducer"
 )
 
 // span is the memory of one parameter's Data or Grad, [lo, hi) in bytes: a host slice's in
@@ -24,23 +23,10 @@ func (s span) what() string {
 	return "Data"
 }
 
-// spanOf returns the memory of buf, a []float32, []float64 or procgroup.DeviceBuffer; ok is
-// false for an empty buffer, which shares memory with nothing.
-func spanOf(buf any, param int, grad bool) (s span, ok bool) {
-	var lo uintptr
-	var n int
-	switch b := buf.(type) {
-	case []float32:
-		lo, n = uintptr(unsafe.Pointer(unsafe.SliceData(b))), len(b)*4
-	case []float64:
-		lo, n = uintptr(unsafe.Pointer(unsafe.SliceData(b))), len(b)*8
-	case procgroup.DeviceBuffer:
-		lo, n = uintptr(b.Ptr), b.Bytes()
-	}
-	if n <= 0 {
-		return span{}, false
-	}
-	return span{lo: lo, hi: lo + uintptr(n), param: param, grad: grad}, true
+// spanOf is param's Data (or, with grad, its Grad) as a span (reducer.MemorySpan).
+func spanOf(buf any, param int, grad bool) (span, bool) {
+	lo, hi, ok := reducer.MemorySpan(buf)
+	return span{lo: lo, hi: hi, param: param, grad: grad}, ok
 }
 
 // checkOverlap refuses parameters whose Data or Grad share memory, with each other or

@@ -16,23 +16,30 @@ type span struct {
 	param  int
 }
 
-// spanOf returns the memory of grad, a []float32, []float64 or procgroup.DeviceBuffer;
-// ok is false for an empty buffer, which shares memory with nothing.
-func spanOf(grad any, param int) (s span, ok bool) {
-	var lo uintptr
+// MemorySpan returns the memory buf occupies, [lo, hi) in bytes: a []float32's or
+// []float64's in the process's memory, a procgroup.DeviceBuffer's in the device's. ok is
+// false for an empty buffer (or another type), which shares memory with nothing. It is what
+// New (and ddp.New, for Data too) compare to refuse tensors registered twice.
+func MemorySpan(buf any) (lo, hi uintptr, ok bool) {
 	var n int
-	switch g := grad.(type) {
+	switch b := buf.(type) {
 	case []float32:
-		lo, n = uintptr(unsafe.Pointer(unsafe.SliceData(g))), len(g)*4
+		lo, n = uintptr(unsafe.Pointer(unsafe.SliceData(b))), len(b)*4
 	case []float64:
-		lo, n = uintptr(unsafe.Pointer(unsafe.SliceData(g))), len(g)*8
+		lo, n = uintptr(unsafe.Pointer(unsafe.SliceData(b))), len(b)*8
 	case procgroup.DeviceBuffer:
-		lo, n = uintptr(g.Ptr), g.Bytes()
+		lo, n = uintptr(b.Ptr), b.Bytes()
 	}
 	if n <= 0 {
-		return span{}, false
+		return 0, 0, false
 	}
-	return span{lo: lo, hi: lo + uintptr(n), param: param}, true
+	return lo, lo + uintptr(n), true
+}
+
+// spanOf is param's Grad as a span.
+func spanOf(grad any, param int) (span, bool) {
+	lo, hi, ok := MemorySpan(grad)
+	return span{lo: lo, hi: hi, param: param}, ok
 }
 
 // checkOverlap refuses parameters whose Grad share memory. Two Params on one tensor (a tied
