@@ -74,7 +74,9 @@ func PowerSGDHook(o PowerSGDOptions) CommHook {
 // the only thing the next all-reduce sees, is the same.) A column that
 // orthonormalisation finds degenerate (a zero gradient, a matrix of lower rank than r) is
 // replaced by a pseudo-random one drawn from the seed, the parameter and the step, the
-// same on every rank, so that the factors never collapse to zero.
+// same on every rank, so that the factors never collapse to zero. Alternation has a cost:
+// a P step's error enters the next Q factor, so a gradient of exactly rank r is approached
+// over many steps rather than found in two.
 //
 // The message of a bucket is its uncompressed elements followed by each compressed
 // matrix's P_w (even steps) or Q_w (odd steps), in the bucket's element type: one

@@ -73,5 +73,7 @@
 //
 // Tests run the whole backend against fake libcuda/libnccl libraries written in C
 // (testdata/fake), compiled in TestMain; scripts/gpu_check.sh runs the GPU tests on a real
-// device.
+// device. The fakes act like the real libraries where bugs hide: a collective blocks in its
+// host call until the peers arrive, the current context is per thread, and the legacy
+// default stream synchronises with blocking streams.
 package nccl
