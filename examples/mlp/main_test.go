@@ -18,6 +18,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/goddp/goddp/internal/launchtest"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -87,10 +88,7 @@ func TestDDPRunEqualsOneProcess(t *testing.T) {
 		t.Skip("builds ddprun")
 	}
 	dir := t.TempDir()
-	ddprun := filepath.Join(dir, "ddprun")
-	if out, err := exec.Command(goTool(), "build", "-o", ddprun, "github.com/goddp/goddp/cmd/ddprun").CombinedOutput(); err != nil {
-		t.Fatalf("building ddprun: %v\n%s", err, out)
-	}
+	ddprun := launchtest.DDPRun(t)
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -204,14 +202,7 @@ func trainRanks(t *testing.T, size int, args string) [][]float32 {
 }
 
 // buildDDPRun builds the real ddprun into a temporary folder.
-func buildDDPRun(t *testing.T) string {
-	t.Helper()
-	ddprun := filepath.Join(t.TempDir(), "ddprun")
-	if out, err := exec.Command(goTool(), "build", "-o", ddprun, "github.com/goddp/goddp/cmd/ddprun").CombinedOutput(); err != nil {
-		t.Fatalf("building ddprun: %v\n%s", err, out)
-	}
-	return ddprun
-}
+func buildDDPRun(t *testing.T) string { return launchtest.DDPRun(t) }
 
 // ddprunTrainer runs n ranks of this trainer (this test binary) under ddprun with args, and
 // returns each rank's last line of stdout ("rank0" → line), and its stdout and stderr.
@@ -221,20 +212,7 @@ func ddprunTrainer(t *testing.T, ddprun string, n int, args string) (last map[st
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, ddprun, append([]string{"--standalone", "--nproc_per_node", fmt.Sprint(n), exe, "--"}, strings.Fields(args)...)...)
-	cmd.Env = append(os.Environ(), asMainEnv+"=1")
-	var out, errOut bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errOut
-	err = cmd.Run()
-	last = map[string]string{}
-	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
-		if rank, rest, ok := strings.Cut(line, "]: "); ok {
-			last[strings.TrimPrefix(rank, "[")] = rest
-		}
-	}
-	return last, out.String(), errOut.String(), err
+	return launchtest.Ranks(t, ddprun, n, exe, []string{asMainEnv + "=1"}, 2*time.Minute, args)
 }
 
 // shardArgs: 6 logical shards of 4 samples (a global batch of 24), buckets of about 100
@@ -300,14 +278,7 @@ func TestShardsWorldSizeRefused(t *testing.T) {
 	}
 }
 
-func goTool() string {
-	if p := filepath.Join(os.Getenv("GOROOT"), "bin", "go"); os.Getenv("GOROOT") != "" {
-		if _, err := os.Stat(p); err == nil {
-			return p
-		}
-	}
-	return "go"
-}
+func goTool() string { return launchtest.GoTool() }
 
 // TestShardFlags: --global_batch_size and --micro_batch_size are checked together, and
 // refuse --batch_size and --accum_steps beside them.

@@ -21,6 +21,7 @@ import (
 	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/examples/transformer/model"
 	"github.com/goddp/goddp/examples/transformer/optim"
+	"github.com/goddp/goddp/internal/launchtest"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -284,15 +285,7 @@ func TestDDPRunEndToEnd(t *testing.T) {
 		t.Skip("builds ddprun")
 	}
 	dir := t.TempDir()
-	goTool := filepath.Join(os.Getenv("GOROOT"), "bin", "go")
-	if _, err := os.Stat(goTool); err != nil {
-		goTool = "go"
-	}
-	ddprun := filepath.Join(dir, "ddprun")
-	build := exec.Command(goTool, "build", "-o", ddprun, "github.com/goddp/goddp/cmd/ddprun")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("building ddprun: %v\n%s", err, out)
-	}
+	ddprun := launchtest.DDPRun(t)
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)

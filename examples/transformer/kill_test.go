@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/goddp/goddp/internal/launchtest"
 )
 
 // TestKillRestart is scripts/kill_test.sh at tiny size: under the real ddprun with
@@ -28,14 +30,7 @@ func TestKillRestart(t *testing.T) {
 		t.Skip("builds ddprun, kills ranks")
 	}
 	dir := t.TempDir()
-	goTool := filepath.Join(os.Getenv("GOROOT"), "bin", "go")
-	if _, err := os.Stat(goTool); err != nil {
-		goTool = "go"
-	}
-	ddprun := filepath.Join(dir, "ddprun")
-	if out, err := exec.Command(goTool, "build", "-o", ddprun, "github.com/goddp/goddp/cmd/ddprun").CombinedOutput(); err != nil {
-		t.Fatalf("building ddprun: %v\n%s", err, out)
-	}
+	ddprun := launchtest.DDPRun(t)
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/goddp/goddp/ddp/tracefile"
+	"github.com/goddp/goddp/internal/launchtest"
 )
 
 // TestOutputFlagsCheckedFirst: a --trace, --checkpoint_dir or --cpuprofile that cannot be
@@ -38,14 +39,7 @@ func TestTraceWithTraceMerge(t *testing.T) {
 		t.Skip("builds ddprun")
 	}
 	dir := t.TempDir()
-	goTool := filepath.Join(os.Getenv("GOROOT"), "bin", "go")
-	if _, err := os.Stat(goTool); err != nil {
-		goTool = "go"
-	}
-	ddprun := filepath.Join(dir, "ddprun")
-	if out, err := exec.Command(goTool, "build", "-o", ddprun, "github.com/goddp/goddp/cmd/ddprun").CombinedOutput(); err != nil {
-		t.Fatalf("building ddprun: %v\n%s", err, out)
-	}
+	ddprun := launchtest.DDPRun(t)
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)

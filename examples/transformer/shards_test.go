@@ -2,15 +2,14 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/goddp/goddp/internal/launchtest"
 )
 
 // shardArgs: 6 logical shards of 2 samples (a global batch of 12) of a small model with
@@ -20,18 +19,7 @@ const shardArgs = "--num_layers 1 --hidden_size 32 --seq_len 16 --warmup_steps 0
 	" --global_batch_size 12 --micro_batch_size 2 --bucket_cap_mb 0.002 --first_bucket_cap_mb 0.002"
 
 // shardsLauncher builds the real ddprun into a temporary folder.
-func shardsLauncher(t *testing.T) string {
-	t.Helper()
-	goTool := filepath.Join(os.Getenv("GOROOT"), "bin", "go")
-	if _, err := os.Stat(goTool); err != nil {
-		goTool = "go"
-	}
-	ddprun := filepath.Join(t.TempDir(), "ddprun")
-	if out, err := exec.Command(goTool, "build", "-o", ddprun, "github.com/goddp/goddp/cmd/ddprun").CombinedOutput(); err != nil {
-		t.Fatalf("building ddprun: %v\n%s", err, out)
-	}
-	return ddprun
-}
+func shardsLauncher(t *testing.T) string { return launchtest.DDPRun(t) }
 
 // launchRanks runs n ranks of this trainer (this test binary) under ddprun with args and
 // returns each rank's last line of stdout ("rank0" → line), and its stdout and stderr.
@@ -41,20 +29,7 @@ func launchRanks(t *testing.T, ddprun string, n int, args string) (last map[stri
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, ddprun, append([]string{"--standalone", "--nproc_per_node", fmt.Sprint(n), exe, "--"}, strings.Fields(args)...)...)
-	cmd.Env = append(os.Environ(), asMainEnv+"=1")
-	var out, errOut bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errOut
-	err = cmd.Run()
-	last = map[string]string{}
-	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
-		if rank, rest, ok := strings.Cut(line, "]: "); ok {
-			last[strings.TrimPrefix(rank, "[")] = rest
-		}
-	}
-	return last, out.String(), errOut.String(), err
+	return launchtest.Ranks(t, ddprun, n, exe, []string{asMainEnv + "=1"}, 3*time.Minute, args)
 }
 
 var lossRE = regexp.MustCompile(`(?m)^(?:\[rank0\]: )?(step \d+ loss [0-9.e+-]+)`)
