@@ -410,16 +410,23 @@ func trainerPIDs(t *testing.T, seed string) []int {
 
 // rankPID is the pid of the trainer process that host n.host's ddprun started (one rank
 // per host).
+// It looks for up to 10 s: under load the rank may still be between its exec and the
+// environment /proc shows, or in a launcher's restart, when the caller asks.
 func rankPID(t *testing.T, n *node, seed string) int {
 	t.Helper()
-	for _, pid := range trainerPIDs(t, seed) {
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
-		if err == nil && strings.Contains(string(b), "\x00GROUP_RANK="+strconv.Itoa(n.host)+"\x00") {
-			return pid
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		for _, pid := range trainerPIDs(t, seed) {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
+			if err == nil && strings.Contains(string(b), "\x00GROUP_RANK="+strconv.Itoa(n.host)+"\x00") {
+				return pid
+			}
 		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no trainer process of host%d found in 10s", n.host)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
-	t.Fatalf("no trainer process of host%d found", n.host)
-	return 0
 }
 
 // TestRankKilledMidRun: kill -9 of host1's rank mid-run makes every rank fail quickly, and
