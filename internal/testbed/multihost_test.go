@@ -423,7 +423,7 @@ func rankPID(t *testing.T, n *node, seed string) int {
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no trainer process of host%d found in 10s", n.host)
+			t.Fatalf("no trainer process of host%d found in 10s (trainers with --seed %s: %v); its ddprun so far:\n%s", n.host, seed, trainerPIDs(t, seed), n.out.String())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
