@@ -465,11 +465,13 @@ func TestRankKilledMidRun(t *testing.T) {
 
 // TestTwoNodeRestart: --max_restarts 1 on a two-node job, host1's rank killed mid-run: both
 // nodes restart, resume from their checkpoints, and end bit-identical to an uninterrupted run.
+// The run is long enough (400 steps of a tiny model) that host1's rank is still there when
+// the test, polling rank 0's output, has seen step 5: with 40 steps it could finish first.
 func TestTwoNodeRestart(t *testing.T) {
 	tb := newBed(t, Options{Hosts: 2})
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	base := "--num_layers 1 --hidden_size 16 --seq_len 8 --batch_size 2 --warmup_steps 2 --bench_steps 40 --log_every 1 --checkpoint_every 2 --seed 7302"
+	base := "--num_layers 1 --hidden_size 16 --seq_len 8 --batch_size 2 --warmup_steps 2 --bench_steps 400 --log_every 1 --checkpoint_every 2 --seed 7302"
 	ref := oneHost(t, 2, base+" --checkpoint_dir "+t.TempDir())
 	restart := []string{"--max_restarts", "1"}
 	n0 := startNode(t, ctx, tb, 0, 1, tokenEnv(), restart, base+" --checkpoint_dir "+t.TempDir())
