@@ -351,14 +351,7 @@ func (d *DDP) Params() []Param { return d.params }
 func (d *DDP) BeginBackward(mode SyncMode) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	switch d.phase {
-	case phaseFailed, phaseClosed:
-		return
-	case phaseFinalizing:
-		d.failLocked(fmt.Errorf("BeginBackward during Finalize: %w", ErrPhase))
-		return
-	case phaseJoined:
-		d.failLocked(fmt.Errorf("BeginBackward during Join: %w", ErrPhase))
+	if !d.mayBeginLocked("BeginBackward") {
 		return
 	}
 	var next phase
@@ -385,6 +378,23 @@ func (d *DDP) BeginBackward(mode SyncMode) {
 	d.phase = next
 }
 
+// mayBeginLocked reports whether a backward pass may begin now (what names the caller): not
+// after the DDP failed or closed (the next Finalize reports that), and not during Finalize
+// or Join, which fail the DDP with ErrPhase. d.mu must be held.
+func (d *DDP) mayBeginLocked(what string) bool {
+	switch d.phase {
+	case phaseFailed, phaseClosed:
+		return false
+	case phaseFinalizing:
+		d.failLocked(fmt.Errorf("%s during Finalize: %w", what, ErrPhase))
+		return false
+	case phaseJoined:
+		d.failLocked(fmt.Errorf("%s during Join: %w", what, ErrPhase))
+		return false
+	}
+	return true
+}
+
 // BeginShard starts the backward pass of shard s, one of this rank's (LocalShards), with
 // Options.Shards; it takes BeginBackward's place. Report the pass's gradients with
 // GradReady (each shard's own gradient: the DDP keeps every shard's apart and scales
@@ -397,11 +407,7 @@ func (d *DDP) BeginBackward(mode SyncMode) {
 func (d *DDP) BeginShard(s int) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	switch d.phase {
-	case phaseFailed, phaseClosed:
-		return
-	case phaseFinalizing:
-		d.failLocked(fmt.Errorf("BeginShard during Finalize: %w", ErrPhase))
+	if !d.mayBeginLocked("BeginShard") {
 		return
 	}
 	sync, err := d.r.BeginShard(s)
