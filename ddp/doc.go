@@ -182,6 +182,26 @@
 //		}
 //	}
 //
+// # Elastic jobs (nodes that leave and join)
+//
+// Under ddprun --nnodes MIN:MAX a job's nodes may leave and join while it trains, and the
+// survivors go on without a restart. Package ddp/elastic forms each epoch's group and hands
+// the state from a survivor to every member; the trainer registers its state once and runs
+// the loop above inside elastic's Run, committing after each step:
+//
+//	job, err := elastic.Start(ctx, elastic.Options{Shards: L})
+//	job.State().Float32("w1", w1, hidden, in) // … the parameters, the optimizer's state
+//	job.State().Int64("data.next_sample", &next)
+//	err = job.Run(ctx, func(ctx context.Context, pg procgroup.ProcessGroup, start int64) error {
+//		d, err := ddp.New(ctx, pg, params, ddp.Options{Shards: L})
+//		// … defer d.Close(); for step := start; … { d.BackwardShards; sgd; next += B
+//		//	if err := job.Commit(ctx, step+1); err != nil { return err } }
+//	})
+//
+// A lost peer fails the step (or Commit) with an error that body returns; Run then forms
+// the next epoch at the new size and calls body again from the last step every survivor
+// committed. With Shards the run ends with the same bits however its membership changed.
+//
 // # Errors
 //
 // BeginBackward returns nothing, and an adapter's hook cannot return an error: their errors

@@ -103,6 +103,8 @@ func EnvFrom(lookup func(string) (string, bool)) (Env, error) {
 		e, err = r.slurm()
 	case r.has("OMPI_COMM_WORLD_RANK"):
 		e, err = r.openmpi()
+	case r.has(ElasticEnv):
+		return Env{}, fmt.Errorf("procgroup: env: %s is set (ddprun --nnodes MIN:MAX): the ranks of an elastic job are handed out by its rendezvous, not the environment; create the group with package ddp/elastic (elastic.Start)", ElasticEnv)
 	default:
 		for _, v := range launcherVars {
 			if r.has(v) {
@@ -436,6 +438,20 @@ func (r envReader) store(e *Env) error {
 		e.StorePrefix = fmt.Sprintf("goddp/%s/%d", run, restart)
 	}
 	return nil
+}
+
+// ElasticEnv names the variable that an elastic ddprun (--nnodes MIN:MAX) sets in its
+// ranks' environment, "MIN:MAX" nodes, in place of RANK and WORLD_SIZE.
+const ElasticEnv = "GODDP_ELASTIC_NNODES"
+
+// TokenFromEnv reads the job token as EnvFrom does: GODDP_TOKEN, or the contents of
+// GODDP_TOKEN_FILE (a file only its owner may read); "" when neither is set. lookup nil
+// means os.LookupEnv.
+func TokenFromEnv(lookup func(string) (string, bool)) (string, error) {
+	if lookup == nil {
+		lookup = os.LookupEnv
+	}
+	return envReader{lookup: lookup}.token()
 }
 
 // token reads GODDP_TOKEN or GODDP_TOKEN_FILE.

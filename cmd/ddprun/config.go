@@ -41,7 +41,11 @@ const (
 // config is a parsed, validated command line.
 type config struct {
 	nproc        int
-	nnodes       int
+	nnodes       int  // MAX with a range
+	minNodes     int  // MIN of --nnodes MIN:MAX; nnodes without a range
+	elastic      bool // --nnodes MIN:MAX or --rdzv_backend c10d (Note [Elastic ddprun])
+	rdzvBackend  string
+	nodeRankSet  bool
 	nodeRank     int
 	masterAddr   string
 	masterPort   int
@@ -96,25 +100,34 @@ func (v nprocValue) Set(s string) error {
 	return nil
 }
 
-// nnodesValue parses --nnodes. torchrun also takes elastic ranges ("1:4"); ddprun does not.
-type nnodesValue struct{ n *int }
+// nnodesValue parses --nnodes: a number of nodes, or torchrun's elastic range MIN:MAX.
+type nnodesValue struct{ c *config }
 
 func (v nnodesValue) String() string {
-	if v.n == nil {
+	if v.c == nil {
 		return "1"
 	}
-	return strconv.Itoa(*v.n)
+	if v.c.minNodes != v.c.nnodes {
+		return fmt.Sprintf("%d:%d", v.c.minNodes, v.c.nnodes)
+	}
+	return strconv.Itoa(v.c.nnodes)
 }
 
 func (v nnodesValue) Set(s string) error {
-	if strings.Contains(s, ":") {
-		return errors.New("elastic ranges (MIN:MAX) are not supported; give a fixed number of nodes")
+	lo, hi, isRange := strings.Cut(s, ":")
+	if !isRange {
+		hi = lo
 	}
-	n, err := strconv.Atoi(s)
-	if err != nil {
-		return errors.New("not an integer")
+	a, err1 := strconv.Atoi(lo)
+	b, err2 := strconv.Atoi(hi)
+	if err1 != nil || err2 != nil {
+		return errors.New("want a number of nodes or a range MIN:MAX")
 	}
-	*v.n = n
+	if isRange && (a < 1 || b < a) {
+		return fmt.Errorf("the range %d:%d: want 1 <= MIN <= MAX", a, b)
+	}
+	v.c.minNodes, v.c.nnodes = a, b
+	v.c.elastic = v.c.elastic || isRange
 	return nil
 }
 
@@ -154,7 +167,9 @@ func newFlagSet(c *config) (fs *flag.FlagSet, aliases map[string]bool) {
 	fs.SetOutput(io.Discard) // run prints errors and usage itself
 	c.nproc, c.nnodes, c.tee = 1, 1, teeBoth
 	fs.Var(nprocValue{&c.nproc}, "nproc_per_node", "number of ranks on this node (an integer, or cpu/auto for one per CPU core)")
-	fs.Var(nnodesValue{&c.nnodes}, "nnodes", "number of nodes")
+	c.nnodes, c.minNodes = 1, 1
+	fs.Var(nnodesValue{c}, "nnodes", "number of nodes, or an elastic range MIN:MAX (nodes may leave and join; the ranks come from the rendezvous)")
+	fs.StringVar(&c.rdzvBackend, "rdzv_backend", "static", "static (fixed ranks from --node_rank), or c10d (elastic: node ranks handed out by the rendezvous at --rdzv_endpoint, as with --nnodes MIN:MAX)")
 	fs.IntVar(&c.nodeRank, "node_rank", 0, "this node's index in [0, nnodes)")
 	fs.StringVar(&c.masterAddr, "master_addr", defaultMasterAddr, "address of the node that hosts the rendezvous store (node 0)")
 	fs.IntVar(&c.masterPort, "master_port", defaultMasterPort, "port of the rendezvous store")
@@ -224,6 +239,7 @@ func parseArgs(args []string, warn func(string)) (*config, error) {
 		}
 		return nil, &usageError{err}
 	}
+	fs.Visit(func(f *flag.Flag) { c.nodeRankSet = c.nodeRankSet || f.Name == "node_rank" || f.Name == "node-rank" })
 	rest := fs.Args()
 	if len(rest) == 0 {
 		return nil, &usageError{errors.New("missing PROGRAM")}
@@ -264,6 +280,8 @@ func (c *config) validate() error {
 		return fmt.Errorf("--nproc_per_node %d: want at least 1", c.nproc)
 	case c.nnodes < 1:
 		return fmt.Errorf("--nnodes %d: want at least 1", c.nnodes)
+	case c.rdzvBackend != "static" && c.rdzvBackend != "c10d":
+		return fmt.Errorf("--rdzv_backend %q: want static or c10d", c.rdzvBackend)
 	case c.nodeRank < 0 || c.nodeRank >= c.nnodes:
 		return fmt.Errorf("--node_rank %d: want a value in [0, %d) (--nnodes %d)", c.nodeRank, c.nnodes, c.nnodes)
 	case c.maxRestarts < 0:
@@ -298,6 +316,14 @@ func (c *config) validate() error {
 		}
 		c.storeHost, c.storePort = "127.0.0.1", 0
 	}
+	if c.rdzvBackend == "c10d" {
+		c.elastic = true
+	}
+	if c.elastic {
+		if err := c.validateElastic(); err != nil {
+			return err
+		}
+	}
 	if c.nnodes > 1 && c.storePort == 0 {
 		return errors.New("a multi-node job needs a fixed store port (--master_port or --rdzv_endpoint HOST:PORT)")
 	}
@@ -321,5 +347,6 @@ func splitEndpoint(ep string, defPort int) (string, int, error) {
 	return host, port, nil
 }
 
-// isStoreHost reports whether this node hosts the rendezvous store: node 0 does.
-func (c *config) isStoreHost() bool { return c.nodeRank == 0 }
+// isStoreHost reports whether this node hosts the rendezvous store: node 0 does (an
+// elastic job decides when it starts: hostsElasticStore).
+func (c *config) isStoreHost() bool { return !c.elastic && c.nodeRank == 0 }

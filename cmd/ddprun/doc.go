@@ -10,6 +10,7 @@
 //	ddprun --standalone --nproc_per_node 4 --max_restarts 3 --log_dir logs ./bin/trainer
 //	GODDP_TOKEN=$(cat job.token) ddprun --nnodes 2 --node_rank 0 --master_addr node0 --master_port 29500 ./bin/trainer
 //	GODDP_TOKEN=$(cat job.token) ddprun --nnodes 2 --node_rank 1 --master_addr node0 --master_port 29500 ./bin/trainer
+//	GODDP_TOKEN=$(cat job.token) ddprun --nnodes 2:3 --rdzv_endpoint node0:29500 ./bin/trainer  # on each node
 //
 // Flags come before PROGRAM, in torchrun's spelling (--nproc_per_node or --nproc-per-node,
 // "--flag value" or "--flag=value"); everything after PROGRAM, after one optional "--", is
@@ -59,6 +60,11 @@
 // ddprun stop every rank the same way, and ddprun exits 128+N. A bad command line exits 2;
 // other errors before the ranks start (no such program, a failed build, the store's port in
 // use) exit 1.
+//
+// With --nnodes MIN:MAX (or --rdzv_backend c10d) the job is elastic (Note [Elastic ddprun]):
+// the ranks get no RANK or WORLD_SIZE but package ddp/elastic's variables, a failed node
+// does not stop the others, and --max_restarts restarts this node's ranks, which join the
+// running job as new processes.
 //
 // In a multi-node job the nodes' ddprun keep in step through the store (Note [Multi-node
 // restarts]): they start each attempt together, a failure on one node stops and restarts the

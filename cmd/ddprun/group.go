@@ -21,6 +21,7 @@ type job struct {
 	exe       string   // the resolved executable
 	baseEnv   []string // environment the ranks inherit (before ddprun's variables)
 	storeAddr string   // host:port the ranks dial
+	nodeName  string   // an elastic job's name for this node (elastic.go)
 	tokenFile string
 	runID     string // prefix of GODDP_RUN_ID; the attempt number is appended
 	host      string // this node's hostname, for reports
@@ -112,24 +113,27 @@ func (j *job) rankEnv(p *rankProc, attempt int) []string {
 	c := j.cfg
 	world := c.nnodes * c.nproc
 	host, port := splitHostPortLoose(j.storeAddr)
-	set := [][2]string{
-		{"RANK", strconv.Itoa(p.rank)},
-		{"WORLD_SIZE", strconv.Itoa(world)},
-		{"LOCAL_RANK", strconv.Itoa(p.localRank)},
-		{"LOCAL_WORLD_SIZE", strconv.Itoa(c.nproc)},
-		{"GROUP_RANK", strconv.Itoa(c.nodeRank)},
-		{"GROUP_WORLD_SIZE", strconv.Itoa(c.nnodes)},
-		{"ROLE_RANK", strconv.Itoa(p.rank)},
-		{"ROLE_WORLD_SIZE", strconv.Itoa(world)},
-		{"ROLE_NAME", "default"},
-		{"MASTER_ADDR", host},
-		{"MASTER_PORT", port},
-		{"TORCHELASTIC_RESTART_COUNT", strconv.Itoa(attempt)},
-		{"TORCHELASTIC_MAX_RESTARTS", strconv.Itoa(c.maxRestarts)},
-		{"TORCHELASTIC_RUN_ID", j.runID},
-		{"GODDP_STORE_ADDR", j.storeAddr},
-		{"GODDP_TOKEN_FILE", j.tokenFile},
-		{"GODDP_RUN_ID", fmt.Sprintf("%s-attempt%d", j.runID, attempt)},
+	set := j.elasticEnv(p, attempt)
+	if !c.elastic {
+		set = [][2]string{
+			{"RANK", strconv.Itoa(p.rank)},
+			{"WORLD_SIZE", strconv.Itoa(world)},
+			{"LOCAL_RANK", strconv.Itoa(p.localRank)},
+			{"LOCAL_WORLD_SIZE", strconv.Itoa(c.nproc)},
+			{"GROUP_RANK", strconv.Itoa(c.nodeRank)},
+			{"GROUP_WORLD_SIZE", strconv.Itoa(c.nnodes)},
+			{"ROLE_RANK", strconv.Itoa(p.rank)},
+			{"ROLE_WORLD_SIZE", strconv.Itoa(world)},
+			{"ROLE_NAME", "default"},
+			{"MASTER_ADDR", host},
+			{"MASTER_PORT", port},
+			{"TORCHELASTIC_RESTART_COUNT", strconv.Itoa(attempt)},
+			{"TORCHELASTIC_MAX_RESTARTS", strconv.Itoa(c.maxRestarts)},
+			{"TORCHELASTIC_RUN_ID", j.runID},
+			{"GODDP_STORE_ADDR", j.storeAddr},
+			{"GODDP_TOKEN_FILE", j.tokenFile},
+			{"GODDP_RUN_ID", fmt.Sprintf("%s-attempt%d", j.runID, attempt)},
+		}
 	}
 	// The ranks' set-up bound follows --rdzv_timeout unless the environment sets its own.
 	if !hasEnv(j.baseEnv, procgroup.ConnectTimeoutEnv) {
@@ -138,6 +142,11 @@ func (j *job) rankEnv(p *rankProc, attempt int) []string {
 	// GODDP_TLS_* (tls.go)
 	set = append(set, j.cfg.tls.env()...)
 	drop := map[string]bool{"GODDP_TOKEN": true} // the token travels only in the file
+	if c.elastic {                               // an elastic rank's place comes from the rendezvous, not from these
+		for _, k := range []string{"RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} {
+			drop[k] = true
+		}
+	}
 	for _, kv := range set {
 		drop[kv[0]] = true
 	}
@@ -248,6 +257,9 @@ func (j *job) runAttempt(ctx context.Context, attempt int, remote <-chan string)
 func (j *job) start(p *rankProc, attempt int, events chan<- *rankProc, wg *sync.WaitGroup) error {
 	c := j.cfg
 	prefix := fmt.Sprintf("[rank%d]: ", p.rank)
+	if c.elastic { // the ranks come from the rendezvous, and change
+		prefix = fmt.Sprintf("[local%d]: ", p.localRank)
+	}
 	sinks := [2]*sink{
 		{s: streamStdout, prefix: prefix, tail: &p.tails[streamStdout]},
 		{s: streamStderr, prefix: prefix, tail: &p.tails[streamStderr]},

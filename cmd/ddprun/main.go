@@ -125,6 +125,9 @@ func runJob(ctx context.Context, cfg *config, env []string, con *console) error 
 	}
 
 	j := &job{cfg: cfg, exe: exe, baseEnv: env, tokenFile: tokenFile, runID: runID, host: host, con: con, token: token}
+	if cfg.elastic {
+		return j.runElastic(ctx) // elastic.go
+	}
 	closeStore, err := j.connectStore(ctx)
 	if err != nil {
 		return err
@@ -193,7 +196,7 @@ func orInterrupt(ctx context.Context, err error) error {
 // jobToken returns the job's token (with several nodes the one they share, otherwise a new
 // one), the file in workDir that passes it to the ranks, and the run ID.
 func jobToken(cfg *config, env []string, workDir string) (token, file, runID string, err error) {
-	if cfg.nnodes > 1 {
+	if cfg.nnodes > 1 || cfg.elastic {
 		token, err = sharedToken(env)
 	} else {
 		token, err = newToken()
@@ -206,7 +209,7 @@ func jobToken(cfg *config, env []string, workDir string) (token, file, runID str
 	}
 	runID = cfg.rdzvID
 	if runID == "" {
-		if runID, err = deriveRunID(token, cfg.nnodes > 1); err != nil {
+		if runID, err = deriveRunID(token, cfg.nnodes > 1 || cfg.elastic); err != nil {
 			return "", "", "", err
 		}
 	}

@@ -13,9 +13,11 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	_ "github.com/goddp/goddp/backends/gloo" // the "gloo" backend (--backend gloo)
 	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/elastic"
 	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -44,6 +46,7 @@ type flags struct {
 	commHook      string
 	psgd          ddp.PowerSGDOptions // --powersgd_rank, --powersgd_start_iter, --powersgd_min_compression_rate
 	stepsPerRank  []int               // --steps_per_rank: rank r runs stepsPerRank[r] steps, then ddp's Join (nil: --steps each)
+	stepTime      time.Duration       // --step_time: the least time a step takes (0: none)
 }
 
 // injection is --inject_nan RANK:STEP:PARAM: rank RANK's gradient of parameter PARAM (an
@@ -126,6 +129,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 1, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank)")
 	fs.IntVar(&f.psgd.StartIter, "powersgd_start_iter", 0, "with --comm_hook powersgd: steps all-reduced uncompressed first (PyTorch's start_powerSGD_iter)")
 	fs.Float64Var(&f.psgd.MinCompressionRate, "powersgd_min_compression_rate", 2, "with --comm_hook powersgd: a matrix is compressed only if that saves this factor (PyTorch's min_compression_rate)")
+	fs.DurationVar(&f.stepTime, "step_time", 0, "each step takes at least this long (a paced loop, to watch or test a job whose nodes leave and join; 0: as fast as it goes)")
 	perRank := fs.String("steps_per_rank", "", "comma-separated steps of each rank (uneven data, e.g. 0,3,5): a rank whose steps are done joins (ddp.Options.UnevenInputs) until every rank's are; instead of --steps")
 	if err := fs.Parse(args); err != nil {
 		return f, err
@@ -197,6 +201,9 @@ func run(ctx context.Context, f flags, stdout io.Writer) error {
 	if err := outpath.Dir("--checkpoint_dir", f.checkpointDir); err != nil {
 		return err
 	}
+	if elastic.Enabled(nil) {
+		return runElastic(ctx, f, stdout) // elastic.go
+	}
 	var pg procgroup.ProcessGroup
 	if !f.noDDP {
 		g, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{})
@@ -210,13 +217,33 @@ func run(ctx context.Context, f flags, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
-	if f.saveParams != "" && (pg == nil || pg.Rank() == 0) {
+	return report(f, m, pg == nil || pg.Rank() == 0, stdout)
+}
+
+// report writes the final parameters (--save_params, by rank 0) and prints their CRC.
+func report(f flags, m *mlp, rank0 bool, stdout io.Writer) error {
+	if f.saveParams != "" && rank0 {
 		if err := os.WriteFile(f.saveParams, paramBytes(m.flat()), 0o644); err != nil {
 			return fmt.Errorf("--save_params: %w", err)
 		}
 	}
 	fmt.Fprintf(stdout, "params_crc32=%08x\n", crc32.ChecksumIEEE(paramBytes(m.flat())))
 	return nil
+}
+
+// sleepCtx sleeps for d (nothing if d <= 0), or until ctx ends.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return nil
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }
 
 // train is the training loop: with pg, one rank of data-parallel training; with a nil pg,
@@ -260,7 +287,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		return nil, err
 	}
 	if f.shards() > 0 {
-		return m, trainShards(ctx, f, pg, d, m, k, start, &next, stdout)
+		return m, trainShards(ctx, f, pg, d, m, start, &next, stdout, func(step int) error { return k.after(rank, step) })
 	}
 	step := start
 	ready := func(i int) { // backward reports parameter i's micro-batch gradient
@@ -275,6 +302,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 	}
 	xs, ys := make([]float32, f.batch*inputs), make([]float32, f.batch)
 	for ; step < f.steps; step++ {
+		paced := time.Now()
 		if d == nil {
 			for _, g := range m.grads {
 				clear(g)
@@ -316,6 +344,9 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		if err := k.after(rank, step); err != nil {
 			return nil, err
 		}
+		if err := sleepCtx(ctx, f.stepTime-time.Since(paced)); err != nil {
+			return nil, err
+		}
 	}
 	if f.stepsPerRank != nil { // this rank's data is done: shadow the others' steps
 		if err := d.Join(ctx); err != nil { // then every rank holds the same parameters
@@ -336,7 +367,9 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 // sums the shards' gradients in shard order (ddp.Options.Shards). With a nil d, one
 // process runs every shard and sums them the same way itself: the first shard's gradient,
 // plus each next one in order, times 1/L.
-func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp.DDP, m *mlp, k *ckpt, start int, next *int64, stdout io.Writer) error {
+//
+// after runs after each step (a checkpoint, an elastic commit).
+func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp.DDP, m *mlp, start int, next *int64, stdout io.Writer, after func(step int) error) error {
 	L := f.shards()
 	lo, hi := 0, L
 	if d != nil {
@@ -369,6 +402,7 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 	}
 	inv := 1 / float32(L)
 	for ; step < f.steps; step++ {
+		paced := time.Now()
 		if d != nil {
 			if err := d.BackwardShards(ctx, shard); err != nil { // m.grads: the mean over the shards
 				return leave(ctx, f, pg, err)
@@ -402,7 +436,10 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 				fmt.Fprintf(stdout, "step %d loss %.6f\n", step, l*inv)
 			}
 		}
-		if err := k.after(rank, step); err != nil {
+		if err := after(step); err != nil {
+			return err
+		}
+		if err := sleepCtx(ctx, f.stepTime-time.Since(paced)); err != nil {
 			return err
 		}
 	}
