@@ -366,7 +366,7 @@ func (j *Job) Commit(ctx context.Context, step int64) error {
 // group, which opens it); next is then this rank's arrival there.
 func (j *Job) end(err error, forming bool) (next *monitor, change bool) {
 	m := j.mon
-	defer j.closeEpoch()
+	defer j.closeEpoch(true)
 	if m == nil {
 		return nil, false
 	}
@@ -395,14 +395,17 @@ func (j *Job) end(err error, forming bool) (next *monitor, change bool) {
 	}
 }
 
-// closeEpoch stops the monitor and releases the epoch's group.
-func (j *Job) closeEpoch() {
+// closeEpoch stops the monitor and releases the epoch's group, aborting what it still has
+// in flight when abort.
+func (j *Job) closeEpoch(abort bool) {
 	if j.mon != nil {
 		j.mon.close()
 		j.mon = nil
 	}
 	if j.pg != nil {
-		j.pg.Abort(errors.New("elastic: the epoch ended"))
+		if abort {
+			j.pg.Abort(errors.New("elastic: the epoch ended"))
+		}
 		j.pg.Close()
 		j.pg = nil
 	}
@@ -413,7 +416,7 @@ func (j *Job) closeEpoch() {
 func (j *Job) finish(ctx context.Context) error {
 	n := len(j.o1.Members)
 	rank := j.rank
-	j.closeEpoch()
+	j.closeEpoch(false)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), j.cfg.hbTimeout)
 	defer cancel()
 	if rank == 0 {
@@ -434,7 +437,7 @@ func (j *Job) Close() error {
 	if j.static != nil {
 		return j.static.Close()
 	}
-	j.closeEpoch()
+	j.closeEpoch(true)
 	if j.store != nil {
 		err := j.store.Close()
 		j.store = nil

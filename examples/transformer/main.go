@@ -27,6 +27,7 @@ import (
 
 	_ "github.com/goddp/goddp/backends/gloo" // --backend gloo
 	"github.com/goddp/goddp/ddp"
+	"github.com/goddp/goddp/ddp/elastic"
 	"github.com/goddp/goddp/ddp/gorgoniaddp"
 	"github.com/goddp/goddp/examples/transformer/model"
 	"github.com/goddp/goddp/examples/transformer/optim"
@@ -396,6 +397,9 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 	if f.noDDP {
 		return m, trainWith(ctx, f, m, nil, log, stdout)
 	}
+	if elastic.Enabled(nil) {
+		return m, trainElastic(ctx, f, m, log, stdout) // elastic.go
+	}
 	pg, err := ddp.InitProcessGroup(ctx, f.backend, ddp.InitOptions{Timeout: f.timeout, Logger: log})
 	if err != nil {
 		return nil, err
@@ -423,7 +427,13 @@ func train(ctx context.Context, f flags, stdout, stderr io.Writer) (*model.Model
 // trainWith trains m (in place) as one rank of pg (nil: alone, without ddp). The process
 // group stays the caller's.
 func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.ProcessGroup, log *zap.Logger, stdout io.Writer) (err error) {
-	t := &trainer{f: f, w: world{rank: 0, size: 1}, m: m, pg: pg, grads: make([]float32, m.NumParams()), stdout: stdout}
+	return trainEpoch(ctx, f, m, pg, log, stdout, nil)
+}
+
+// trainEpoch is trainWith, and with el one epoch of an elastic job: its optimizer, its
+// first step and its commits come from el.
+func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.ProcessGroup, log *zap.Logger, stdout io.Writer, el *elasticRun) (err error) {
+	t := &trainer{f: f, w: world{rank: 0, size: 1}, m: m, pg: pg, grads: make([]float32, m.NumParams()), stdout: stdout, el: el}
 	if pg != nil {
 		t.w = world{rank: pg.Rank(), size: pg.Size()}
 	}
@@ -457,13 +467,18 @@ func trainWith(ctx context.Context, f flags, m *model.Model, pg procgroup.Proces
 		return err
 	}
 	defer t.g.Close()
-	if t.opt, err = optim.NewAdamW(m.NumParams(), optim.AdamWOptions{LR: f.lr}); err != nil {
-		return err
-	}
-
-	start, err := t.resume(ctx, log)
-	if err != nil {
-		return err
+	var start int
+	if el != nil {
+		if t.opt, start, err = el.begin(); err != nil {
+			return err
+		}
+	} else {
+		if t.opt, err = optim.NewAdamW(m.NumParams(), optim.AdamWOptions{LR: f.lr}); err != nil {
+			return err
+		}
+		if start, err = t.resume(ctx, log); err != nil {
+			return err
+		}
 	}
 	t.banner(start)
 
@@ -498,6 +513,7 @@ type trainer struct {
 	g      *model.Graph
 	opt    *optim.AdamW
 	ck     *ckpt // with --checkpoint_dir
+	el     *elasticRun // under an elastic launcher
 	obs    *observer
 	stdout io.Writer
 	cur    int // the running step
@@ -618,6 +634,11 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	t.obs.endStep(step, dur, loss)
 	if f.logEvery > 0 && (step%f.logEvery == 0 || step == total-1) {
 		if err := t.showLoss(ctx, step, loss); err != nil {
+			return err
+		}
+	}
+	if t.el != nil {
+		if err := t.el.commit(ctx, step+1); err != nil {
 			return err
 		}
 	}

@@ -1,0 +1,55 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/goddp/goddp/internal/launchtest"
+)
+
+// TestElasticLoseNode: the transformer (both tasks, dropout on) on three nodes (ddprun
+// --nnodes 2:3); the third node's ddprun is killed with SIGKILL mid-run. The two others go
+// on without a restart and end with the crc of one process that runs the same 6 shards.
+func TestElasticLoseNode(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun and runs an elastic job")
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := strings.Replace(shardArgs, "--bench_steps 4", "--bench_steps 400", 1)
+	for _, task := range []string{"mse", "copy"} {
+		t.Run(task, func(t *testing.T) {
+			args := args + " --task " + task
+			var out, errb bytes.Buffer
+			if err := run(context.Background(), strings.Fields(args+" --no_ddp"), &out, &errb); err != nil {
+				t.Fatalf("one process: %v\n%s", err, errb.String())
+			}
+			want := regexp.MustCompile(`params_crc32=[0-9a-f]{8}`).FindString(out.String())
+			j := launchtest.NewElasticJob(t, exe, "2:3", []string{asMainEnv + "=1"}, args)
+			a := j.Start("node a", "")
+			a.WaitFor(regexp.MustCompile(`hosts the job's rendezvous store`), 30*time.Second)
+			b, c := j.Start("node b", ""), j.Start("node c", "")
+			launchtest.WaitAny(t, regexp.MustCompile(`^\[local0\]: step (2[0-9]|[3-9][0-9]) loss`), a, b, c)
+			c.Kill()
+			for _, n := range []*launchtest.Node{a, b} {
+				n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*world size 3 -> 2; resuming from step \d+; pause`), time.Minute)
+				if err := n.Wait(2 * time.Minute); err != nil {
+					t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
+				}
+				if got := regexp.MustCompile(`\[local0\]: (params_crc32=[0-9a-f]{8})`).FindStringSubmatch(n.Output()); got == nil || got[1] != want {
+					t.Fatalf("%s ends with %v; one process with the same 6 shards: %s\n%s", n.Name, got, want, n.Output())
+				}
+			}
+			if strings.Contains(a.Output()+b.Output(), "step 399") == false {
+				t.Errorf("the survivors did not run to the last step:\n%s", a.Output())
+			}
+		})
+	}
+}
