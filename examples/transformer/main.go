@@ -512,7 +512,7 @@ type trainer struct {
 	sync   gradSync               // local or d
 	g      *model.Graph
 	opt    *optim.AdamW
-	ck     *ckpt // with --checkpoint_dir
+	ck     *ckpt       // with --checkpoint_dir
 	el     *elasticRun // under an elastic launcher
 	obs    *observer
 	stdout io.Writer
