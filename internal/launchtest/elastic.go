@@ -42,19 +42,29 @@ type ElasticJob struct {
 	env    []string
 	args   string
 	nodes  []*Node
+
+	// Host is the store's host in --rdzv_endpoint (default 127.0.0.1); Command, when set,
+	// makes each node's command (on testbed host h, say) in place of exec.Command.
+	Host    string
+	Command func(h int, name string, args ...string) *exec.Cmd
 }
 
 // NewElasticJob builds ddprun and picks the store's port; t's cleanup kills every node
 // still running. args are the trainer's, env is added to each node's environment (with a
 // shared GODDP_TOKEN).
 func NewElasticJob(t *testing.T, exe, nnodes string, env []string, args string) *ElasticJob {
+	return NewElasticJobWith(t, DDPRun(t), exe, nnodes, env, args)
+}
+
+// NewElasticJobWith is NewElasticJob with a ddprun already built.
+func NewElasticJobWith(t *testing.T, ddprun, exe, nnodes string, env []string, args string) *ElasticJob {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
-	j := &ElasticJob{t: t, ddprun: DDPRun(t), exe: exe, port: port, nnodes: nnodes, args: args,
+	j := &ElasticJob{t: t, ddprun: ddprun, exe: exe, port: port, nnodes: nnodes, args: args,
 		env: append([]string{"GODDP_TOKEN=elastic-test-token-0123456789abcdef"}, env...)}
 	t.Cleanup(func() {
 		for _, n := range j.nodes {
@@ -68,13 +78,30 @@ func NewElasticJob(t *testing.T, exe, nnodes string, env []string, args string) 
 // Start starts one node with args (the job's when empty) and ddprun flags extra.
 func (j *ElasticJob) Start(name, args string, extra ...string) *Node {
 	j.t.Helper()
+	return j.StartOn(-1, name, args, extra...)
+}
+
+// StartOn is Start on host h (passed to Command).
+func (j *ElasticJob) StartOn(h int, name, args string, extra ...string) *Node {
+	j.t.Helper()
+	host := j.Host
+	if host == "" {
+		host = "127.0.0.1"
+	}
 	exe := j.exe
 	if args == "" {
 		args = j.args
 	}
-	flags := append([]string{"--nnodes", j.nnodes, "--rdzv_endpoint", "127.0.0.1:" + strconv.Itoa(j.port), "--rdzv_timeout", "30s"}, extra...)
-	cmd := exec.Command(j.ddprun, append(append(flags, exe, "--"), strings.Fields(args)...)...)
-	cmd.Env = append(os.Environ(), j.env...)
+	flags := append([]string{"--nnodes", j.nnodes, "--rdzv_endpoint", net.JoinHostPort(host, strconv.Itoa(j.port)), "--rdzv_timeout", "30s"}, extra...)
+	argv := append(append(flags, exe, "--"), strings.Fields(args)...)
+	var cmd *exec.Cmd
+	if j.Command != nil {
+		cmd = j.Command(h, j.ddprun, argv...)
+		cmd.Env = append(cmd.Env, j.env...)
+	} else {
+		cmd = exec.Command(j.ddprun, argv...)
+		cmd.Env = append(os.Environ(), j.env...)
+	}
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		j.t.Fatal(err)

@@ -6,7 +6,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"github.com/goddp/goddp/ddp/tracefile"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +17,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/goddp/goddp/ddp/tracefile"
+	"github.com/goddp/goddp/internal/launchtest"
 )
 
 // The multi-host tests run jobs as a user would on two machines: the testbed's hosts, the
@@ -579,5 +581,55 @@ func TestTwoNodeTraceMerge(t *testing.T) {
 	}
 	if events[0] == 0 || events[1] == 0 {
 		t.Errorf("events per rank %v: want both ranks' events", events)
+	}
+}
+
+// TestElasticLinkCut: an elastic job (ddprun --nnodes 2:3) on three hosts; host 2's link is
+// cut mid-run. Hosts 0 and 1 find it silent (heartbeats, or the connections' keepalives),
+// form the next epoch without it within 20 s and end with the crc of the same 6 shards on
+// one host; host 2, cut off from the store, fails.
+func TestElasticLinkCut(t *testing.T) {
+	tb := newBed(t, Options{Hosts: 3})
+	ddprun, trainer := bins(t)
+	args := "--num_layers 1 --hidden_size 16 --seq_len 8 --global_batch_size 12 --micro_batch_size 2 --warmup_steps 0 --bench_steps 800 --log_every 1 --seed 7303"
+	want := oneHost(t, 1, args)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	j := launchtest.NewElasticJobWith(t, ddprun, trainer, "2:3", tokenEnv(), args)
+	j.Host = tb.Addr(0)
+	j.Command = func(h int, name string, args ...string) *exec.Cmd { return tb.Command(ctx, h, name, args...) }
+	n0 := j.StartOn(0, "host0", "")
+	n0.WaitFor(regexp.MustCompile(`hosts the job's rendezvous store`), time.Minute)
+	n1, n2 := j.StartOn(1, "host1", ""), j.StartOn(2, "host2", "")
+	launchtest.WaitAny(t, regexp.MustCompile(`^\[local0\]: step (2[0-9]|[3-9][0-9]) loss`), n0, n1, n2)
+	cut := time.Now()
+	if err := tb.SetLink(2, false); err != nil {
+		t.Fatal(err)
+	}
+	var next time.Time
+	for _, n := range []*launchtest.Node{n0, n1} {
+		at := n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*world size 3 -> 2; resuming from step \d+; pause`), time.Minute)
+		if s, ok := n.FirstAfter(at, regexp.MustCompile(`^\[local0\]: step \d+ loss`)); ok && (next.IsZero() || s.Before(next)) {
+			next = s
+		}
+	}
+	for _, n := range []*launchtest.Node{n0, n1} {
+		if err := n.Wait(2 * time.Minute); err != nil {
+			t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, lastLines(n.Output(), 20))
+		}
+		if got := regexp.MustCompile(`\[local0\]: params_crc32=([0-9a-f]{8})`).FindStringSubmatch(n.Output()); got == nil || got[1] != want {
+			t.Fatalf("%s ends with %v; the same shards on one host: %s\n%s", n.Name, got, want, lastLines(n.Output(), 20))
+		}
+	}
+	if err := n2.Wait(2 * time.Minute); err == nil {
+		t.Errorf("host2's ddprun succeeded with its link cut:\n%s", lastLines(n2.Output(), 10))
+	}
+	if next.IsZero() {
+		t.Fatal("no step after the change")
+	}
+	pause := next.Sub(cut)
+	t.Logf("pause from the cut to the next step: %v", pause.Round(time.Millisecond))
+	if pause > 20*time.Second {
+		t.Errorf("the survivors went on %v after the cut; the bound is 20 s", pause.Round(time.Millisecond))
 	}
 }
