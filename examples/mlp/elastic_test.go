@@ -80,15 +80,8 @@ func TestElasticLoseNode(t *testing.T) {
 		n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*left: node .*rank \d of epoch 0\); joined: none; world size 3 -> 2; resuming from step \d+; pause`), time.Minute)
 		wantCRCOf(t, n, want)
 	}
-	var next time.Time
-	for _, n := range []*launchtest.Node{a, b} {
-		if at, ok := n.FirstAfter(killed, regexp.MustCompile(`elastic: epoch 1`)); ok {
-			if s, ok := n.FirstAfter(at, stepLine); ok && (next.IsZero() || s.Before(next)) {
-				next = s
-			}
-		}
-	}
-	if next.IsZero() {
+	next, _, ok := launchtest.StepAfterResume(a, b)
+	if !ok {
 		t.Fatalf("no step after the change:\n%s\n%s", a.Output(), b.Output())
 	}
 	t.Logf("pause from the kill to the next step: %v", next.Sub(killed).Round(time.Millisecond))
@@ -112,9 +105,12 @@ func TestElasticGainNode(t *testing.T) {
 	for _, n := range []*launchtest.Node{a, b, c} {
 		wantCRCOf(t, n, want)
 	}
-	if at, ok := c.FirstAfter(started, stepLine); ok {
-		t.Logf("from the joiner's start to the first step of 3 nodes: %v", at.Sub(started).Round(time.Millisecond))
+	after, before, ok := launchtest.StepAfterResume(a, b, c)
+	if !ok {
+		t.Fatalf("no step after the change:\n%s", a.Output())
 	}
+	t.Logf("pause between the last step of 2 nodes and the first of 3: %v (the joiner started %v before it)",
+		after.Sub(before).Round(time.Millisecond), after.Sub(started).Round(time.Millisecond))
 }
 
 // TestElasticRefusals: a world the shards do not fit is refused at start, naming the sizes

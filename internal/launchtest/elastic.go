@@ -232,3 +232,47 @@ func RankPID(t *testing.T, n *Node) int {
 	}
 	return kids[0]
 }
+
+var (
+	resumeRe = regexp.MustCompile(`elastic: epoch (\d+): .*resuming from step (\d+)`)
+	stepRe   = regexp.MustCompile(`^\[local0\]: step (\d+) loss`)
+)
+
+// StepAfterResume is when the first step of the last epoch was printed by any of nodes (the
+// first "step S loss" line, S the step the last epoch resumed from, printed after the
+// report of that epoch), and when the last step before that report was.
+func StepAfterResume(nodes ...*Node) (after, before time.Time, ok bool) {
+	epoch, from, at := -1, "", time.Time{}
+	for _, n := range nodes {
+		n.mu.Lock()
+		for _, l := range n.lines {
+			if m := resumeRe.FindStringSubmatch(l.line); m != nil {
+				if e, _ := strconv.Atoi(m[1]); e > epoch {
+					epoch, from, at = e, m[2], l.at
+				}
+			}
+		}
+		n.mu.Unlock()
+	}
+	if epoch < 0 {
+		return time.Time{}, time.Time{}, false
+	}
+	var first, last time.Time
+	for _, n := range nodes {
+		n.mu.Lock()
+		for _, l := range n.lines {
+			m := stepRe.FindStringSubmatch(l.line)
+			if m == nil {
+				continue
+			}
+			if m[1] == from && l.at.After(at.Add(-time.Second)) && (first.IsZero() || l.at.Before(first)) {
+				first = l.at
+			}
+			if l.at.Before(at) && l.at.After(last) && m[1] != from {
+				last = l.at
+			}
+		}
+		n.mu.Unlock()
+	}
+	return first, last, !first.IsZero()
+}
