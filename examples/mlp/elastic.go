@@ -23,7 +23,7 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 	case f.noDDP || f.checkpointDir != "" || f.stepsPerRank != nil:
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) takes neither --no_ddp, --checkpoint_dir nor --steps_per_rank")
 	}
-	job, err := elastic.Start(ctx, elastic.Options{Backend: f.backend, Shards: f.shards()})
+	job, err := elastic.Start(ctx, elastic.Options{Backend: f.backend, Shards: f.shards(), Report: stdout}) // the changes among the steps
 	if err != nil {
 		return fmt.Errorf("--global_batch_size %d / --micro_batch_size %d: %w", f.global, f.micro, err)
 	}

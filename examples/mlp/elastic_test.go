@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"regexp"
 	"strconv"
@@ -168,4 +169,52 @@ func TestElasticRefusals(t *testing.T) {
 		wantCRCOf(t, a, want)
 		wantCRCOf(t, b, want)
 	})
+}
+
+// TestElasticChaos: 200 steps of a job of 1 to 3 nodes, with a node killed (SIGKILL) or
+// started every 20 to 40 steps at random, never the store's host. The nodes that are left
+// end with the crc of one process, and the steps kept (each epoch's steps up to the step
+// the next one resumed from) are 0 to 199, each once.
+func TestElasticChaos(t *testing.T) {
+	args := strings.Replace(elasticArgs, "--steps 40", "--steps 200", 1)
+	want := uninterrupted(t, args)
+	j := newElasticJob(t, "1:3", nil)
+	j.SetArgs(args)
+	seed := time.Now().UnixNano()
+	rng := rand.New(rand.NewPCG(uint64(seed), 0))
+	t.Logf("seed %d", seed)
+	a := j.Start("node 0", "")
+	a.WaitFor(hostsStore, 30*time.Second)
+	live := []*launchtest.Node{a, j.Start("node 1", ""), j.Start("node 2", "")}
+	all := append([]*launchtest.Node(nil), live...)
+	at, changes := 0, map[string]int{}
+	for at < 160 {
+		at += 20 + rng.IntN(21)
+		launchtest.WaitAny(t, stepAtLeast(at), all...)
+		kill := len(live) == 3 || (len(live) > 1 && rng.IntN(2) == 0)
+		if kill {
+			i := 1 + rng.IntN(len(live)-1)
+			live[i].Kill()
+			live = append(live[:i], live[i+1:]...)
+			changes["kill"]++
+		} else {
+			n := j.Start(fmt.Sprintf("node %d", len(all)), "")
+			live, all = append(live, n), append(all, n)
+			changes["join"]++
+		}
+		t.Logf("step %d: %v, %d nodes", at, map[bool]string{true: "kill", false: "join"}[kill], len(live))
+	}
+	for _, n := range live {
+		wantCRCOf(t, n, want)
+	}
+	kept := launchtest.KeptSteps(all...)
+	for i, s := range kept {
+		if s != i {
+			t.Fatalf("the steps kept are %v; want 0 to 199 once each", kept)
+		}
+	}
+	if len(kept) != 200 {
+		t.Fatalf("%d steps kept, want 200: %v", len(kept), kept)
+	}
+	t.Logf("changes: %v; every step of 0-199 kept once", changes)
 }

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -276,3 +277,35 @@ func StepAfterResume(nodes ...*Node) (after, before time.Time, ok bool) {
 	}
 	return first, last, !first.IsZero()
 }
+
+// rank0Resume is the report of an epoch as its rank 0 prints it.
+var rank0Resume = regexp.MustCompile(`elastic: epoch (\d+): .*resuming from step (\d+).*\(this process: rank 0\)`)
+
+// KeptSteps is the run's log of steps kept: the step lines of every node in the order they
+// came, where each epoch's report (its rank 0's) drops the steps from the one it resumes
+// from, which the epoch runs again.
+func KeptSteps(nodes ...*Node) []int {
+	var lines []stamped
+	for _, n := range nodes {
+		n.mu.Lock()
+		lines = append(lines, n.lines...)
+		n.mu.Unlock()
+	}
+	sort.SliceStable(lines, func(i, j int) bool { return lines[i].at.Before(lines[j].at) })
+	var kept []int
+	for _, l := range lines {
+		if m := rank0Resume.FindStringSubmatch(l.line); m != nil {
+			from, _ := strconv.Atoi(m[2])
+			for len(kept) > 0 && kept[len(kept)-1] >= from {
+				kept = kept[:len(kept)-1]
+			}
+		} else if m := stepRe.FindStringSubmatch(l.line); m != nil {
+			s, _ := strconv.Atoi(m[1])
+			kept = append(kept, s)
+		}
+	}
+	return kept
+}
+
+// SetArgs replaces the trainer's arguments of the nodes started next.
+func (j *ElasticJob) SetArgs(args string) { j.args = args }
