@@ -551,6 +551,9 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	if err == nil {
 		err = d.r.Finalize(ctx) // without d.mu: Stats, Err and Close stay responsive
 	}
+	if synced && d.zero != nil && (err == nil || errors.As(err, new(*NonFiniteError))) {
+		d.zero.rebuilt.Store(true) // the reducer rebuilt the buckets: Note [ZeRO]
+	}
 	if err == nil && synced && d.opts.JoinDivideByActive && active < d.pg.Size() {
 		d.rescale(float64(d.pg.Size()) / float64(active))
 	}

@@ -3,6 +3,7 @@ package ddp
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/ddp/optim"
@@ -31,7 +32,9 @@ import (
 // bits as plain DDP with the same optimizer.
 //
 // Stage 2 reduce-scatters each bucket as backward completes it (a CommHook of its own,
-// launched like the all-reduce, so the overlap with backward is the same): the buckets are
+// launched like the all-reduce, so the overlap with backward is the same), from the second
+// synced pass on: the first one's buckets are all-reduced, since the rebuild at its end
+// moves the buckets, and with them the blocks that Step then reads. The buckets are
 // padded with zeros to a multiple of n elements (reducer Options.PadBuckets) and a rank
 // receives the sum of its block only, half the all-reduce's bytes each way on a ring; Step
 // then all-gathers the parameters, the other half. Finalize leaves the averaged gradient in
@@ -54,12 +57,13 @@ type zeroState struct {
 	factory optim.Factory
 	opt     optim.Optimizer
 	segs    []zeroSeg
-	shardP  []float32 // this rank's blocks of the parameters, bucket by bucket (blk each)
-	shardG  []float32 // and of the averaged gradients
-	starts  []int     // starts[i]: parameter i's first element in the index-order flattening
-	lens    []int     // lens[i]: parameter i's element count
-	elems   int       // every parameter's elements
-	ready   bool      // a synced Finalize succeeded since the last Step
+	shardP  []float32   // this rank's blocks of the parameters, bucket by bucket (blk each)
+	shardG  []float32   // and of the averaged gradients
+	starts  []int       // starts[i]: parameter i's first element in the index-order flattening
+	lens    []int       // lens[i]: parameter i's element count
+	elems   int         // every parameter's elements
+	ready   bool        // a synced Finalize succeeded since the last Step
+	rebuilt atomic.Bool // a synced Finalize has rebuilt the buckets (stage 2's hook reads it)
 	pending *optim.State
 }
 
@@ -110,10 +114,18 @@ func checkZero(o *Options) error {
 // reduceScatterHook is stage 2's CommHook (Note [ZeRO]): a reduce-scatter of the padded bucket into
 // a block of its own (the bucket's Scratch), which Finish copies into the rank's block of
 // the bucket, from where the reducer copies it into Param.Grad.
-type reduceScatterHook struct{ rank, size int }
+// Before the first synced Finalize has rebuilt the buckets (rebuilt), it all-reduces.
+type reduceScatterHook struct {
+	rank, size int
+	rebuilt    *atomic.Bool
+}
 
 func (h reduceScatterHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *reducer.BucketView) procgroup.Work {
 	buf := b.Buffer.([]float32)
+	if !h.rebuilt.Load() {
+		b.Scratch = nil
+		return pg.AllReduce(ctx, buf, procgroup.Sum)
+	}
 	blk := len(buf) / h.size
 	out, _ := b.Scratch.([]float32)
 	if len(out) != blk {
@@ -124,8 +136,9 @@ func (h reduceScatterHook) Launch(ctx context.Context, pg procgroup.ProcessGroup
 }
 
 func (h reduceScatterHook) Finish(b *reducer.BucketView) error {
-	buf, out := b.Buffer.([]float32), b.Scratch.([]float32)
-	copy(buf[h.rank*len(out):], out)
+	if out, ok := b.Scratch.([]float32); ok { // not after an all-reduce
+		copy(b.Buffer.([]float32)[h.rank*len(out):], out)
+	}
 	return nil
 }
 
@@ -153,7 +166,7 @@ func newZero(o *Options, params []Param, rank, size int, ro *reducer.Options) (*
 		z.elems += len(v)
 	}
 	if o.Zero == 2 && size > 1 {
-		ro.CommHook = reduceScatterHook{rank: rank, size: size}
+		ro.CommHook = reduceScatterHook{rank: rank, size: size, rebuilt: &z.rebuilt}
 		ro.PadBuckets = size
 	}
 	return z, nil

@@ -117,7 +117,9 @@ func zeroRun(t *testing.T, n, zero int, opt string, steps int, from *zeroSnap) z
 		fp, fg := make([]float32, total), make([]float32, total)
 		for s := start; s < start+steps; s++ {
 			d.BeginBackward(Sync)
-			for p := len(params) - 1; p >= 0; p-- {
+			// Not the registration order (each rank its own): the first Finalize's rebuild
+			// moves the buckets, and so the shards.
+			for _, p := range rand.New(rand.NewPCG(uint64(rank), uint64(s))).Perm(len(params)) {
 				w, x := params[p].Data.([]float32), zeroX(rank, s, p, zeroLens[p])
 				for k := range x {
 					x[k] = w[k] - x[k]
