@@ -425,3 +425,73 @@ func TestZeroStepAllocs(t *testing.T) {
 		t.Errorf("a step allocates %v times with Zero 1, %v without", zero, plain)
 	}
 }
+
+// TestZeroStage2ReduceScatters: at stage 2 on 2 ranks the first synced pass all-reduces
+// its buckets (the rebuild follows it), and every later pass reduce-scatters each bucket
+// and all-reduces none; Step all-gathers each bucket.
+func TestZeroStage2ReduceScatters(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	var mu sync.Mutex
+	counts := map[procgroup.CollectiveOp]int{}
+	c.OnIssue = func(rank int, rec pgtest.Record) {
+		if rank == 0 {
+			mu.Lock()
+			counts[rec.Op]++
+			mu.Unlock()
+		}
+	}
+	snap := func() map[procgroup.CollectiveOp]int {
+		mu.Lock()
+		defer mu.Unlock()
+		m := map[procgroup.CollectiveOp]int{}
+		for k, v := range counts {
+			m[k] = v
+		}
+		return m
+	}
+	var buckets int
+	var before, after map[procgroup.CollectiveOp]int
+	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+		ctx := context.Background()
+		params := make([]Param, len(zeroLens))
+		for p, l := range zeroLens {
+			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+		}
+		d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		for s := range 3 {
+			if s == 2 && rank == 0 {
+				before = snap()
+			}
+			d.BeginBackward(Sync)
+			for p := range params {
+				_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+			}
+			if err := d.Finalize(ctx); err != nil {
+				return err
+			}
+			if err := d.Step(ctx); err != nil {
+				return err
+			}
+			if s == 2 && rank == 0 {
+				after, buckets = snap(), len(d.BucketParams())
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if counts[procgroup.OpReduceScatter] != 2*buckets {
+		t.Errorf("%d reduce-scatters in 3 steps of %d buckets, want 2 per bucket (none in the first)", counts[procgroup.OpReduceScatter], buckets)
+	}
+	for op, want := range map[procgroup.CollectiveOp]int{procgroup.OpReduceScatter: buckets, procgroup.OpAllGather: buckets, procgroup.OpAllReduce: 0} {
+		if got := after[op] - before[op]; got != want {
+			t.Errorf("the third step issued %d of op %v, want %d (%d buckets)", got, op, want, buckets)
+		}
+	}
+}
