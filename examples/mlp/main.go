@@ -149,8 +149,14 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 			return f, fmt.Errorf("--global_batch_size and --micro_batch_size fix the batch: drop --batch_size and --accum_steps")
 		}
 	}
-	if _, err := optimizerFactory(f); err != nil {
+	fac, err := optimizerFactory(f)
+	if err != nil {
 		return f, err
+	}
+	if f.optimizer != "sgd" || f.zero != 0 { // the plain loop's --lr is as it always was
+		if _, err := fac(0); err != nil {
+			return f, fmt.Errorf("--optimizer %s: %w", f.optimizer, err)
+		}
 	}
 	if f.zero != 0 && (f.zero < 0 || f.zero > 2 || f.noDDP || f.shards() > 0 || set["steps_per_rank"]) {
 		return f, fmt.Errorf("--zero %d: want 0, 1 or 2, without --no_ddp, --global_batch_size or --steps_per_rank", f.zero)

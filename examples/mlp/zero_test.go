@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/binary"
 	"fmt"
 	"math"
@@ -8,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -111,6 +113,21 @@ func TestZeroCheckpointResume(t *testing.T) {
 		_, got, _ := zeroRun(t, ddprun, 2, resumeZero, "--checkpoint_dir "+dir+" --resume")
 		if got != want {
 			t.Errorf("--zero 2 for 10 steps, resumed at --zero %d to 20: %s, uninterrupted: %s", resumeZero, got, want)
+		}
+	}
+}
+
+// TestZeroFlags: bad --zero and --optimizer values are refused, naming the flag.
+func TestZeroFlags(t *testing.T) {
+	for args, want := range map[string]string{
+		"--zero 3":                      "--zero 3",
+		"--zero 1 --no_ddp":             "--zero 1",
+		"--optimizer lamb":              `--optimizer "lamb"`,
+		"--optimizer momentum --lr -1":  "lr -1",
+		"--zero 2 --steps_per_rank 1,2": "--zero 2",
+	} {
+		if _, err := parseFlags(strings.Fields(args), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("%s: %v, want an error naming %q", args, err, want)
 		}
 	}
 }

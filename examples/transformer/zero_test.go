@@ -1,9 +1,11 @@
 package main
 
 import (
+	"bytes"
 	"fmt"
 	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 )
 
@@ -45,6 +47,16 @@ func TestZeroUnderDDPRun(t *testing.T) {
 			} else if limit := plain[r]/2 + 2*52429; b > limit || b == 0 {
 				t.Errorf("--zero %d: rank %d holds %d bytes of AdamW state, --zero 0 %d, limit %d", zero, r, b, plain[r], limit)
 			}
+		}
+	}
+}
+
+// TestZeroFlags: --zero out of range, or with what it cannot take yet, is refused naming
+// the flag.
+func TestZeroFlags(t *testing.T) {
+	for _, args := range []string{"--zero 3", "--zero 1 --checkpoint_dir /tmp/x", "--zero 2 --no_ddp", "--zero 1 --bucket_cap_mb auto"} {
+		if _, err := parseFlags(strings.Fields(args), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "--zero") {
+			t.Errorf("%s: %v, want an error naming --zero", args, err)
 		}
 	}
 }
