@@ -29,7 +29,8 @@ import (
 // parameters, each bucket's all-gather issued at once and copied out as it completes, in
 // order. The optimizer state per rank is 1/n of plain DDP's, plus under one element per
 // bucket per rank of padding. The reduction is plain DDP's, so the parameters are the same
-// bits as plain DDP with the same optimizer.
+// bits as plain DDP with the same optimizer; the all-gather comes on top, half again plain
+// DDP's bytes on the wire (PyTorch's ZeroRedundancyOptimizer broadcasts the same way).
 //
 // Stage 2 reduce-scatters each bucket as backward completes it (a CommHook of its own,
 // launched like the all-reduce, so the overlap with backward is the same), from the second
