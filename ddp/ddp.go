@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/reducer"
 )
@@ -124,6 +125,18 @@ type Options struct {
 	// over the world size (the default, as in PyTorch: every sample weighs the same in
 	// every step, and the averages are the reducer's own bits, with no extra pass).
 	JoinDivideByActive bool
+	// Zero shards the optimizer over the ranks (ZeRO, Note [ZeRO] in zero.go): 1 shards its
+	// state, each rank stepping about 1/n of every bucket's elements (Step, after Finalize,
+	// then all-gathers the parameters); 2 also reduce-scatters each bucket instead of
+	// all-reducing it, so that a rank receives only its shard's averaged gradients. It
+	// needs Optimizer, float32 parameters on the host and a fixed BucketCapMB, without
+	// Shards, UnevenInputs or GradientAsBucketView (and at stage 2 without a CommHook),
+	// and must be the same on every rank. 0 (the default): plain DDP, the trainer steps.
+	Zero int
+	// Optimizer makes the optimizer of this rank's shard, for n elements, with Zero (for
+	// instance optim.NewAdamW with the trainer's options). It must work element by element
+	// (package optim).
+	Optimizer optim.Factory
 }
 
 // validate fills in the defaults (the reducer's options from reducer.Options.WithDefaults,
@@ -167,6 +180,7 @@ const (
 	phaseFinalizing              // inside Finalize
 	phaseFailed                  // err ended the DDP
 	phaseJoined                  // inside Join: shadowing the others' synced steps
+	phaseStepping                // inside Step or GatherOptimizerState (Options.Zero)
 	phaseClosed
 )
 
@@ -192,7 +206,8 @@ type DDP struct {
 
 	failed atomic.Bool // the hot path's view of phase == phaseFailed
 
-	join joinState // with Options.UnevenInputs: the per-step count of active ranks
+	join joinState  // with Options.UnevenInputs: the per-step count of active ranks
+	zero *zeroState // with Options.Zero (Note [ZeRO]); its ready flag is guarded by mu
 
 	mu    sync.Mutex // guards the fields below
 	phase phase
@@ -221,6 +236,9 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 		return nil, fmt.Errorf("%w: Options.Shards: %w", ErrInvalidArgument, err)
 	}
 	if err := checkJoinOptions(&opts); err != nil {
+		return nil, err
+	}
+	if err := checkZero(&opts); err != nil {
 		return nil, err
 	}
 	d := &DDP{pg: pg, opts: opts, log: opts.Logger}
@@ -259,7 +277,7 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	}
 	d.opts.Buffers = d.buffers
 	if pg.Size() > 1 {
-		if err := verify(ctx, pg, descs, opts.Shards, reducer.DescribeHook(opts.CommHook), opts.NoFiniteCheck, opts.UnevenInputs); err != nil {
+		if err := verify(ctx, pg, descs, opts.Shards, reducer.DescribeHook(opts.CommHook)+zeroLine(&opts), opts.NoFiniteCheck, opts.UnevenInputs); err != nil {
 			return nil, err
 		}
 		if err := broadcastAll(ctx, pg, d.tensors(true), chunkBytes(opts.BroadcastChunkMB)); err != nil {
@@ -270,7 +288,15 @@ func New(ctx context.Context, pg procgroup.ProcessGroup, params []Param, opts Op
 	for i, p := range d.params {
 		rp[i] = reducer.Param{Name: p.Name, Grad: p.Grad, DType: descs[i].dtype, Len: descs[i].n, Shape: descs[i].shape}
 	}
-	r, err := reducer.New(pg, rp, opts.reducerOptions())
+	ro := opts.reducerOptions()
+	if opts.Zero > 0 {
+		z, err := newZero(&opts, d.params, pg.Rank(), pg.Size(), &ro)
+		if err != nil {
+			return nil, err
+		}
+		d.zero = z
+	}
+	r, err := reducer.New(pg, rp, ro)
 	if err != nil {
 		return nil, fmt.Errorf("ddp: %w", err)
 	}
@@ -391,6 +417,12 @@ func (d *DDP) mayBeginLocked(what string) bool {
 	case phaseJoined:
 		d.failLocked(fmt.Errorf("%s during Join: %w", what, ErrPhase))
 		return false
+	case phaseStepping:
+		d.failLocked(fmt.Errorf("%s during Step: %w", what, ErrPhase))
+		return false
+	}
+	if d.zero != nil {
+		d.zero.ready = false
 	}
 	return true
 }
@@ -503,7 +535,7 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	case phaseClosed:
 		d.mu.Unlock()
 		return ErrClosed
-	case phaseIdle, phaseFinalizing, phaseJoined:
+	case phaseIdle, phaseFinalizing, phaseJoined, phaseStepping:
 		d.mu.Unlock()
 		return fmt.Errorf("%w: Finalize without a backward pass (call BeginBackward first)", ErrPhase)
 	}
@@ -518,6 +550,9 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	}
 	if err == nil {
 		err = d.r.Finalize(ctx) // without d.mu: Stats, Err and Close stay responsive
+	}
+	if synced && d.zero != nil && (err == nil || errors.As(err, new(*NonFiniteError))) {
+		d.zero.rebuilt.Store(true) // the reducer rebuilt the buckets: Note [ZeRO]
 	}
 	if err == nil && synced && d.opts.JoinDivideByActive && active < d.pg.Size() {
 		d.rescale(float64(d.pg.Size()) / float64(active))
@@ -541,6 +576,9 @@ func (d *DDP) Finalize(ctx context.Context) error {
 		if err := d.settleLocked(err); err != nil {
 			return err
 		}
+	}
+	if synced && d.zero != nil {
+		d.zero.ready = true
 	}
 	d.phase = phaseIdle
 	return nil
@@ -704,6 +742,9 @@ func (d *DDP) Close() {
 	}
 	if d.phase == phaseJoined { // the peers wait for this rank's shadow collectives
 		d.pg.Abort(fmt.Errorf("ddp: rank %d: closed during Join", d.pg.Rank()))
+	}
+	if d.phase == phaseStepping { // and for its all-gathers
+		d.pg.Abort(fmt.Errorf("ddp: rank %d: closed during Step", d.pg.Rank()))
 	}
 	d.phase = phaseClosed
 	_ = d.r.Close() // always nil: it only releases

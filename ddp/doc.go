@@ -139,6 +139,39 @@
 // not, so they must not run while a rank may be in Join. Options.Shards and
 // Options.Device are refused with UnevenInputs.
 //
+// # ZeRO (a sharded optimizer)
+//
+// With Options.Zero the DDP steps the optimizer, sharded over the ranks as PyTorch's
+// ZeroRedundancyOptimizer does (Note [ZeRO]): each rank owns about 1/n of every bucket's
+// elements and keeps the optimizer state of those alone. Stage 1 all-reduces the gradients
+// as before; stage 2 reduce-scatters each bucket as backward completes it, so that a rank
+// receives only its shard's averages. Options.Optimizer makes the shard's optimizer
+// (package ddp/optim: AdamW, SGD with momentum, or the trainer's own, element by element),
+// and Step, in place of the trainer's optimizer, steps the shard and all-gathers the
+// parameters into every Param.Data:
+//
+//	d, err := ddp.New(ctx, pg, params, ddp.Options{Zero: 2,
+//		Optimizer: func(n int) (optim.Optimizer, error) {
+//			return optim.NewAdamW(n, optim.AdamWOptions{LR: 1e-3})
+//		}})
+//	for step := 0; step < steps; step++ {
+//		d.BeginBackward(ddp.Sync)
+//		forwardBackward(x[step])         // GradReady for each gradient, as above
+//		if err := d.Finalize(ctx); err != nil {
+//			return err
+//		}
+//		if err := d.Step(ctx); err != nil { // every rank: the shard's step, then the all-gather
+//			return err
+//		}
+//	}
+//
+// Stage 1 ends with the bits of the plain loop stepping the same optimizer over every
+// parameter; stage 2 too with two ranks, and within float32 rounding with more. At stage 2
+// only the rank's shard of Param.Grad holds averages. A checkpoint holds the whole state:
+// GatherOptimizerState (every rank, before Save) fills vectors of every parameter's
+// elements, and SetOptimizerState (after Restore) takes this rank's shard from them, at
+// any world size or stage.
+//
 // # Shards (the same bits at every world size)
 //
 // With Options.Shards = L the global batch is fixed, not the per-rank batch: each step's

@@ -81,14 +81,14 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 			s.dev = d
 			s.view.Buffer, s.view.Device, s.view.Stream = d, r.dev, r.opts.Stream
 		case bk.DType == procgroup.Float32:
-			u := &used[0]
-			s.f32 = mem[0].f32[*u : *u+bk.Len : *u+bk.Len]
-			*u += (bk.Len + bucketAlign/4 - 1) &^ (bucketAlign/4 - 1)
+			u, n := &used[0], r.padded(bk.Len)
+			s.f32 = mem[0].f32[*u : *u+n : *u+n]
+			*u += (n + bucketAlign/4 - 1) &^ (bucketAlign/4 - 1)
 			s.view.Buffer = s.f32
 		default:
-			u := &used[1]
-			s.f64 = mem[1].f64[*u : *u+bk.Len : *u+bk.Len]
-			*u += (bk.Len + bucketAlign/8 - 1) &^ (bucketAlign/8 - 1)
+			u, n := &used[1], r.padded(bk.Len)
+			s.f64 = mem[1].f64[*u : *u+n : *u+n]
+			*u += (n + bucketAlign/8 - 1) &^ (bucketAlign/8 - 1)
 			s.view.Buffer = s.f64
 		}
 		if r.sh != nil {
@@ -129,12 +129,22 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 }
 
 // hostElems is the number of elements of each type (float32, float64) of a layout's host
-// bucket memory (Note [Bucket memory]): the same for every layout.
+// bucket memory (Note [Bucket memory]): the same for every layout. With
+// Options.PadBuckets each bucket (at most one per parameter) may take up to PadBuckets−1
+// elements more.
 func (r *Reducer) hostElems() [2]int {
 	var n [2]int
 	for _, p := range r.bparams {
 		t := typeIndex(p.DType)
-		n[t] += p.Len + bucketAlign/p.DType.Size()
+		n[t] += p.Len + bucketAlign/p.DType.Size() + max(r.opts.PadBuckets-1, 0)
+	}
+	return n
+}
+
+// padded is a bucket's buffer length for n elements of gradients (Options.PadBuckets).
+func (r *Reducer) padded(n int) int {
+	if k := r.opts.PadBuckets; k > 1 {
+		return (n + k - 1) / k * k
 	}
 	return n
 }

@@ -52,6 +52,12 @@ type Options struct {
 	// one rank's gradient reaches every rank's average silently. The check is on host
 	// gradients only; with Device there is none.
 	NoFiniteCheck bool
+	// PadBuckets, if above 1, pads each host bucket's buffer (BucketView.Buffer) with
+	// zeros to a multiple of PadBuckets elements, so that a hook can reduce-scatter it
+	// in equal blocks (package ddp's ZeRO stage 2 pads to the world size). The padding
+	// stays zero: no gradient is copied there, and a sum of zeros is zero. Host buckets
+	// only.
+	PadBuckets int
 }
 
 // WithDefaults returns o with its zero fields set to their defaults: BucketCapMB 25,
@@ -82,6 +88,9 @@ func (o *Options) validate() error {
 	if o.BucketCapMB == AutoBucketCap && o.Device {
 		return fmt.Errorf("%w: AutoBucketCap is not available with Options.Device yet: give BucketCapMB", ErrInvalidArgument)
 	}
+	if o.PadBuckets < 0 || (o.PadBuckets > 1 && o.Device) {
+		return fmt.Errorf("%w: PadBuckets %d, want 0 or positive, with host buckets", ErrInvalidArgument, o.PadBuckets)
+	}
 	if o.Shards < 0 {
 		return fmt.Errorf("%w: Shards %d, want 0 (no shards) or positive", ErrInvalidArgument, o.Shards)
 	}
@@ -96,6 +105,8 @@ func (o *Options) validate() error {
 			with = "Options.Device (not yet)"
 		case o.FindUnusedParameters:
 			with = "FindUnusedParameters (every shard's pass must report every parameter)"
+		case o.PadBuckets > 1:
+			with = "PadBuckets"
 		}
 		if with != "" {
 			return fmt.Errorf("%w: Shards cannot be combined with %s", ErrInvalidArgument, with)

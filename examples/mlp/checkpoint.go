@@ -14,11 +14,14 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
-// ckpt is the run's --checkpoint_dir: the parameters and the data position (the next
-// sample of the run, counted over the global batch) in a ddp/checkpoint; SGD has no state
-// of its own. A nil *ckpt checkpoints nothing.
+// ckpt is the run's --checkpoint_dir: the parameters, the optimizer's whole state (none
+// for plain SGD; at --zero 1 and 2 gathered from the ranks' shards before each save, so
+// that any --zero and world size resumes it) and the data position (the next sample of
+// the run, counted over the global batch) in a ddp/checkpoint. A nil *ckpt checkpoints
+// nothing.
 type ckpt struct {
 	c     *checkpoint.Checkpointer
+	opt   *stepper
 	every int
 	steps int
 }
@@ -30,7 +33,7 @@ var afterStep func(rank, step int)
 // restoreCkpt registers m and *next with a checkpoint in --checkpoint_dir and resumes from
 // its newest file (with --resume, or on a launcher's restart). It returns the step to start
 // from; every rank of pg must call it.
-func restoreCkpt(ctx context.Context, f flags, pg procgroup.ProcessGroup, m *mlp, next *int64, stdout io.Writer) (*ckpt, int, error) {
+func restoreCkpt(ctx context.Context, f flags, pg procgroup.ProcessGroup, m *mlp, opt *stepper, next *int64, stdout io.Writer) (*ckpt, int, error) {
 	if f.checkpointDir == "" {
 		return nil, 0, nil
 	}
@@ -45,6 +48,12 @@ func restoreCkpt(ctx context.Context, f flags, pg procgroup.ProcessGroup, m *mlp
 		c.Float32(m.names[i], p, shapes[i]...)
 	}
 	c.Int64("data.next_sample", next)
+	if len(opt.full.Vectors) > 0 {
+		for _, v := range opt.full.Vectors {
+			c.Float32("opt."+v.Name, v.Data)
+		}
+		c.Int64("opt.steps", opt.full.Steps)
+	}
 	c.Config("--seed", strconv.FormatUint(f.seed, 10))
 	if f.shards() > 0 {
 		// The data of a step and the sum of its shards do not depend on the world size.
@@ -63,16 +72,24 @@ func restoreCkpt(ctx context.Context, f flags, pg procgroup.ProcessGroup, m *mlp
 	if err != nil {
 		return nil, 0, fmt.Errorf("--checkpoint_dir: %w", err)
 	}
+	if start > 0 {
+		if err := opt.afterRestore(); err != nil {
+			return nil, 0, fmt.Errorf("--checkpoint_dir: the optimizer's state: %w", err)
+		}
+	}
 	if start > 0 && (pg == nil || pg.Rank() == 0) {
 		fmt.Fprintf(stdout, "resumed from step %d\n", start)
 	}
-	return &ckpt{c: c, every: f.ckptEvery, steps: f.steps}, int(start), nil
+	return &ckpt{c: c, opt: opt, every: f.ckptEvery, steps: f.steps}, int(start), nil
 }
 
 // after saves the checkpoint after step if one is due (every --checkpoint_every steps and
 // after the last).
-func (k *ckpt) after(rank, step int) error {
+func (k *ckpt) after(ctx context.Context, rank, step int) error {
 	if k != nil && ((step+1)%k.every == 0 || step+1 == k.steps) {
+		if err := k.opt.beforeSave(ctx); err != nil { // every rank
+			return err
+		}
 		if err := k.c.Save(int64(step + 1)); err != nil {
 			return err
 		}

@@ -57,6 +57,15 @@
 //
 //	ddprun --nproc_per_node 3 ./examples/mlp -- --steps_per_rank 0,3,5
 //
+// --optimizer momentum or adamw (package ddp/optim; default sgd, the plain loop) with
+// --zero 1 or 2 shards the optimizer over the ranks (ddp.Options.Zero, ddp.DDP.Step): each
+// rank keeps about 1/n of AdamW's moments, and every rank prints optimizer_state_bytes.
+// --zero 1 ends with the params_crc32 of --zero 0, and so does --zero 2 on 2 ranks (on
+// more, within float32 rounding); a checkpoint holds the whole state, so a --zero 2 run
+// resumes at --zero 0 or 1:
+//
+//	ddprun --nproc_per_node 4 ./examples/mlp -- --optimizer adamw --lr 0.01 --zero 2
+//
 // Output: rank 0 prints the loss of the global batch every --log_every steps; every rank
 // ends with "params_crc32=<8 hex>", the CRC-32 (IEEE) of its final parameters'
 // little-endian float32 bytes in registration order, the same on every rank.

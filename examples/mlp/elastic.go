@@ -20,8 +20,8 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 	switch {
 	case f.shards() == 0:
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) needs --global_batch_size and --micro_batch_size: the batch of a step is fixed, not the batch of a rank")
-	case f.noDDP || f.checkpointDir != "" || f.stepsPerRank != nil:
-		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) takes neither --no_ddp, --checkpoint_dir nor --steps_per_rank")
+	case f.noDDP || f.checkpointDir != "" || f.stepsPerRank != nil || f.zero > 0 || f.optimizer != "sgd":
+		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) takes neither --no_ddp, --checkpoint_dir, --steps_per_rank, --zero nor an --optimizer other than sgd")
 	}
 	job, err := elastic.Start(ctx, elastic.Options{Backend: f.backend, Shards: f.shards(), Report: stdout}) // the changes among the steps
 	if err != nil {

@@ -47,6 +47,9 @@ type flags struct {
 	psgd          ddp.PowerSGDOptions // --powersgd_rank, --powersgd_start_iter, --powersgd_min_compression_rate
 	stepsPerRank  []int               // --steps_per_rank: rank r runs stepsPerRank[r] steps, then ddp's Join (nil: --steps each)
 	stepTime      time.Duration       // --step_time: the least time a step takes (0: none)
+	optimizer     string              // --optimizer: sgd, momentum or adamw
+	momentum      float64
+	zero          int // --zero: ddp.Options.Zero
 }
 
 // injection is --inject_nan RANK:STEP:PARAM: rank RANK's gradient of parameter PARAM (an
@@ -110,7 +113,10 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.batch, "batch_size", 16, "samples per rank per micro-batch")
 	fs.IntVar(&f.accum, "accum_steps", 1, "micro-batches per optimizer step (all but the last under NoSync)")
 	fs.IntVar(&f.steps, "steps", 500, "optimizer steps")
-	fs.Float64Var(&f.lr, "lr", 0.3, "SGD learning rate")
+	fs.Float64Var(&f.lr, "lr", 0.3, "learning rate")
+	fs.StringVar(&f.optimizer, "optimizer", "sgd", "sgd, momentum (SGD with --momentum) or adamw (package ddp/optim)")
+	fs.Float64Var(&f.momentum, "momentum", 0.9, "with --optimizer momentum: the momentum")
+	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 optimizer state sharded, 2 gradients reduce-scattered too")
 	fs.Uint64Var(&f.seed, "seed", 1, "seed of the parameters and the data")
 	fs.IntVar(&f.logEvery, "log_every", 100, "rank 0 prints the loss every N steps (0: never)")
 	fs.Float64Var(&f.bucketMB, "bucket_cap_mb", 25, "DDP bucket size cap in MiB")
@@ -146,6 +152,18 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		case set["batch_size"] || set["accum_steps"]:
 			return f, fmt.Errorf("--global_batch_size and --micro_batch_size fix the batch: drop --batch_size and --accum_steps")
 		}
+	}
+	fac, err := optimizerFactory(f)
+	if err != nil {
+		return f, err
+	}
+	if f.optimizer != "sgd" || f.zero != 0 { // the plain loop's --lr is as it always was
+		if _, err := fac(0); err != nil {
+			return f, fmt.Errorf("--optimizer %s: %w", f.optimizer, err)
+		}
+	}
+	if f.zero != 0 && (f.zero < 0 || f.zero > 2 || f.noDDP || f.shards() > 0 || set["steps_per_rank"]) {
+		return f, fmt.Errorf("--zero %d: want 0, 1 or 2, without --no_ddp, --global_batch_size or --steps_per_rank", f.zero)
 	}
 	if set["steps_per_rank"] {
 		for _, p := range strings.Split(*perRank, ",") {
@@ -252,6 +270,11 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 	m := newMLP(f.hidden, f.seed)
 	rank, world := 0, 1
 	var d *ddp.DDP
+	var opts ddp.Options
+	opt, err := newStepper(f, m, &opts)
+	if err != nil {
+		return nil, err
+	}
 	if pg != nil {
 		rank, world = pg.Rank(), pg.Size()
 		params := make([]ddp.Param, nParams)
@@ -265,8 +288,8 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			return nil, err
 		}
 		// New checks the ranks' models and hooks agree and copies rank 0's parameters.
-		opts := ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards(), CommHook: hook,
-			UnevenInputs: f.stepsPerRank != nil}
+		opts.BucketCapMB, opts.FirstBucketCapMB, opts.Shards, opts.CommHook = f.bucketMB, f.firstMB, f.shards(), hook
+		opts.UnevenInputs = f.stepsPerRank != nil
 		if f.stepsPerRank != nil {
 			if len(f.stepsPerRank) != world {
 				return nil, fmt.Errorf("--steps_per_rank %v: %d counts for a world of %d ranks", f.stepsPerRank, len(f.stepsPerRank), world)
@@ -280,14 +303,15 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			return nil, err
 		}
 		defer d.Close()
+		opt.d = d
 	}
 	var next int64 // the data position: the run's next sample, over the global batch
-	k, start, err := restoreCkpt(ctx, f, pg, m, &next, stdout)
+	k, start, err := restoreCkpt(ctx, f, pg, m, opt, &next, stdout)
 	if err != nil {
 		return nil, err
 	}
 	if f.shards() > 0 {
-		return m, trainShards(ctx, f, pg, d, m, start, &next, stdout, func(step int) error { return k.after(rank, step) })
+		return m, trainShards(ctx, f, pg, d, m, start, &next, stdout, func(step int) error { return k.after(ctx, rank, step) })
 	}
 	step := start
 	ready := func(i int) { // backward reports parameter i's micro-batch gradient
@@ -327,7 +351,9 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 				return nil, leave(ctx, f, pg, err)
 			}
 		}
-		m.sgd(float32(f.lr))
+		if err := opt.step(ctx, m, float32(f.lr)); err != nil {
+			return nil, err
+		}
 		next += int64(f.accum * world * f.batch)
 
 		if f.logEvery > 0 && (step%f.logEvery == 0 || step == f.steps-1) {
@@ -341,12 +367,15 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 				fmt.Fprintf(stdout, "step %d loss %.6f\n", step, l[0])
 			}
 		}
-		if err := k.after(rank, step); err != nil {
+		if err := k.after(ctx, rank, step); err != nil {
 			return nil, err
 		}
 		if err := sleepCtx(ctx, f.stepTime-time.Since(paced)); err != nil {
 			return nil, err
 		}
+	}
+	if f.zero > 0 || f.optimizer != "sgd" { // every rank: its share of the state
+		fmt.Fprintf(stdout, "optimizer_state_bytes=%d\n", opt.stateBytes())
 	}
 	if f.stepsPerRank != nil { // this rank's data is done: shadow the others' steps
 		if err := d.Join(ctx); err != nil { // then every rank holds the same parameters

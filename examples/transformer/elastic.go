@@ -34,6 +34,8 @@ func trainElastic(ctx context.Context, f flags, m *model.Model, log *zap.Logger,
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) needs --global_batch_size and --micro_batch_size: the batch of a step is fixed, not the batch of a rank")
 	case f.checkpointDir != "":
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) keeps its state in memory: drop --checkpoint_dir")
+	case f.zero > 0:
+		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) does not take --zero yet: its optimizer state is handed over whole")
 	}
 	job, err := elastic.Start(ctx, elastic.Options{Backend: f.backend, Shards: f.shards(), Logger: log})
 	if err != nil {

@@ -29,6 +29,7 @@ import (
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/elastic"
 	"github.com/goddp/goddp/ddp/gorgoniaddp"
+	ddpoptim "github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/examples/transformer/model"
 	"github.com/goddp/goddp/examples/transformer/optim"
 	"github.com/goddp/goddp/internal/outpath"
@@ -55,6 +56,7 @@ type flags struct {
 	dropout       float64
 	logEvery      int
 	checkpointDir string
+	zero          int // --zero: ddp.Options.Zero
 	ckptEvery     int
 	resume        bool
 	cpuProfile    string
@@ -145,6 +147,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.Float64Var(&f.dropout, "dropout", 0.1, "dropout probability")
 	fs.IntVar(&f.logEvery, "log_every", 5, "print the loss every N steps (0: never)")
 	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "directory for checkpoints (empty: none)")
+	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 AdamW's state sharded over the ranks, 2 gradients reduce-scattered too")
 	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and at the end)")
 	fs.BoolVar(&f.resume, "resume", false, "resume from the checkpoint in --checkpoint_dir if there is one")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
@@ -195,6 +198,10 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--checkpoint_every %d must be positive", f.ckptEvery)
 	case f.reportEvery <= 0:
 		return f, fmt.Errorf("--report_every %d must be positive", f.reportEvery)
+	case f.zero < 0 || f.zero > 2:
+		return f, fmt.Errorf("--zero %d: want 0, 1 or 2", f.zero)
+	case f.zero > 0 && (f.noDDP || f.checkpointDir != "" || f.shards() > 0 || float64(f.bucketCapMB) == ddp.AutoBucketCap):
+		return f, errors.New("--zero 1 and 2 take neither --no_ddp, --checkpoint_dir, --global_batch_size nor --bucket_cap_mb auto")
 	}
 	f.straggleRank = -1
 	if *straggle != "" {
@@ -473,8 +480,10 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 			return err
 		}
 	} else {
-		if t.opt, err = optim.NewAdamW(m.NumParams(), optim.AdamWOptions{LR: f.lr}); err != nil {
-			return err
+		if f.zero == 0 { // with --zero the DDP makes and steps its shard's AdamW
+			if t.opt, err = optim.NewAdamW(m.NumParams(), optim.AdamWOptions{LR: f.lr}); err != nil {
+				return err
+			}
 		}
 		if start, err = t.resume(ctx, log); err != nil {
 			return err
@@ -553,8 +562,16 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 	if err != nil {
 		return err
 	}
-	d, err := ddp.New(ctx, t.pg, dp, ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook,
-		NoFiniteCheck: t.f.noFiniteCheck, Shards: t.f.shards()})
+	opts := ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook,
+		NoFiniteCheck: t.f.noFiniteCheck, Shards: t.f.shards()}
+	if t.f.zero > 0 { // the same AdamW as examples/transformer/optim's, bit for bit
+		lr := t.f.lr
+		opts.Zero = t.f.zero
+		opts.Optimizer = func(n int) (ddpoptim.Optimizer, error) {
+			return ddpoptim.NewAdamW(n, ddpoptim.AdamWOptions{LR: lr})
+		}
+	}
+	d, err := ddp.New(ctx, t.pg, dp, opts)
 	if err != nil {
 		if t.f.shards() > 0 {
 			return fmt.Errorf("--global_batch_size %d / --micro_batch_size %d: %w", t.f.global, t.f.micro, err)
@@ -689,7 +706,11 @@ func (t *trainer) step(ctx context.Context, step int) (float64, error) {
 		t.f.onGrads(step, t.grads)
 	}
 	end = t.obs.tr.Span("optimizer")
-	if err := t.opt.Step(t.m.Data32(), t.grads); err != nil {
+	if t.opt == nil { // --zero: this rank's shard, then the all-gather
+		if err := t.d.Step(ctx); err != nil {
+			return 0, fmt.Errorf("step %d: %w", step, err)
+		}
+	} else if err := t.opt.Step(t.m.Data32(), t.grads); err != nil {
 		return 0, fmt.Errorf("step %d: %w", step, err)
 	}
 	end()
@@ -828,6 +849,12 @@ func (t *trainer) finish(ctx context.Context) error {
 		if err := t.reportAuto(); err != nil { // after the barrier: a failed write holds up no peer
 			return err
 		}
+	}
+	if t.opt != nil {
+		_, mom, v := t.opt.State()
+		fmt.Fprintf(t.stdout, "rank %d optimizer_state_bytes=%d\n", t.w.rank, 4*(len(mom)+len(v)))
+	} else {
+		fmt.Fprintf(t.stdout, "rank %d optimizer_state_bytes=%d\n", t.w.rank, t.d.OptimizerStateBytes())
 	}
 	if rss, ok := peakRSS(); ok {
 		fmt.Fprintf(t.stdout, "rank %d peak_rss_mb=%.1f\n", t.w.rank, float64(rss)/(1<<20))

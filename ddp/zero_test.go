@@ -1,0 +1,497 @@
+package ddp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/goddp/goddp/ddp/optim"
+	"github.com/goddp/goddp/procgroup"
+	"github.com/goddp/goddp/procgroup/pgtest"
+)
+
+// The ZeRO tests' model: float32 parameters of these lengths, in buckets of at most 25
+// elements (the first 10), with the loss ½‖w − x‖² per rank and step, so the gradient w − x
+// depends on the parameters and a wrong step changes every later one.
+var zeroLens = []int{13, 1, 40, 7, 64, 3, 9}
+
+const (
+	zeroCap   = 100.0 / (1 << 20)
+	zeroFirst = 40.0 / (1 << 20)
+)
+
+var zeroOpts = map[string]optim.Factory{
+	"adamw": func(n int) (optim.Optimizer, error) {
+		return optim.NewAdamW(n, optim.AdamWOptions{LR: 1e-2, WeightDecay: 0.1})
+	},
+	"momentum": func(n int) (optim.Optimizer, error) { return optim.NewSGD(n, optim.SGDOptions{LR: 0.1, Momentum: 0.9}) },
+}
+
+// zeroX is rank r's data x for parameter p in step s (a global step count, so that a
+// resumed run sees the same data).
+func zeroX(r, s, p, n int) []float32 {
+	rng := rand.New(rand.NewPCG(uint64(r*1000+s), uint64(p)))
+	x := make([]float32, n)
+	for k := range x {
+		x[k] = float32(rng.NormFloat64())
+	}
+	return x
+}
+
+// zeroSnap is a run's outcome: the parameters and the whole optimizer state (index order),
+// the same on every rank (checked), and each rank's optimizer state bytes.
+type zeroSnap struct {
+	params [][]float32
+	state  optim.State
+	bytes  []int64
+	step   int // the next step
+}
+
+// zeroRun trains steps steps on n ranks (gloo over loopback) at stage zero with the
+// optimizer named opt, from the parameters and state of from (nil: a fresh start, the
+// parameters 0.5). Stage 0 is the plain loop: every rank steps one optimizer over all
+// the parameters, flattened in index order, itself.
+func zeroRun(t *testing.T, n, zero int, opt string, steps int, from *zeroSnap) zeroSnap {
+	t.Helper()
+	outs := make([]zeroSnap, n)
+	body := func(rank int, pg procgroup.ProcessGroup) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		total := 0
+		params := make([]Param, len(zeroLens))
+		for p, l := range zeroLens {
+			w := make([]float32, l)
+			for k := range w {
+				w[k] = 0.5
+			}
+			if from != nil {
+				copy(w, from.params[p])
+			}
+			params[p] = Param{Name: fmt.Sprint("w", p), Data: w, Grad: make([]float32, l)}
+			total += l
+		}
+		o := Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst}
+		var flat optim.Optimizer // stage 0's
+		if zero > 0 {
+			o.Zero, o.Optimizer = zero, zeroOpts[opt]
+		} else {
+			var err error
+			if flat, err = zeroOpts[opt](total); err != nil {
+				return err
+			}
+		}
+		d, err := New(ctx, pg, params, o)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		full := func(names optim.State) optim.State { // a whole state of names' vectors
+			st := optim.State{Steps: new(int64)}
+			for _, v := range names.Vectors {
+				st.Vectors = append(st.Vectors, optim.Vector{Name: v.Name, Data: make([]float32, total)})
+			}
+			return st
+		}
+		probe, _ := zeroOpts[opt](0)
+		start := 0
+		if from != nil {
+			start = from.step
+			if zero > 0 {
+				if err := d.SetOptimizerState(from.state); err != nil {
+					return err
+				}
+			} else {
+				st := flat.State()
+				*st.Steps = *from.state.Steps
+				for k := range st.Vectors {
+					copy(st.Vectors[k].Data, from.state.Vectors[k].Data)
+				}
+			}
+		}
+		fp, fg := make([]float32, total), make([]float32, total)
+		for s := start; s < start+steps; s++ {
+			d.BeginBackward(Sync)
+			// Not the registration order (each rank its own): the first Finalize's rebuild
+			// moves the buckets, and so the shards.
+			for _, p := range rand.New(rand.NewPCG(uint64(rank), uint64(s))).Perm(len(params)) {
+				w, x := params[p].Data.([]float32), zeroX(rank, s, p, zeroLens[p])
+				for k := range x {
+					x[k] = w[k] - x[k]
+				}
+				if err := d.GradReady(p, x); err != nil {
+					return err
+				}
+			}
+			if err := d.Finalize(ctx); err != nil {
+				return err
+			}
+			if zero > 0 {
+				if err := d.Step(ctx); err != nil {
+					return err
+				}
+				continue
+			}
+			at := 0
+			for _, p := range params {
+				at += copy(fp[at:], p.Data.([]float32))
+				copy(fg[at-len(p.Grad.([]float32)):], p.Grad.([]float32))
+			}
+			if err := flat.Step(fp, fg); err != nil {
+				return err
+			}
+			at = 0
+			for _, p := range params {
+				at += copy(p.Data.([]float32), fp[at:])
+			}
+		}
+		out := zeroSnap{step: start + steps, state: full(probe.State())}
+		for _, p := range params {
+			out.params = append(out.params, p.Data.([]float32))
+		}
+		if zero > 0 {
+			if err := d.GatherOptimizerState(ctx, out.state); err != nil {
+				return err
+			}
+			out.bytes = []int64{d.OptimizerStateBytes()}
+		} else {
+			st := flat.State()
+			*out.state.Steps = *st.Steps
+			for k := range st.Vectors {
+				copy(out.state.Vectors[k].Data, st.Vectors[k].Data)
+			}
+			out.bytes = []int64{st.Bytes()}
+		}
+		outs[rank] = out
+		return nil
+	}
+	if err := glooWorld(n, body); err != nil {
+		t.Fatalf("n=%d zero %d %s: %v", n, zero, opt, err)
+	}
+	for r := 1; r < n; r++ {
+		if d := snapDiff(outs[0], outs[r]); d != "" {
+			t.Fatalf("n=%d zero %d %s: rank %d differs from rank 0: %s", n, zero, opt, r, d)
+		}
+		outs[0].bytes = append(outs[0].bytes, outs[r].bytes...)
+	}
+	return outs[0]
+}
+
+// snapDiff says where two snapshots' bits differ first, "" if nowhere.
+func snapDiff(a, b zeroSnap) string {
+	return snapFar(a, b, 0)
+}
+
+// snapFar says where a and b differ by more than tol·max(1, |a|) ("" if nowhere; tol 0:
+// any bit).
+func snapFar(a, b zeroSnap, tol float64) string {
+	far := func(x, y float32) bool {
+		if tol == 0 {
+			return math.Float32bits(x) != math.Float32bits(y)
+		}
+		return !(math.Abs(float64(x)-float64(y)) <= tol*math.Max(1, math.Abs(float64(x))))
+	}
+	for p := range a.params {
+		for k := range a.params[p] {
+			if far(a.params[p][k], b.params[p][k]) {
+				return fmt.Sprintf("parameter %d[%d]: %v vs %v", p, k, a.params[p][k], b.params[p][k])
+			}
+		}
+	}
+	if *a.state.Steps != *b.state.Steps {
+		return fmt.Sprintf("optimizer steps %d vs %d", *a.state.Steps, *b.state.Steps)
+	}
+	for v := range a.state.Vectors {
+		x, y := a.state.Vectors[v].Data, b.state.Vectors[v].Data
+		for k := range x {
+			if far(x[k], y[k]) {
+				return fmt.Sprintf("optimizer %s[%d]: %v vs %v", a.state.Vectors[v].Name, k, x[k], y[k])
+			}
+		}
+	}
+	return ""
+}
+
+// zeroTolerance bounds |stage 2 − stage 0| relative to max(1, |value|) over 6 steps on 3
+// or 4 ranks: the reduce-scatter adds a block's rank contributions in another order than
+// the all-reduce does, a float32 rounding of each average, which AdamW's normalisation can
+// turn into up to about lr·(a few ulp of the gradient / its size) per step.
+const zeroTolerance = 1e-5
+
+// TestZeroEqualsPlain: on gloo over loopback at n = 1 to 4 ranks, with AdamW and SGD with
+// momentum, stage 1 gives the bits of the plain loop (parameters and the gathered
+// optimizer state), and so does stage 2 at n ≤ 2; at n = 3 and 4 stage 2 is within
+// zeroTolerance. Each rank's optimizer state is at most 1/n of the plain loop's plus one
+// element per bucket and vector, and the runs move the parameters (they are not at their
+// start).
+func TestZeroEqualsPlain(t *testing.T) {
+	const steps = 6
+	total := 0
+	for _, l := range zeroLens {
+		total += l
+	}
+	for _, opt := range []string{"adamw", "momentum"} {
+		for n := 1; n <= 4; n++ {
+			plain := zeroRun(t, n, 0, opt, steps, nil)
+			if plain.params[0][0] == 0.5 {
+				t.Fatalf("%s n=%d: the plain run did not move the parameters", opt, n)
+			}
+			vecs := int64(len(plain.state.Vectors))
+			buckets := int64(len(zeroLens)) // at most one bucket per parameter
+			for zero := 1; zero <= 2; zero++ {
+				got := zeroRun(t, n, zero, opt, steps, nil)
+				tol := 0.0
+				if zero == 2 && n > 2 {
+					tol = zeroTolerance
+				}
+				if d := snapFar(plain, got, tol); d != "" {
+					t.Errorf("%s n=%d: zero %d vs plain (tolerance %g): %s", opt, n, zero, tol, d)
+				} else if d := snapDiff(plain, got); d != "" {
+					t.Logf("%s n=%d: zero %d within %g of plain, first bit difference: %s", opt, n, zero, tol, d)
+				}
+				for r, b := range got.bytes {
+					if limit := plain.bytes[0]/int64(n) + 4*vecs*buckets; b > limit || (vecs > 0 && b == 0) {
+						t.Errorf("%s n=%d zero %d: rank %d holds %d bytes of optimizer state; plain %d, limit %d", opt, n, zero, r, b, plain.bytes[0], limit)
+					}
+				}
+			}
+		}
+	}
+}
+
+// TestZeroResume: a stage 1 run of 3 steps on 3 ranks, its gathered state and parameters
+// (what a checkpoint holds) resumed for 3 steps on 2 ranks at stage 1 and at stage 2 (set
+// before the first Step) and at stage 0, gives the bits of the plain loop resumed the same
+// way, and differs from a resumed run that loses the optimizer state.
+func TestZeroResume(t *testing.T) {
+	for _, opt := range []string{"adamw", "momentum"} {
+		first := zeroRun(t, 3, 1, opt, 3, nil)
+		plainFirst := zeroRun(t, 3, 0, opt, 3, nil)
+		if d := snapDiff(first, plainFirst); d != "" {
+			t.Fatalf("%s: first part: %s", opt, d)
+		}
+		want := zeroRun(t, 2, 0, opt, 3, &plainFirst)
+		for _, zero := range []int{1, 2} {
+			if d := snapDiff(want, zeroRun(t, 2, zero, opt, 3, &first)); d != "" {
+				t.Errorf("%s: resumed at n=2 zero %d vs plain: %s", opt, zero, d)
+			}
+		}
+		lost := first
+		lost.state = optim.State{Steps: new(int64)}
+		for _, v := range first.state.Vectors {
+			lost.state.Vectors = append(lost.state.Vectors, optim.Vector{Name: v.Name, Data: make([]float32, len(v.Data))})
+		}
+		if d := snapDiff(want, zeroRun(t, 2, 1, opt, 3, &lost)); d == "" {
+			t.Errorf("%s: a resume without the optimizer state gives the same bits: the test cannot tell", opt)
+		}
+	}
+}
+
+// TestZeroErrors: bad options are refused at New naming the option, the ranks' stages
+// must agree, and Step out of turn is ErrPhase.
+func TestZeroErrors(t *testing.T) {
+	f := zeroOpts["adamw"]
+	one := func() []Param { return []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}} }
+	c := pgtest.NewCluster(1)
+	defer c.Close()
+	ctx := context.Background()
+	for _, tc := range []struct {
+		o    Options
+		want string
+	}{
+		{Options{Zero: 3, Optimizer: f}, "Options.Zero 3, want 0"},
+		{Options{Zero: 1}, "needs Options.Optimizer"},
+		{Options{Optimizer: f}, "Options.Optimizer without Options.Zero"},
+		{Options{Zero: 1, Optimizer: f, Shards: 1}, "cannot be combined with Options.Shards"},
+		{Options{Zero: 2, Optimizer: f, UnevenInputs: true}, "cannot be combined with Options.UnevenInputs"},
+		{Options{Zero: 1, Optimizer: f, BucketCapMB: AutoBucketCap}, "AutoBucketCap"},
+		{Options{Zero: 2, Optimizer: f, CommHook: FP16CompressHook()}, "a CommHook at stage 2"},
+	} {
+		_, err := New(ctx, c.Group(0), one(), tc.o)
+		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v, want %q", tc.o, err, tc.want)
+		}
+	}
+	if _, err := New(ctx, c.Group(0), []Param{{Name: "w", Data: make([]float64, 2), Grad: make([]float64, 2)}}, Options{Zero: 1, Optimizer: f}); err == nil || !strings.Contains(err.Error(), "float32") {
+		t.Errorf("float64 parameter at Zero 1: %v", err)
+	}
+
+	d, err := New(ctx, c.Group(0), one(), Options{Zero: 1, Optimizer: f})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Step(ctx); !errors.Is(err, ErrPhase) {
+		t.Errorf("Step before Finalize: %v", err)
+	}
+	if err := d.GatherOptimizerState(ctx, optim.State{}); !errors.Is(err, ErrPhase) {
+		t.Errorf("GatherOptimizerState before the first Step: %v", err)
+	}
+	d.BeginBackward(Sync)
+	_ = d.GradReady(0, []float32{1, 2, 3, 4})
+	if err := d.Finalize(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Step(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Step(ctx); !errors.Is(err, ErrPhase) {
+		t.Errorf("a second Step after one Finalize: %v", err)
+	}
+	if err := d.SetOptimizerState(optim.State{Steps: new(int64), Vectors: []optim.Vector{{Name: "sgd.momentum", Data: make([]float32, 4)}, {Name: "adamw.v", Data: make([]float32, 4)}}}); err == nil || !strings.Contains(err.Error(), "want adamw.m") {
+		t.Errorf("a state of another optimizer: %v", err)
+	}
+	if d.Err() != nil {
+		t.Errorf("the refusals failed the DDP: %v", d.Err())
+	}
+	d.Close()
+	plain, err := New(ctx, c.Group(0), one(), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	if err := plain.Step(ctx); !errors.Is(err, ErrPhase) {
+		t.Errorf("Step without Zero: %v", err)
+	}
+
+	c2 := pgtest.NewCluster(2)
+	defer c2.Close()
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for r := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			o := Options{}
+			if r == 1 {
+				o = Options{Zero: 1, Optimizer: f}
+			}
+			d, err := New(ctx, c2.Group(r), one(), o)
+			if err == nil {
+				d.Close()
+			}
+			errs[r] = err
+		}()
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "(Options.Zero 1) on rank 1") {
+			t.Errorf("rank %d: stages 0 and 1: %v", r, err)
+		}
+	}
+}
+
+// TestZeroStepAllocs: after the first, a step with Zero 1 allocates no more than a plain
+// step does (one rank: the optimizer's step and the copies, no collective).
+func TestZeroStepAllocs(t *testing.T) {
+	c := pgtest.NewCluster(1)
+	defer c.Close()
+	ctx := context.Background()
+	allocs := func(o Options) float64 {
+		params := make([]Param, len(zeroLens))
+		for p, l := range zeroLens {
+			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+		}
+		d, err := New(ctx, c.Group(0), params, o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Close()
+		g := make([]float32, 64)
+		step := func() {
+			d.BeginBackward(Sync)
+			for p := len(params) - 1; p >= 0; p-- {
+				_ = d.GradReady(p, g[:zeroLens[p]])
+			}
+			if err := d.Finalize(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if o.Zero > 0 {
+				if err := d.Step(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		step()
+		return testing.AllocsPerRun(20, step)
+	}
+	plain := allocs(Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst})
+	zero := allocs(Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 1, Optimizer: zeroOpts["adamw"]})
+	if zero > plain {
+		t.Errorf("a step allocates %v times with Zero 1, %v without", zero, plain)
+	}
+}
+
+// TestZeroStage2ReduceScatters: at stage 2 on 2 ranks the first synced pass all-reduces
+// its buckets (the rebuild follows it), and every later pass reduce-scatters each bucket
+// and all-reduces none; Step all-gathers each bucket.
+func TestZeroStage2ReduceScatters(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	var mu sync.Mutex
+	counts := map[procgroup.CollectiveOp]int{}
+	c.OnIssue = func(rank int, rec pgtest.Record) {
+		if rank == 0 {
+			mu.Lock()
+			counts[rec.Op]++
+			mu.Unlock()
+		}
+	}
+	snap := func() map[procgroup.CollectiveOp]int {
+		mu.Lock()
+		defer mu.Unlock()
+		m := map[procgroup.CollectiveOp]int{}
+		for k, v := range counts {
+			m[k] = v
+		}
+		return m
+	}
+	var buckets int
+	var before, after map[procgroup.CollectiveOp]int
+	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+		ctx := context.Background()
+		params := make([]Param, len(zeroLens))
+		for p, l := range zeroLens {
+			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+		}
+		d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		for s := range 3 {
+			if s == 2 && rank == 0 {
+				before = snap()
+			}
+			d.BeginBackward(Sync)
+			for p := range params {
+				_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+			}
+			if err := d.Finalize(ctx); err != nil {
+				return err
+			}
+			if err := d.Step(ctx); err != nil {
+				return err
+			}
+			if s == 2 && rank == 0 {
+				after, buckets = snap(), len(d.BucketParams())
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if counts[procgroup.OpReduceScatter] != 2*buckets {
+		t.Errorf("%d reduce-scatters in 3 steps of %d buckets, want 2 per bucket (none in the first)", counts[procgroup.OpReduceScatter], buckets)
+	}
+	for op, want := range map[procgroup.CollectiveOp]int{procgroup.OpReduceScatter: buckets, procgroup.OpAllGather: buckets, procgroup.OpAllReduce: 0} {
+		if got := after[op] - before[op]; got != want {
+			t.Errorf("the third step issued %d of op %v, want %d (%d buckets)", got, op, want, buckets)
+		}
+	}
+}
