@@ -115,7 +115,8 @@ func TestElasticGainNode(t *testing.T) {
 }
 
 // TestElasticRefusals: a world the shards do not fit is refused at start, naming the sizes
-// that work; a node with another model is refused when it tries to join, naming the
+// that work; a node left below --nnodes MIN waits --rdzv_timeout, then fails naming the
+// nodes lost; a node with another model is refused when it tries to join, naming the
 // difference, and the job goes on; a rank stopped past the heartbeat timeout (a silent
 // host) is dropped, the others go on, and when it wakes it is refused as a stale member
 // of an old epoch.
@@ -146,6 +147,19 @@ func TestElasticRefusals(t *testing.T) {
 		wantCRCOf(t, b, want)
 		if strings.Contains(a.Output()+b.Output(), "elastic: epoch 1") {
 			t.Errorf("the job changed for a node it refused:\n%s", a.Output())
+		}
+	})
+	t.Run("below min", func(t *testing.T) {
+		j := newElasticJob(t, "2:3", nil)
+		a := j.Start("node a", "", "--rdzv_timeout", "3s")
+		a.WaitFor(hostsStore, 30*time.Second)
+		b := j.Start("node b", "", "--rdzv_timeout", "3s")
+		launchtest.WaitAny(t, stepAtLeast(5), a, b)
+		b.Kill()
+		err := a.Wait(time.Minute)
+		lost := regexp.MustCompile(`elastic: round 1: 1 of at least 2 processes \(2 nodes × 1\) arrived within 3s \(--rdzv_timeout\); lost: node \S+ \(host [^,]+, rank \d of epoch 0\)`)
+		if err == nil || !lost.MatchString(a.Output()) {
+			t.Fatalf("the node left alone: ddprun: %v; want a failure matching %q:\n%s", err, lost, a.Output())
 		}
 	})
 	t.Run("stale", func(t *testing.T) {
