@@ -322,6 +322,10 @@ func (j *job) outcome(ctx context.Context, res attemptResult, attempt int) (code
 func (j *job) reportFailure(p *rankProc, attempt int) {
 	msg := fmt.Sprintf("ddprun: rank %d (local_rank %d, host %s, pid %d) failed on attempt %d: %s\n",
 		p.rank, p.localRank, j.host, p.cmd.Process.Pid, attempt, p.describe())
+	if j.cfg.elastic { // its rank came from the rendezvous, and ddprun does not know it
+		msg = fmt.Sprintf("ddprun: local rank %d (host %s, pid %d) failed on attempt %d: %s\n",
+			p.localRank, j.host, p.cmd.Process.Pid, attempt, p.describe())
+	}
 	printed := false
 	for i, name := range []string{"stdout", "stderr"} {
 		lines := p.tails[i].get()

@@ -216,7 +216,10 @@ func (j *Job) Run(ctx context.Context, body func(ctx context.Context, pg procgro
 				return j.finish(ctx)
 			}
 		}
-		next, change := j.end(err, forming)
+		next, change, serr := j.end(err, forming)
+		if serr != nil {
+			return serr
+		}
 		if !change {
 			return err
 		}
@@ -364,19 +367,24 @@ func (j *Job) Commit(ctx context.Context, step int64) error {
 // end closes the epoch after body failed with err. change reports whether the failure is
 // a change of membership (the next round is open, or err is a lost peer or an aborted
 // group, which opens it); next is then this rank's arrival there.
-func (j *Job) end(err error, forming bool) (next *monitor, change bool) {
+//
+// storeErr, when not nil, says that the next epoch cannot be formed: the store is gone.
+func (j *Job) end(err error, forming bool) (next *monitor, change bool, storeErr error) {
 	m := j.mon
 	defer j.closeEpoch(true)
 	if m == nil {
-		return nil, false
+		return nil, false, nil
 	}
 	select {
 	case <-m.arrived:
-		return m, true
+		return m, true, nil
 	default:
 	}
-	if m.failed() != nil || !(forming || errors.Is(err, procgroup.ErrPeerLost) || errors.Is(err, procgroup.ErrAborted)) {
-		return nil, false
+	if ferr := m.failed(); ferr != nil {
+		return nil, false, ferr
+	}
+	if !(forming || errors.Is(err, procgroup.ErrPeerLost) || errors.Is(err, procgroup.ErrAborted)) {
+		return nil, false, nil
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), j.cfg.hbTimeout)
 	defer cancel()
@@ -385,13 +393,14 @@ func (j *Job) end(err error, forming bool) (next *monitor, change bool) {
 		cause = ce.Cause
 	}
 	if oerr := j.r.open(ctx, j.o1.Round+1, cause); oerr != nil {
-		return nil, false
+		return nil, false, fmt.Errorf("elastic: rank %d of epoch %d: %v; the next epoch cannot form: the rendezvous store at %s does not answer (%v): the job cannot go on without it (it is hosted by the ddprun that owns --rdzv_endpoint)",
+			j.rank, j.o1.Round, err, j.cfg.storeAddr, oerr)
 	}
 	select {
 	case <-m.arrived:
-		return m, true
+		return m, true, nil
 	case <-ctx.Done():
-		return nil, false
+		return nil, false, fmt.Errorf("elastic: rank %d of epoch %d: %v; it could not enter the next round within %v", j.rank, j.o1.Round, err, j.cfg.hbTimeout)
 	}
 }
 
