@@ -247,6 +247,7 @@ func (j *Job) begin(ctx context.Context, o *outcome, rank int) (int64, error) {
 			cancel(err)
 		}
 	}
+	j.state.thaw() // before the monitor: its freeze is final for the epoch
 	j.mon = j.newMonitor(o, rank, abort)
 	local, localSize := 0, 0
 	for i, m := range o.Members {
@@ -301,7 +302,6 @@ func (j *Job) restore(ctx context.Context, o *outcome, rank int) (int64, error) 
 			step, src = m.Step, i
 		}
 	}
-	j.state.thaw()
 	if src < 0 { // a new job: every process starts from the same state
 		j.state.commit(0)
 		return 0, nil

@@ -163,7 +163,7 @@ func (m *monitor) watch() {
 	step := m.j.state.freeze()
 	me := m.j.me
 	me.Epoch, me.Rank, me.Step = k, m.rank, step
-	ctx, cancel := context.WithTimeout(context.Background(), m.j.cfg.timeout)
+	ctx, cancel := context.WithTimeout(m.ctx, m.j.cfg.timeout) // close ends it too
 	idx, err := m.j.r.enter(ctx, k+1, me, m.j.desc)
 	cancel()
 	m.next.idx, m.next.me, m.next.err, m.next.learned, m.next.cause = idx, me, err, learned, string(cause)

@@ -153,6 +153,11 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 	var opened, changed time.Time
 	last := -1
 	seen := map[int]member{}
+	missing := map[int]time.Time{} // indices added but not yet written, since when
+	prev, err := r.previous(ctx, k)
+	if err != nil {
+		return nil, err
+	}
 	for {
 		if v, err := peek(ctx, r.st, roundKey(k, "closed")); err != nil {
 			return nil, err
@@ -167,12 +172,12 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 		if err != nil {
 			return nil, err
 		}
+		if v, err := peek(ctx, r.st, "finished"); err != nil {
+			return nil, err
+		} else if v != nil {
+			return nil, ErrFinished
+		}
 		if cause == nil {
-			if v, err := peek(ctx, r.st, "finished"); err != nil {
-				return nil, err
-			} else if v != nil {
-				return nil, ErrFinished
-			}
 			if err := sleep(ctx, poll); err != nil {
 				return nil, err
 			}
@@ -198,6 +203,9 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 				return nil, err
 			}
 			if v == nil { // added but not yet written: read it next time
+				if _, ok := missing[i]; !ok {
+					missing[i] = now
+				}
 				continue
 			}
 			var m member
@@ -213,22 +221,44 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 			expect, _ = strconv.Atoi(string(v))
 		}
 		cands := make([]member, 0, len(seen))
+		survivors := 0
 		for _, m := range seen {
 			if m.Epoch < 0 || m.Epoch == k-1 {
 				cands = append(cands, m)
 			}
+			if m.Epoch == k-1 && prev[m.ID] {
+				survivors++
+			}
+		}
+		// Every record is read, or its writer has been gone a last call (it died between
+		// its Add and its Set: its index is a gap, not a member).
+		complete := true
+		for i := 1; i <= c; i++ {
+			if _, ok := seen[i]; !ok && (missing[i].IsZero() || now.Sub(missing[i]) < r.cfg.lastCall) {
+				complete = false
+			}
 		}
 		n := r.size(len(cands))
-		ready := len(seen) == c && n > 0 &&
-			(c >= r.cfg.maxProcs() || (expect > 0 && c >= expect) || now.Sub(changed) >= r.cfg.lastCall)
+		// The round may close early (MAX, or the count a join expected) only once every
+		// member of the epoch before has arrived; else after a last call. And once the job
+		// has an epoch, never without a survivor, who holds the state.
+		allPrev := survivors == len(prev)
+		early := allPrev && (c >= r.cfg.maxProcs() || (expect > 0 && c >= expect))
+		ready := complete && n > 0 && (len(prev) == 0 || survivors > 0) && (early || now.Sub(changed) >= r.cfg.lastCall)
 		if ready {
 			o, err := r.close(ctx, k, string(cause), cands, n)
 			if err != nil {
 				return nil, err
 			}
 			b, _ := json.Marshal(o)
-			if _, _, err := r.st.CompareAndSet(ctx, roundKey(k, "closed"), nil, b); err != nil {
+			_, won, err := r.st.CompareAndSet(ctx, roundKey(k, "closed"), nil, b)
+			if err != nil {
 				return nil, err
+			}
+			if won {
+				if err := r.st.Set(ctx, "epoch", []byte(strconv.Itoa(k))); err != nil {
+					return nil, err
+				}
 			}
 			continue // read whichever outcome won
 		}
@@ -244,6 +274,26 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 			return nil, err
 		}
 	}
+}
+
+// previous is the set of the members of epoch k−1 (their IDs); empty for k = 0.
+func (r *rounds) previous(ctx context.Context, k int) (map[string]bool, error) {
+	ids := map[string]bool{}
+	if k == 0 {
+		return ids, nil
+	}
+	v, err := peek(ctx, r.st, roundKey(k-1, "closed"))
+	if err != nil || v == nil {
+		return ids, err
+	}
+	var o outcome
+	if err := json.Unmarshal(v, &o); err != nil {
+		return nil, fmt.Errorf("elastic: round %d: a corrupt outcome in the store: %w", k-1, err)
+	}
+	for _, m := range o.Members {
+		ids[m.ID] = true
+	}
+	return ids, nil
 }
 
 // size is the largest world size, at most n, within MIN and MAX, that the shards divide;

@@ -9,8 +9,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/goddp/goddp/ddp/checkpoint"
+	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/examples/transformer/model"
-	"github.com/goddp/goddp/examples/transformer/optim"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -30,9 +30,7 @@ import (
 
 // ckpt is a rank's registered state, in the checkpointer c.
 type ckpt struct {
-	c       *checkpoint.Checkpointer
-	optStep int64 // AdamW's step count, copied around Save and Restore
-	opt     *optim.AdamW
+	c *checkpoint.Checkpointer
 }
 
 // newCkpt registers m's parameters and opt's state with a checkpoint in --checkpoint_dir.
@@ -45,11 +43,14 @@ func newCkpt(f flags, w world, pg procgroup.ProcessGroup, m *model.Model, opt *o
 	for _, p := range m.Params() {
 		c.Float32(p.Name, data[p.Offset:p.Offset+p.Size], p.Shape...)
 	}
-	k := &ckpt{c: c, opt: opt}
-	_, mom, v := opt.State() // AdamW's own buffers: Restore overwrites them in place
-	c.Float32("adamw.m", mom)
-	c.Float32("adamw.v", v)
-	c.Int64("adamw.step", &k.optStep)
+	k := &ckpt{c: c}
+	if opt != nil {
+		st := opt.State() // AdamW's own buffers and step count: Restore overwrites them in place
+		for _, v := range st.Vectors {
+			c.Float32(v.Name, v.Data)
+		}
+		c.Int64("adamw.step", st.Steps)
+	}
 	c.Config("--seed", strconv.FormatUint(f.seed, 10))
 	if f.shards() > 0 {
 		// Shard s of a step holds the same samples at every world size, and their sum does
@@ -74,18 +75,10 @@ func (k *ckpt) restore(ctx context.Context, f flags, w world) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	if start > 0 {
-		_, m, v := k.opt.State()
-		if err := k.opt.SetState(int(k.optStep), m, v); err != nil {
-			return 0, fmt.Errorf("rank %d: checkpoint of step %d: %w", w.rank, start, err)
-		}
-	}
 	return int(start), nil
 }
 
 // save writes the checkpoint of step (the step to continue from) on rank 0.
 func (k *ckpt) save(step int) error {
-	t, _, _ := k.opt.State()
-	k.optStep = int64(t)
 	return k.c.Save(int64(step))
 }

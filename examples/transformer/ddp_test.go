@@ -19,8 +19,8 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/goddp/goddp/bucket/sim"
+	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/examples/transformer/model"
-	"github.com/goddp/goddp/examples/transformer/optim"
 	"github.com/goddp/goddp/internal/launchtest"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -335,7 +335,7 @@ func TestDDPRunEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	step, err := k.restore(context.Background(), f, world{0, 2})
-	if optStep, _, _ := opt.State(); err != nil || step != 4 || optStep != 4 {
+	if optStep := *opt.State().Steps; err != nil || step != 4 || optStep != 4 {
 		t.Fatalf("checkpoint of step 4: step %d, AdamW's step %d, %v", step, optStep, err)
 	}
 	got := m.Data32()

@@ -10,18 +10,17 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/goddp/goddp/ddp/elastic"
+	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/examples/transformer/model"
-	"github.com/goddp/goddp/examples/transformer/optim"
 	"github.com/goddp/goddp/procgroup"
 )
 
 // elasticRun is what the epochs of an elastic job share: the job, the optimizer whose
 // state it hands over, and the first step of the epoch that runs.
 type elasticRun struct {
-	job     *elastic.Job
-	opt     *optim.AdamW
-	optStep int64 // AdamW's step count, copied around each commit and restore
-	start   int64
+	job   *elastic.Job
+	opt   *optim.AdamW
+	start int64
 }
 
 // trainElastic trains m under an elastic launcher (ddprun --nnodes MIN:MAX): with
@@ -52,10 +51,11 @@ func trainElastic(ctx context.Context, f flags, m *model.Model, log *zap.Logger,
 	for _, p := range m.Params() {
 		st.Float32(p.Name, data[p.Offset:p.Offset+p.Size], p.Shape...)
 	}
-	_, mom, v := opt.State() // AdamW's own buffers: a restore overwrites them in place
-	st.Float32("adamw.m", mom)
-	st.Float32("adamw.v", v)
-	st.Int64("adamw.step", &el.optStep)
+	os := opt.State() // AdamW's own buffers and step count: a restore overwrites them in place
+	for _, v := range os.Vectors {
+		st.Float32(v.Name, v.Data)
+	}
+	st.Int64("adamw.step", os.Steps)
 	for _, c := range [][2]string{
 		{"--seed", strconv.FormatUint(f.seed, 10)}, {"--global_batch_size", strconv.Itoa(f.global)},
 		{"--micro_batch_size", strconv.Itoa(f.micro)}, {"--lr", strconv.FormatFloat(f.lr, 'g', -1, 64)},
@@ -76,19 +76,10 @@ func trainElastic(ctx context.Context, f flags, m *model.Model, log *zap.Logger,
 	return err
 }
 
-// begin gives an epoch its optimizer, with the step count of the state restored, and its
-// first step.
-func (el *elasticRun) begin() (*optim.AdamW, int, error) {
-	_, m, v := el.opt.State()
-	if err := el.opt.SetState(int(el.optStep), m, v); err != nil {
-		return nil, 0, err
-	}
-	return el.opt, int(el.start), nil
-}
+// begin gives an epoch its optimizer (the state restored in place) and its first step.
+func (el *elasticRun) begin() (*optim.AdamW, int, error) { return el.opt, int(el.start), nil }
 
 // commit records the state after a synced step.
 func (el *elasticRun) commit(ctx context.Context, steps int) error {
-	t, _, _ := el.opt.State()
-	el.optStep = int64(t)
 	return el.job.Commit(ctx, int64(steps))
 }

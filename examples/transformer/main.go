@@ -29,9 +29,8 @@ import (
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/elastic"
 	"github.com/goddp/goddp/ddp/gorgoniaddp"
-	ddpoptim "github.com/goddp/goddp/ddp/optim"
+	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/examples/transformer/model"
-	"github.com/goddp/goddp/examples/transformer/optim"
 	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -564,11 +563,11 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 	}
 	opts := ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook,
 		NoFiniteCheck: t.f.noFiniteCheck, Shards: t.f.shards()}
-	if t.f.zero > 0 { // the same AdamW as examples/transformer/optim's, bit for bit
+	if t.f.zero > 0 { // the same AdamW as --zero 0's, bit for bit
 		lr := t.f.lr
 		opts.Zero = t.f.zero
-		opts.Optimizer = func(n int) (ddpoptim.Optimizer, error) {
-			return ddpoptim.NewAdamW(n, ddpoptim.AdamWOptions{LR: lr})
+		opts.Optimizer = func(n int) (optim.Optimizer, error) {
+			return optim.NewAdamW(n, optim.AdamWOptions{LR: lr})
 		}
 	}
 	d, err := ddp.New(ctx, t.pg, dp, opts)
@@ -851,8 +850,7 @@ func (t *trainer) finish(ctx context.Context) error {
 		}
 	}
 	if t.opt != nil {
-		_, mom, v := t.opt.State()
-		fmt.Fprintf(t.stdout, "rank %d optimizer_state_bytes=%d\n", t.w.rank, 4*(len(mom)+len(v)))
+		fmt.Fprintf(t.stdout, "rank %d optimizer_state_bytes=%d\n", t.w.rank, t.opt.State().Bytes())
 	} else {
 		fmt.Fprintf(t.stdout, "rank %d optimizer_state_bytes=%d\n", t.w.rank, t.d.OptimizerStateBytes())
 	}

@@ -5,7 +5,7 @@ import (
 
 	"gorgonia.org/tensor"
 
-	"github.com/goddp/goddp/examples/transformer/optim"
+	"github.com/goddp/goddp/ddp/optim"
 )
 
 // BenchmarkTrainStep is one --no_ddp training step of the default (seed) config:

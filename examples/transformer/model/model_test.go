@@ -11,7 +11,7 @@ import (
 	"go.uber.org/goleak"
 	"gorgonia.org/tensor"
 
-	"github.com/goddp/goddp/examples/transformer/optim"
+	"github.com/goddp/goddp/ddp/optim"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
