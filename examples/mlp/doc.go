@@ -66,6 +66,19 @@
 //
 //	ddprun --nproc_per_node 4 ./examples/mlp -- --optimizer adamw --lr 0.01 --zero 2
 //
+// Under an elastic ddprun (--nnodes MIN:MAX; package ddp/elastic) nodes may leave and join
+// while it trains: the survivors go on from the last step they all committed, with the
+// state from memory, and the run ends with the bits of the uninterrupted one. It needs
+// --global_batch_size and --micro_batch_size; --step_time paces the loop to watch it (run
+// the same command on each node, the token shared):
+//
+//	GODDP_TOKEN=$(cat job.token) ddprun --nnodes 2:3 --rdzv_endpoint node0:29500 ./examples/mlp -- \
+//		--global_batch_size 24 --micro_batch_size 4 --steps 400 --step_time 50ms
+//
+// Each change prints one line among the steps, e.g. "elastic: epoch 1: rank 1 saw: … peer
+// rank 2 … lost …; left: node …; joined: none; world size 3 -> 2; resuming from step 24;
+// pause 1.03s (this process: rank 0)".
+//
 // Output: rank 0 prints the loss of the global batch every --log_every steps; every rank
 // ends with "params_crc32=<8 hex>", the CRC-32 (IEEE) of its final parameters'
 // little-endian float32 bytes in registration order, the same on every rank.
