@@ -51,6 +51,10 @@
 //	ddprun --nproc_per_node 3 ./examples/transformer -- --global_batch_size 48 --micro_batch_size 8
 //	go run ./examples/transformer --no_ddp --global_batch_size 48 --micro_batch_size 8
 //
+// With those flags it is also elastic under ddprun --nnodes MIN:MAX (package ddp/elastic):
+// a node may leave or join mid-run, the survivors go on with the parameters and AdamW's
+// state from memory, and the run ends with the bits of the uninterrupted one.
+//
 // # Non-finite gradients
 //
 // A NaN or an infinity in any rank's gradient makes every rank's Finalize return the same
