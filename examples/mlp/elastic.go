@@ -20,6 +20,8 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 	switch {
 	case f.shards() == 0:
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) needs --global_batch_size and --micro_batch_size: the batch of a step is fixed, not the batch of a rank")
+	case f.commHook == "powersgd":
+		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) does not take --comm_hook powersgd yet: its error feedback is not handed over, so a change would alter the run")
 	case f.noDDP || f.checkpointDir != "" || f.stepsPerRank != nil || f.zero > 0 || f.optimizer != "sgd":
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) takes neither --no_ddp, --checkpoint_dir, --steps_per_rank, --zero nor an --optimizer other than sgd")
 	}

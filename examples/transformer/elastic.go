@@ -31,6 +31,8 @@ func trainElastic(ctx context.Context, f flags, m *model.Model, log *zap.Logger,
 	switch {
 	case f.shards() == 0:
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) needs --global_batch_size and --micro_batch_size: the batch of a step is fixed, not the batch of a rank")
+	case f.commHook == "powersgd":
+		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) does not take --comm_hook powersgd yet: its error feedback is not handed over, so a change would alter the run")
 	case f.checkpointDir != "":
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) keeps its state in memory: drop --checkpoint_dir")
 	case f.zero > 0:
