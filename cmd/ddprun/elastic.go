@@ -177,8 +177,11 @@ func (j *job) awaitJobEnd(ctx context.Context) {
 		if err != nil {
 			return
 		}
-		if a == 0 { // no rank ever beat: no epoch formed, and none will wait for this store
-			return
+		if a == 0 { // no rank has beaten: no epoch formed yet
+			others, err := st.Add(ctx, prefix+"r0/arrive", 0)
+			if err != nil || others <= int64(cfg.nproc) { // and no other node waits for one
+				return
+			}
 		}
 		if a != alive {
 			alive, moved = a, time.Now()
