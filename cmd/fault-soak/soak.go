@@ -38,16 +38,17 @@ type sample struct {
 
 // soak is one run of the soak: the faults it injected and what the job did.
 type soak struct {
-	cfg     soakConfig
-	c       *cluster
-	spec    jobSpec
-	rng     *rand.Rand
-	sched   schedule
-	start   time.Time
-	log     io.Writer // the launchers' output
-	events  io.Writer // one line per fault, as it happens
-	refCRC  string
-	refTime time.Duration
+	cfg      soakConfig
+	c        *cluster
+	spec     jobSpec
+	rng      *rand.Rand
+	sched    schedule
+	start    time.Time
+	log      io.Writer // the launchers' output
+	events   io.Writer // one line per fault, as it happens (under eventsMu: both loops write)
+	eventsMu sync.Mutex
+	refCRC   string
+	refTime  time.Duration
 
 	mu      sync.Mutex
 	cur     *round   // the round running now
@@ -61,6 +62,8 @@ type soak struct {
 func (s *soak) now() time.Duration { return time.Since(s.start).Round(time.Millisecond) }
 
 func (s *soak) logf(format string, args ...any) {
+	s.eventsMu.Lock()
+	defer s.eventsMu.Unlock()
 	fmt.Fprintf(s.events, "%9s  %s\n", s.now().Round(time.Second/10), fmt.Sprintf(format, args...))
 }
 

@@ -259,3 +259,51 @@ while True:
 		}
 	}
 }
+
+// TestSoakMLP runs the soak as a user does, on this host (no testbed), briefly and with
+// faults every second or two, over examples/mlp: with restarts to spare every fault is
+// recovered from and every round ends at the uninterrupted run's crc; with one restart
+// only, the second kill of a round is not, and the soak says so and exits 1.
+func TestSoakMLP(t *testing.T) {
+	if testing.Short() {
+		t.Skip("-short: builds ddprun and examples/mlp and runs them for half a minute")
+	}
+	bin := t.TempDir()
+	build := exec.Command("go", "build", "-o", bin+"/", "../ddprun", "../../examples/mlp")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	mlp := []string{filepath.Join(bin, "mlp"), "--hidden_size", "16", "--global_batch_size", "16", "--micro_batch_size", "4",
+		"--steps", "15000", "--log_every", "100", "--checkpoint_every", "50"}
+	soak := func(restarts, faults string) (int, string) {
+		var out, errs strings.Builder
+		args := append([]string{"--testbed", "off", "--duration", "6s", "--gap", "1s-2s", "--stop_for", "100ms-300ms",
+			"--faults", faults, "--max_restarts", restarts, "--sample_every", "500ms", "--seed", "7",
+			"--out", t.TempDir(), "--ddprun", filepath.Join(bin, "ddprun"), "--"}, mlp...)
+		code := run(args, &out, &errs)
+		return code, out.String() + errs.String()
+	}
+	code, out := soak("100", "kill,stop,stranger")
+	if code != 0 || !strings.Contains(out, "**PASSED**") {
+		t.Fatalf("soak: exit %d, want 0 and PASSED:\n%s", code, out)
+	}
+	for _, want := range []string{"| kill -9 of a rank | ", "| round 1 | ", "| rank 3 | "} {
+		if !strings.Contains(out, want) {
+			t.Errorf("the report lacks %q:\n%s", want, out)
+		}
+	}
+	code, out = soak("1", "kill")
+	if code != 1 || !strings.Contains(out, "**FAILED**") {
+		t.Fatalf("soak with --max_restarts 1 and kills: exit %d, want 1 and FAILED:\n%s", code, out)
+	}
+	t.Logf("with one restart: %s", firstLine(out, "**FAILED**"))
+}
+
+func firstLine(out, s string) string {
+	for l := range strings.Lines(out) {
+		if strings.Contains(l, s) {
+			return strings.TrimSpace(l)
+		}
+	}
+	return ""
+}
