@@ -92,8 +92,12 @@ type group struct {
 	// calibration (Config.Tune); which ranks allow shared memory (Config.SharedMemory).
 	tuneAll   bool
 	shmWanted []bool
+	// cma: every rank can read every other's buffers with process_vm_readv, and the
+	// collectives on the user's buffers do (Note [Single copy]); the group's, set in New.
+	cma bool
 	// lastPath is the path the worker's latest all-reduce took (allReducePath, or
-	// "shm-inplace"), for the tests.
+	// "shm-inplace"), or "shm-vm" where another collective took Note [Single copy] (""
+	// where it did not), for the tests.
 	lastPath string
 	local    ringView // this host's ranks
 	cross    ringView // the ranks with this rank's local index, one per host
@@ -197,6 +201,10 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 	g.wg.Add(1)
 	go g.worker()
 	if err := g.agreeShm(ctx); err != nil {
+		g.Close()
+		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)
+	}
+	if err := g.agreeCMA(ctx); err != nil {
 		g.Close()
 		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)
 	}

@@ -169,8 +169,12 @@ func TestAllReduceAlgorithm(t *testing.T) {
 		wants []want
 	}{
 		{"unix/n2", 2, &Config{Transport: TransportUnix}, []want{
-			{4 << 10, procgroup.Float32, "shm-direct", 3}, {1 << 20, procgroup.Float32, "shm-ring", 2.5},
+			{4 << 10, procgroup.Float32, "shm-direct", 3}, {1 << 20, procgroup.Float32, "shm-vm", 2.5},
+			{128 << 10, procgroup.Float32, "shm-ring", 2.5},
 			{1 << 20, procgroup.BFloat16, "widened", 0}, {0, procgroup.Float32, "none", 0},
+		}},
+		{"unix/n2/vmreadv-off", 2, &Config{Transport: TransportUnix, VMReadv: VMReadvOff}, []want{
+			{1 << 20, procgroup.Float32, "shm-ring", 2.5},
 		}},
 		{"tcp/n2", 2, &Config{Transport: TransportTCP}, []want{
 			{4 << 10, procgroup.Float32, "direct", 3}, {1 << 20, procgroup.Int64, "pair", 2.5},
@@ -201,8 +205,8 @@ func TestAllReduceAlgorithm(t *testing.T) {
 		if name, traffic, _ := procgroup.AllReduceAlgorithm(g, buf); name != "shm-inplace" || traffic != 2 {
 			t.Errorf("a buffer from AllocBuffer: %q, %g; want shm-inplace, 2", name, traffic)
 		}
-		if name, traffic, _ := procgroup.AllReduceAlgorithm(g, make([]float32, 1<<18)); name != "shm-ring" || math.Abs(traffic-10.0/3) > 1e-12 {
-			t.Errorf("a private buffer: %q, %g; want shm-ring, 10/3", name, traffic)
+		if name, traffic, _ := procgroup.AllReduceAlgorithm(g, make([]float32, 1<<18)); name != "shm-vm" || math.Abs(traffic-8.0/3) > 1e-12 {
+			t.Errorf("a private buffer: %q, %g; want shm-vm, 8/3 (Note [Single copy])", name, traffic)
 		}
 	})
 }

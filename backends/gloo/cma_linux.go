@@ -1,0 +1,317 @@
+package gloo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"unsafe"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/goddp/goddp/internal/kernels"
+	"github.com/goddp/goddp/procgroup"
+)
+
+// Note [Single copy]: when every rank of the group shares one region (one host), the
+// collectives on buffers the user allocated read the peers' buffers straight out of their
+// processes with process_vm_readv (cross-memory attach, CMA): one copy, made by the
+// kernel, where the slot ring makes two (into a slot, out of it) and the sockets more.
+// Each rank posts its buffer's address and its pid in its line of the region (postBuffer),
+// waits for every peer's post, then
+//
+//   - AllReduce: rank r reduces chunk r, a block of cmaBlock bytes at a time: each peer's
+//     block is read into g.tmp (in cache) and reduced into this rank's own, peers in rank
+//     order, as Note [One pass] reduces (so both give the same bits); then, once every
+//     rank has finished its chunk (state seq<<2|2), it reads every other chunk from its
+//     owner straight into its buffer;
+//   - ReduceScatter: the same first half, reading chunk r of the peers' inputs, into out;
+//   - AllGather: it reads each peer's input straight into its slot of out;
+//   - Broadcast: a non-root rank reads the root's buffer into its own.
+//
+// Every rank then waits for the others (state seq<<2|3) before it returns, because a peer
+// may still be reading its buffer. Nothing is written into another process: a rank that
+// is late (Note [Late ranks]) can only read, and the abort checks before each block and
+// in every phase wait stop it. A peer whose process is gone fails the collective with a
+// *PeerLostError (ESRCH).
+//
+// The kernel must let every rank read every other: same user, no seccomp filter against
+// the call, Yama's ptrace_scope 0 (at 1 only an ancestor may read, which is rarely both
+// ways), the same pid namespace. So New probes it (agreeCMA): each rank publishes its pid
+// and the address of a random cookie in one small all-reduce, reads every peer's cookie
+// back with process_vm_readv, and the ranks then all-reduce a flag of failure. A rank that
+// cannot read a peer (or whose Config.VMReadv is off) logs why, once, and the whole group
+// runs without: every rank decides alike (Note [Agreement]), and the result is the same.
+// Where the kernel copies slower than the other paths (small messages: its per-call cost,
+// the phase waits), cmaFor keeps them.
+
+// cmaBlock is the block of Note [Single copy]'s reductions: one peer's block in g.tmp and
+// this rank's own stay in L2 while every peer's is reduced in.
+const cmaBlock = 256 << 10
+
+// cmaMinBytes is the smallest message of each collective (by procgroup.CollectiveOp)
+// that Note [Single copy] takes: below it the phase waits and the kernel's per-call cost
+// lose to the slot ring, direct exchange or the sockets (measured:
+// docs/results/2026-12-07-single-copy.md). Tests lower it.
+var cmaMinBytes = [procgroup.OpBarrier + 1]int{
+	procgroup.OpAllReduce:     256 << 10,
+	procgroup.OpReduceScatter: 64 << 10,
+	procgroup.OpAllGather:     64 << 10,
+	procgroup.OpBroadcast:     64 << 10,
+	procgroup.OpBarrier:       math.MaxInt,
+}
+
+// cmaFor reports whether a collective of this kind and size (the bytes that AllReduce and
+// Broadcast pass, that AllGather gathers and ReduceScatter reduces) takes Note [Single
+// copy]: the group agreed on it, the message is large enough, and above DirectMaxBytes
+// unless an algorithm is forced (Config.Algorithm "direct" never takes it). Every rank
+// decides alike.
+func (g *group) cmaFor(kind procgroup.CollectiveOp, bytes int) bool {
+	switch {
+	case !g.cma || bytes < cmaMinBytes[kind] || g.cfg.Algorithm == AlgoDirect:
+		return false
+	case g.cfg.Algorithm == AlgoAuto:
+		return bytes > g.cfg.DirectMaxBytes
+	}
+	return true
+}
+
+// vmPIDHook, nil outside tests, changes the pid a rank posts for process_vm_readv.
+var vmPIDHook func(g *group, pid int) int
+
+// vmProbeHook, nil outside tests, stands in for the kernel's answer to a rank's probe of
+// Note [Single copy]: an error it returns is that rank's failure.
+var vmProbeHook func(g *group) error
+
+// agreeCMA runs Note [Single copy]'s probe and agreement; New runs it on every rank at the
+// same point, before any collective of the user's.
+func (g *group) agreeCMA(ctx context.Context) error {
+	m := g.shm
+	if m == nil || m.members != g.size {
+		return nil
+	}
+	actx, cancel := context.WithTimeout(ctx, g.opts.ConnectTimeout)
+	defer cancel()
+	m.vmCookie = rand.Uint64()>>1 | 1
+	who := make([]int64, 3*g.size) // by rank: pid, cookie address, cookie
+	who[3*g.rank], who[3*g.rank+1], who[3*g.rank+2] = int64(m.pid), int64(uintptr(unsafe.Pointer(&m.vmCookie))), int64(m.vmCookie)
+	if err := g.submitPath(actx, who, procgroup.Max, "direct").Wait(actx); err != nil {
+		return fmt.Errorf("probing process_vm_readv (bounded by %s, %s): %w", g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv, err)
+	}
+	var why error
+	switch {
+	case g.cfg.VMReadv == VMReadvOff:
+		why = errors.New("process_vm_readv is off here (GODDP_GLOO_VMREADV, gloo.Config.VMReadv)")
+	case vmProbeHook != nil:
+		why = vmProbeHook(g)
+	}
+	for j := 0; j < g.size && why == nil; j++ {
+		if j == g.rank {
+			continue
+		}
+		var got uint64
+		err := vmReadPID(int(who[3*j]), unsafe.Slice((*byte)(unsafe.Pointer(&got)), 8), uintptr(who[3*j+1]))
+		switch {
+		case err != nil:
+			why = fmt.Errorf("process_vm_readv of rank %d (pid %d): %w", j, who[3*j], err)
+		case got != uint64(who[3*j+2]):
+			why = fmt.Errorf("process_vm_readv at rank %d's pid %d read another process (another pid namespace?)", j, who[3*j])
+		}
+	}
+	lacks := make([]float64, g.size)
+	if why != nil {
+		lacks[g.rank] = 1
+	}
+	if err := g.submitPath(actx, lacks, procgroup.Max, "direct").Wait(actx); err != nil {
+		return fmt.Errorf("agreeing on process_vm_readv (bounded by %s, %s): %w", g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv, err)
+	}
+	var without []int
+	for j, l := range lacks {
+		if l != 0 {
+			without = append(without, j)
+		}
+	}
+	switch {
+	case len(without) == 0:
+		g.cma = true
+	case why != nil:
+		g.log.Warn("gloo: this rank cannot read its peers' buffers with process_vm_readv (it needs the same user, the same pid namespace and Yama ptrace_scope 0): "+
+			"every rank's collectives on its own buffers go through the shared-memory slots and the sockets instead",
+			zap.Error(why), zap.String("ranks without", rankList(without)))
+	case g.rank == firstNotIn(without):
+		// One rank that could read its peers says why the group goes without.
+		g.log.Warn("gloo: some ranks cannot read their peers' buffers with process_vm_readv: "+
+			"every rank's collectives on its own buffers go through the shared-memory slots and the sockets instead",
+			zap.String("ranks without", rankList(without)))
+	}
+	return nil
+}
+
+// cmaAllReduce is Note [Single copy]'s all-reduce, once postBuffer has found every
+// peer's buffer.
+func (g *group) cmaAllReduce(o *op) error {
+	n, r := g.size, g.rank
+	es := o.dt.Size()
+	g.setChunks(len(o.buf)/es, es)
+	g.lastPath = "shm-vm"
+	if err := g.cmaReduce(o, g.chunk(o.buf, r), g.chunk(o.buf, r), g.offs[r]); err != nil {
+		return err
+	}
+	if err := g.shmPhase(o.seq<<2 | 2); err != nil {
+		return err
+	}
+	for j := range n {
+		if j != r {
+			if err := g.vmRead(j, g.chunk(o.buf, j), g.offs[j]); err != nil {
+				return err
+			}
+		}
+	}
+	return g.shmPhase(o.seq<<2 | 3)
+}
+
+// cmaReduce makes dst o.rop, over every rank's posted buffer, of its bytes at..
+// (divided by the group's size for Avg), a block at a time: this rank's own bytes, own,
+// are copied in first unless own is dst, then each peer's are read into g.tmp and reduced
+// in, in rank order. It checks for an abort before each block (Note [Late ranks]).
+func (g *group) cmaReduce(o *op, dst, own []byte, at int) error {
+	blk := min(cmaBlock, len(g.tmp)) &^ 7
+	same := len(dst) > 0 && &dst[0] == &own[0]
+	for a := 0; a < len(dst); a += blk {
+		if err := g.shmCheck(); err != nil {
+			return err
+		}
+		e := min(a+blk, len(dst))
+		d := dst[a:e]
+		if !same {
+			copy(d, own[a:e])
+		}
+		for j := range g.size {
+			if j == g.rank {
+				continue
+			}
+			src := g.tmp[:e-a]
+			if err := g.vmRead(j, src, at+a); err != nil {
+				return err
+			}
+			kernels.Reduce(o.dt, o.rop, d, src)
+		}
+		if o.rop == procgroup.Avg {
+			kernels.Divide(o.dt, d, g.size)
+		}
+	}
+	return nil
+}
+
+// cmaPost posts b for a collective of Note [Single copy] other than the all-reduce and
+// waits for every peer's post.
+func (g *group) cmaPost(o *op, b []byte) error {
+	g.lastPath = "shm-vm"
+	_, vm, err := g.postBuffer(o, b, true)
+	if err == nil && !vm {
+		// Every rank asks for it (g.cma is the group's); a peer that did not post it
+		// runs another collective or another version.
+		err = fmt.Errorf("%w: a peer did not post its buffer for process_vm_readv in %v #%d (ranks issued different collectives?)",
+			procgroup.ErrInvalidArgument, o.kind, o.seq)
+	}
+	return err
+}
+
+// cmaAllGather is Note [Single copy]'s AllGather; run has copied this rank's input into
+// its slot of o.buf.
+func (g *group) cmaAllGather(o *op) error {
+	if err := g.cmaPost(o, o.in); err != nil {
+		return err
+	}
+	l := len(o.in)
+	for j := range g.size {
+		if j == g.rank {
+			continue
+		}
+		if err := g.shmCheck(); err != nil {
+			return err
+		}
+		if err := g.vmRead(j, o.buf[j*l:(j+1)*l], 0); err != nil {
+			return err
+		}
+	}
+	return g.shmPhase(o.seq<<2 | 3)
+}
+
+// cmaReduceScatter is Note [Single copy]'s ReduceScatter: o.buf is the reduction of chunk
+// g.rank of every rank's input.
+func (g *group) cmaReduceScatter(o *op) error {
+	if err := g.cmaPost(o, o.in); err != nil {
+		return err
+	}
+	l := len(o.buf)
+	if err := g.cmaReduce(o, o.buf, o.in[g.rank*l:(g.rank+1)*l], g.rank*l); err != nil {
+		return err
+	}
+	return g.shmPhase(o.seq<<2 | 3)
+}
+
+// cmaBroadcast is Note [Single copy]'s Broadcast: every rank but the root reads the root's
+// buffer into its own.
+func (g *group) cmaBroadcast(o *op) error {
+	if err := g.cmaPost(o, o.buf); err != nil {
+		return err
+	}
+	if g.rank != o.root {
+		if err := g.vmRead(g.shm.local[o.root], o.buf, 0); err != nil {
+			return err
+		}
+	}
+	return g.shmPhase(o.seq<<2 | 3)
+}
+
+// vmRead reads len(dst) bytes at offset off of peer j's (local index) posted buffer into
+// dst. A peer whose process is gone (ESRCH, where the probe had read it) is lost.
+func (g *group) vmRead(j int, dst []byte, off int) error {
+	m := g.shm
+	err := vmReadPID(m.peerPID[j], dst, m.peerAddr[j]+uintptr(off))
+	if err == nil {
+		return nil
+	}
+	rank := m.ranks[j]
+	if errors.Is(err, unix.ESRCH) {
+		return &PeerLostError{Rank: rank, Host: g.hosts[rank], Reporter: g.rank,
+			Err: fmt.Errorf("its process (pid %d) is gone: %w", m.peerPID[j], err)}
+	}
+	return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d): %w", g.rank, rank, m.peerPID[j], err)
+}
+
+// vmReadPID reads len(dst) bytes at address at of process pid into dst, with no
+// allocation.
+func vmReadPID(pid int, dst []byte, at uintptr) error {
+	for len(dst) > 0 {
+		local := unix.Iovec{Base: &dst[0]}
+		local.SetLen(len(dst))
+		remote := unix.RemoteIovec{Base: at, Len: len(dst)}
+		k, _, errno := unix.Syscall6(unix.SYS_PROCESS_VM_READV, uintptr(pid),
+			uintptr(unsafe.Pointer(&local)), 1, uintptr(unsafe.Pointer(&remote)), 1, 0)
+		if errno != 0 {
+			return errno
+		}
+		if k == 0 {
+			return io.ErrUnexpectedEOF
+		}
+		dst, at = dst[k:], at+k
+	}
+	return nil
+}
+
+// firstNotIn is the lowest rank not in the ascending list rs.
+func firstNotIn(rs []int) int {
+	r := 0
+	for _, x := range rs {
+		if x != r {
+			break
+		}
+		r++
+	}
+	return r
+}
