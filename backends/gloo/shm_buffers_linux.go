@@ -33,7 +33,8 @@ import (
 // in its line of the region: the offset and length of its buffer in its arena part and
 // whether it is there, then state = seq<<2|1, and rings the others. Once every peer has
 // posted for this seq: if all buffers are in their arenas and of one length, the ranks run
-// in place; otherwise all of them run the slot ring, with nothing else changed. In place,
+// in place; otherwise all of them run Note [Single copy] where the group agreed on it, the
+// slot ring elsewhere, with nothing else changed. In place,
 // rank r reduces chunk r of every buffer and writes the result into chunk r of every buffer
 // (Note [One pass]; state seq<<2|3), and returns once every rank has done so: no rank may
 // touch its buffer again while a peer still reads or writes it. Each chunk is computed by
