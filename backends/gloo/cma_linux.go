@@ -7,6 +7,8 @@ import (
 	"io"
 	"math"
 	"math/rand/v2"
+	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"go.uber.org/zap"
@@ -40,9 +42,9 @@ import (
 //
 // The kernel must let every rank read every other: same user, no seccomp filter against
 // the call, Yama's ptrace_scope 0 (at 1 only an ancestor may read, which is rarely both
-// ways), the same pid namespace. So New probes it (agreeCMA): each rank publishes its pid
-// and the address of a random cookie in one small all-reduce, reads every peer's cookie
-// back with process_vm_readv, and the ranks then all-reduce a flag of failure. A rank that
+// ways), the same pid namespace. So New probes it (agreeCMA), in the region before any
+// collective: each rank posts its pid and the address of a random cookie, reads every
+// peer's cookie back with process_vm_readv, and posts whether it failed. A rank that
 // cannot read a peer (or whose Config.VMReadv is off) logs why, once, and the whole group
 // runs without: every rank decides alike (Note [Agreement]), and the result is the same.
 // Where the kernel copies slower than the other paths (small messages: its per-call cost,
@@ -86,20 +88,25 @@ var vmPIDHook func(g *group, pid int) int
 // Note [Single copy]: an error it returns is that rank's failure.
 var vmProbeHook func(g *group) error
 
-// agreeCMA runs Note [Single copy]'s probe and agreement; New runs it on every rank at the
-// same point, before any collective of the user's.
+// agreeCMA runs Note [Single copy]'s probe and agreement in the region, before the worker
+// starts (so it takes no sequence number from the user's collectives). Each member posts
+// its pid, the address of its cookie and the cookie in its post line (state 1), reads
+// every peer's cookie back, posts whether it failed (state 2), reads every verdict, and
+// says it is done (state 3) before any member posts its first collective over the line.
 func (g *group) agreeCMA(ctx context.Context) error {
 	m := g.shm
 	if m == nil || m.members != g.size {
 		return nil
 	}
-	actx, cancel := context.WithTimeout(ctx, g.opts.ConnectTimeout)
-	defer cancel()
+	deadline := time.Now().Add(g.opts.ConnectTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
 	m.vmCookie = rand.Uint64()>>1 | 1
-	who := make([]int64, 3*g.size) // by rank: pid, cookie address, cookie
-	who[3*g.rank], who[3*g.rank+1], who[3*g.rank+2] = int64(m.pid), int64(uintptr(unsafe.Pointer(&m.vmCookie))), int64(m.vmCookie)
-	if err := g.submitPath(actx, who, procgroup.Max, "direct").Wait(actx); err != nil {
-		return fmt.Errorf("probing process_vm_readv (bounded by %s, %s): %w", g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv, err)
+	p := m.post(m.me)
+	*m.u64(p + 32), *m.u64(p + 40), *m.u64(p + 48) = uint64(m.pid), uint64(uintptr(unsafe.Pointer(&m.vmCookie))), m.vmCookie
+	if err := g.probePhase(1, deadline); err != nil {
+		return err
 	}
 	var why error
 	switch {
@@ -108,31 +115,37 @@ func (g *group) agreeCMA(ctx context.Context) error {
 	case vmProbeHook != nil:
 		why = vmProbeHook(g)
 	}
-	for j := 0; j < g.size && why == nil; j++ {
-		if j == g.rank {
+	for j := 0; j < m.members && why == nil; j++ {
+		if j == m.me {
 			continue
 		}
+		q := m.post(j)
+		pid, at, cookie := int(*m.u64(q + 32)), uintptr(*m.u64(q + 40)), *m.u64(q + 48)
 		var got uint64
-		err := vmReadPID(int(who[3*j]), unsafe.Slice((*byte)(unsafe.Pointer(&got)), 8), uintptr(who[3*j+1]))
+		err := vmReadPID(pid, unsafe.Slice((*byte)(unsafe.Pointer(&got)), 8), at)
 		switch {
 		case err != nil:
-			why = fmt.Errorf("process_vm_readv of rank %d (pid %d): %w", j, who[3*j], err)
-		case got != uint64(who[3*j+2]):
-			why = fmt.Errorf("process_vm_readv at rank %d's pid %d read another process (another pid namespace?)", j, who[3*j])
+			why = fmt.Errorf("process_vm_readv of rank %d (pid %d): %w", m.ranks[j], pid, err)
+		case got != cookie:
+			why = fmt.Errorf("process_vm_readv at rank %d's pid %d read another process (another pid namespace?)", m.ranks[j], pid)
 		}
 	}
-	lacks := make([]float64, g.size)
 	if why != nil {
-		lacks[g.rank] = 1
+		atomic.StoreUint32(m.u32(p+24), 1)
+	} else {
+		atomic.StoreUint32(m.u32(p+24), 0)
 	}
-	if err := g.submitPath(actx, lacks, procgroup.Max, "direct").Wait(actx); err != nil {
-		return fmt.Errorf("agreeing on process_vm_readv (bounded by %s, %s): %w", g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv, err)
+	if err := g.probePhase(2, deadline); err != nil {
+		return err
 	}
 	var without []int
-	for j, l := range lacks {
-		if l != 0 {
-			without = append(without, j)
+	for j := range m.members {
+		if atomic.LoadUint32(m.u32(m.post(j)+24)) != 0 {
+			without = append(without, m.ranks[j])
 		}
+	}
+	if err := g.probePhase(3, deadline); err != nil {
+		return err
 	}
 	switch {
 	case len(without) == 0:
@@ -148,6 +161,39 @@ func (g *group) agreeCMA(ctx context.Context) error {
 			zap.String("ranks without", rankList(without)))
 	}
 	return nil
+}
+
+// probePhase is shmPhase for agreeCMA, bounded by deadline (there is no collective yet
+// whose timeout would bound it).
+func (g *group) probePhase(state uint64, deadline time.Time) error {
+	m := g.shm
+	atomic.StoreUint64(m.u64(m.post(m.me)), state)
+	for i := range m.members {
+		if i != m.me {
+			m.ring(i)
+		}
+	}
+	bell := m.u32(m.rankArea(m.me) + shmBell)
+	for {
+		v := atomic.LoadUint32(bell)
+		late := -1
+		for i := range m.members {
+			if i != m.me && atomic.LoadUint64(m.u64(m.post(i))) < state {
+				late = m.ranks[i]
+				break
+			}
+		}
+		if late < 0 {
+			return g.shmCheck()
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("probing process_vm_readv: rank %d did not reach step %d in time (bounded by %s, %s)",
+				late, state, g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv)
+		}
+		if err := g.shmWait(v); err != nil {
+			return fmt.Errorf("probing process_vm_readv: %w", err)
+		}
+	}
 }
 
 // cmaAllReduce is Note [Single copy]'s all-reduce, once postBuffer has found every

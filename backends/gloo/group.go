@@ -187,6 +187,11 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		return nil, fmt.Errorf("gloo: rank %d: shared memory setup: %w", g.rank, err)
 	}
 	g.hostShm = g.hier && g.shmHolds(g.local.ranks)
+	if err := g.agreeCMA(ctx); err != nil {
+		g.shutdown()
+		g.releaseShm()
+		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)
+	}
 	for _, p := range g.peers {
 		if p != nil {
 			g.wg.Add(1)
@@ -201,10 +206,6 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 	g.wg.Add(1)
 	go g.worker()
 	if err := g.agreeShm(ctx); err != nil {
-		g.Close()
-		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)
-	}
-	if err := g.agreeCMA(ctx); err != nil {
 		g.Close()
 		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)
 	}
