@@ -47,8 +47,9 @@ import (
 // peer's cookie back with process_vm_readv, and posts whether it failed. A rank that
 // cannot read a peer (or whose Config.VMReadv is off) logs why, once, and the whole group
 // runs without: every rank decides alike (Note [Agreement]), and the result is the same.
-// Where the kernel copies slower than the other paths (small messages: its per-call cost,
-// the phase waits), cmaFor keeps them.
+// Where the kernel copies slower than the other paths (small messages: its per-call cost
+// and the phase waits; the all-reduce, whose slot ring copies twice but in user space,
+// several times faster per byte than the kernel's page-at-a-time copy), cmaFor keeps them.
 
 // cmaBlock is the block of Note [Single copy]'s reductions: one peer's block in g.tmp and
 // this rank's own stay in L2 while every peer's is reduced in.
@@ -56,10 +57,12 @@ const cmaBlock = 256 << 10
 
 // cmaMinBytes is the smallest message of each collective (by procgroup.CollectiveOp)
 // that Note [Single copy] takes: below it the phase waits and the kernel's per-call cost
-// lose to the slot ring, direct exchange or the sockets (measured:
-// docs/results/2026-12-07-single-copy.md). Tests lower it.
+// lose to direct exchange or the sockets. The all-reduce never takes it by default: the
+// slot ring's two user-space copies of a byte ran faster than the kernel's one at every
+// size from 1 to 256 MiB, n = 2 and 4 (docs/results/2026-12-07-single-copy.md), and the
+// arena's one pass faster still. Tests lower them.
 var cmaMinBytes = [procgroup.OpBarrier + 1]int{
-	procgroup.OpAllReduce:     256 << 10,
+	procgroup.OpAllReduce:     math.MaxInt,
 	procgroup.OpReduceScatter: 64 << 10,
 	procgroup.OpAllGather:     64 << 10,
 	procgroup.OpBroadcast:     64 << 10,

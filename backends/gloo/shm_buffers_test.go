@@ -134,12 +134,13 @@ func TestSharedBuffersAllReduce(t *testing.T) {
 }
 
 // TestSharedBuffersMixed: when one rank's buffer is private and the others' shared, every
-// rank reads the peers with process_vm_readv (Note [Single copy]), or, with it off, falls
-// back to the slot ring; the result is right either way.
+// rank reads the peers with process_vm_readv where Note [Single copy] takes the size, or,
+// with it off, falls back to the slot ring; the result is right either way.
 func TestSharedBuffersMixed(t *testing.T) {
 	const size, count = 3, 50000
 	for _, mode := range []string{VMReadvAuto, VMReadvOff} {
 		t.Run(mode, func(t *testing.T) {
+			cmaEverySize(t)
 			groups := startGroups(t, size, &Config{Transport: TransportUnix, VMReadv: mode})
 			xs := inputs(7, size, count, procgroup.Sum)
 			bufs := mixedBufs(t, groups, xs)

@@ -489,13 +489,13 @@ func TestCommandCeiling(t *testing.T) {
 	if len(lines) != 3 {
 		t.Fatalf("%d lines, want 3 (4K, 64K, 1M):\n%s", len(lines), stdout)
 	}
-	wantAlgo := []string{"shm-direct", "shm-direct", "shm-vm"}
+	wantAlgo := []string{"shm-direct", "shm-direct", "shm-ring"}
 	for i, l := range lines {
 		var r row
 		if err := json.Unmarshal([]byte(l), &r); err != nil {
 			t.Fatalf("line %q: %v", l, err)
 		}
-		wantTraffic := map[string]float64{"shm-direct": 3, "shm-vm": 2.5}[wantAlgo[i]]
+		wantTraffic := map[string]float64{"shm-direct": 3, "shm-ring": 2.5}[wantAlgo[i]]
 		if r.MemGBs != max(r.CopyGBs, r.ReduceGBs, r.ExchangeGBs) || r.CopyGBs <= 0 || r.ReduceGBs <= 0 || r.ExchangeGBs <= 0 {
 			t.Errorf("row %d: memory rate %g GB/s, want the fastest of copy %g, reduce %g and exchange %g, all positive", i, r.MemGBs, r.CopyGBs, r.ReduceGBs, r.ExchangeGBs)
 		}
@@ -528,8 +528,8 @@ func TestCommandCeiling(t *testing.T) {
 		t.Fatalf("table: exit %d\n%s\n%s", code, stdout, stderr)
 	}
 	rows := dataRows(stdout)
-	if len(rows) != 1 || len(rows[0]) != 14 || rows[0][8] != "shm-vm" || !strings.HasSuffix(rows[0][12], "%") {
-		t.Errorf("table rows %q, want one of 14 fields (algo shm-vm, a %% of the ceiling):\n%s", rows, stdout)
+	if len(rows) != 1 || len(rows[0]) != 14 || rows[0][8] != "shm-ring" || !strings.HasSuffix(rows[0][12], "%") {
+		t.Errorf("table rows %q, want one of 14 fields (algo shm-ring, a %% of the ceiling):\n%s", rows, stdout)
 	}
 }
 
