@@ -41,7 +41,8 @@ import (
 // by the dialer from the listener's addresses, the same at both ends), InlineMaxBytes
 // (a message that fits in it is one frame of at most a segment either way), the
 // shared-memory slots and arena (the host's leader lays them out for its host), VMReadv
-// (its host's ranks agree in every collective), timeouts and addresses.
+// (New's probe makes the group's choice of it: Note [Single copy]), timeouts and
+// addresses.
 
 // groupSettings is what each rank publishes of its settings for Note [Agreement].
 type groupSettings struct {

@@ -17,9 +17,9 @@ import (
 //     steps reads the chunk it sends and writes the one it receives (2c): 5(n-1)/n;
 //   - shm-inplace (Note [One pass]): chunk r of every buffer read once and written once:
 //     2, whatever n;
-//   - shm-vm: n-1 reductions of a peer's chunk into one's own (3c each), n-1 chunks copied
-//     from the peers (2c each): 5(n-1)/n, as the ring; it saves the copies through the
-//     slots, not buffer traffic;
+//   - shm-vm (Note [Single copy]): the n-1 peers' chunks r read once each, one's own read
+//     and written once (a block stays in cache while every peer's is reduced in), n-1
+//     chunks copied from the peers (2c each): (3n-1)/n, all but 2c of it the kernel's;
 //   - shm-direct, direct: the buffer is read once per peer it goes to and once into the
 //     accumulator, and written once with the result: n+1;
 //   - hierarchical-inplace (Note [Host phases in place]), L ranks on each of H hosts:
@@ -43,8 +43,8 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 		if g.inPlaceOK() && g.ownsShared(b) {
 			return "shm-inplace", 2
 		}
-		if g.inPlaceOK() && g.cfg.VMReadv { // when every peer sets it too
-			return "shm-vm", ring
+		if g.cmaFor(procgroup.OpAllReduce, len(b)) { // Note [Single copy]
+			return "shm-vm", (3*n - 1) / n
 		}
 	case "hierarchical":
 		L, H := float64(g.local.n), float64(g.cross.n)
@@ -128,14 +128,22 @@ func (g *group) run(o *op) error {
 		}
 		return g.waitSends()
 	case procgroup.OpBroadcast:
+		g.lastPath = ""
 		if n == 1 || len(o.buf) == 0 {
 			return nil
 		}
+		if g.cmaFor(o.kind, len(o.buf)) {
+			return g.cmaBroadcast(o)
+		}
 		return g.broadcast(o)
 	case procgroup.OpAllGather:
+		g.lastPath = ""
 		copy(o.buf[g.rank*len(o.in):], o.in)
 		if n == 1 || len(o.in) == 0 {
 			return nil
+		}
+		if g.cmaFor(o.kind, len(o.buf)) {
+			return g.cmaAllGather(o)
 		}
 		if g.useDirect(len(o.buf)) {
 			return g.directAllGather(o)
@@ -146,12 +154,16 @@ func (g *group) run(o *op) error {
 		}
 		return g.waitSends()
 	case procgroup.OpReduceScatter:
+		g.lastPath = ""
 		if n == 1 {
 			copy(o.buf, o.in)
 			return nil
 		}
 		if len(o.buf) == 0 {
 			return nil
+		}
+		if g.cmaFor(o.kind, len(o.in)) {
+			return g.cmaReduceScatter(o)
 		}
 		if g.useDirect(len(o.in)) {
 			return g.directReduceScatter(o)

@@ -29,6 +29,9 @@ const (
 
 	ShmAuto = "auto" // same-host ranks joined by Unix sockets move large data through shared memory
 	ShmOff  = "off"  // data always goes over the sockets
+
+	VMReadvAuto = "auto" // Note [Single copy] where every rank can read its peers
+	VMReadvOff  = "off"  // never process_vm_readv
 )
 
 // Config holds the gloo backend's options; pass a *Config as procgroup.Options.Backend.
@@ -90,10 +93,11 @@ type Config struct {
 	// cost model that picks the all-reduce's algorithm (Note [Algorithm choice]).
 	// GODDP_GLOO_TUNE overrides it.
 	Tune string
-	// VMReadv lets an all-reduce on shared memory whose buffers are not all in the arena
-	// read the peers' buffers with process_vm_readv (Note [Shared buffers]); every rank of
-	// the host must set it for it to apply. GODDP_GLOO_VMREADV=1 sets it.
-	VMReadv bool
+	// VMReadv is "auto" (default) or "off": whether the collectives of a group whose ranks
+	// all share one region read the peers' own buffers with process_vm_readv (Note
+	// [Single copy]). Where any rank has "off" or cannot read its peers, the whole group
+	// runs without it. GODDP_GLOO_VMREADV (auto, off; 1 and 0 too) overrides it.
+	VMReadv string
 	// HostID identifies this host to the other ranks (default procgroup.HostIdentity: the
 	// boot id and the network namespace, never the hostname alone); ranks with the same
 	// HostID use Unix sockets and shared memory. Tests set it to simulate hosts.
@@ -144,8 +148,21 @@ func (c *Config) validate() error {
 	if err := enumSetting(&c.Tune, "GODDP_GLOO_TUNE", "tuning mode", TuneAuto, TuneOff); err != nil {
 		return err
 	}
-	if v := os.Getenv("GODDP_GLOO_VMREADV"); v != "" {
-		c.VMReadv = v == "1"
+	switch v := os.Getenv("GODDP_GLOO_VMREADV"); v {
+	case "":
+	case "1": // the opt-in of earlier versions
+		c.VMReadv = VMReadvAuto
+	case "0":
+		c.VMReadv = VMReadvOff
+	default:
+		c.VMReadv = v
+	}
+	switch c.VMReadv {
+	case "":
+		c.VMReadv = VMReadvAuto
+	case VMReadvAuto, VMReadvOff:
+	default:
+		return fmt.Errorf("%w: gloo: unknown process_vm_readv mode %q (GODDP_GLOO_VMREADV, gloo.Config.VMReadv; want auto or off)", procgroup.ErrInvalidArgument, c.VMReadv)
 	}
 	if v := os.Getenv("GODDP_GLOO_SHM_ARENA_MIB"); v != "" {
 		n, err := strconv.Atoi(v)

@@ -7,15 +7,20 @@ import (
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
 
-// TestConformance runs the shared suite over Unix sockets (auto algorithm) and over TCP with
-// each algorithm forced.
+// TestConformance runs the shared suite over Unix sockets (auto algorithm; with Note
+// [Single copy] at every size; without it) and over TCP with each algorithm forced.
 func TestConformance(t *testing.T) {
 	for _, v := range []variant{
 		{"auto", &Config{}},
+		{"unix-ring-single-copy", &Config{Transport: TransportUnix, Algorithm: AlgoRing}},
+		{"auto-vmreadv-off", &Config{VMReadv: VMReadvOff}},
 		{"tcp-ring", &Config{Transport: TransportTCP, Algorithm: AlgoRing, SegmentSize: 4096}},
 		{"unix-direct", &Config{Transport: TransportUnix, Algorithm: AlgoDirect, SegmentSize: 4096}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
+			if v.name == "unix-ring-single-copy" {
+				cmaEverySize(t)
+			}
 			opts := pgtest.SuiteOptions{Short: testing.Short() || v.name != "auto"}
 			if v.name != "auto" {
 				opts.Large = 1 << 14

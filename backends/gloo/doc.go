@@ -15,8 +15,8 @@
 //	w := pg.AllReduce(ctx, grads, procgroup.Sum)
 //	err = w.Wait(ctx)
 //
-// GODDP_GLOO_TRANSPORT (auto, tcp, unix), GODDP_GLOO_ALGO (auto, ring, direct) and
-// GODDP_GLOO_SHM (auto, off) override the Config.
+// GODDP_GLOO_TRANSPORT (auto, tcp, unix), GODDP_GLOO_ALGO (auto, ring, direct),
+// GODDP_GLOO_SHM (auto, off) and GODDP_GLOO_VMREADV (auto, off) override the Config.
 //
 // # Design
 //
@@ -41,8 +41,11 @@
 // The all-reduce then moves its data through per-pair slot rings in that region, run
 // inline by the worker with no goroutine hand-off: the sender copies a segment into a slot,
 // the receiver reduces straight out of it, and a futex doorbell wakes a rank that sleeps
-// (Note [Shared memory] in shm_linux.go). The sockets still carry the other collectives,
-// aborts and liveness, so the failure rules below are unchanged.
+// (Note [Shared memory] in shm_linux.go). Where the kernel lets every rank read the others
+// (process_vm_readv), the collectives on the user's own buffers read the peers' buffers
+// straight instead, one copy by the kernel (Note [Single copy] in cma_linux.go). The
+// sockets still carry the small collectives, aborts and liveness, so the failure rules
+// below are unchanged.
 //
 // Threads: one worker goroutine per group runs works in issue order and does all reads;
 // each peer has one writer goroutine (Note [Threads] on group), idle on the inline paths

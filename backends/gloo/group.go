@@ -92,8 +92,12 @@ type group struct {
 	// calibration (Config.Tune); which ranks allow shared memory (Config.SharedMemory).
 	tuneAll   bool
 	shmWanted []bool
+	// cma: every rank can read every other's buffers with process_vm_readv, and the
+	// collectives on the user's buffers do (Note [Single copy]); the group's, set in New.
+	cma bool
 	// lastPath is the path the worker's latest all-reduce took (allReducePath, or
-	// "shm-inplace"), for the tests.
+	// "shm-inplace"), or "shm-vm" where another collective took Note [Single copy] (""
+	// where it did not), for the tests.
 	lastPath string
 	local    ringView // this host's ranks
 	cross    ringView // the ranks with this rank's local index, one per host
@@ -183,6 +187,11 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		return nil, fmt.Errorf("gloo: rank %d: shared memory setup: %w", g.rank, err)
 	}
 	g.hostShm = g.hier && g.shmHolds(g.local.ranks)
+	if err := g.agreeCMA(ctx); err != nil {
+		g.shutdown()
+		g.releaseShm()
+		return nil, fmt.Errorf("gloo: rank %d: %w", g.rank, err)
+	}
 	for _, p := range g.peers {
 		if p != nil {
 			g.wg.Add(1)

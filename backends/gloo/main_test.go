@@ -146,3 +146,21 @@ func wait(w procgroup.Work) error {
 	defer cancel()
 	return w.Wait(ctx)
 }
+
+// cmaEverySize lowers Note [Single copy]'s thresholds to one byte until t's end, so that
+// a forced algorithm (ring) takes it at every size; call it before starting the groups.
+func cmaEverySize(t testing.TB) {
+	saved := cmaMinBytes
+	for k := range cmaMinBytes {
+		cmaMinBytes[k] = 1
+	}
+	t.Cleanup(func() { cmaMinBytes = saved })
+}
+
+// vmOffAt is Config.VMReadv for rank r: off at rank off, the default elsewhere.
+func vmOffAt(r, off int) string {
+	if r == off {
+		return VMReadvOff
+	}
+	return ""
+}

@@ -1,10 +1,7 @@
 package gloo
 
 import (
-	"errors"
 	"fmt"
-	"math/rand/v2"
-	"os"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -36,7 +33,8 @@ import (
 // in its line of the region: the offset and length of its buffer in its arena part and
 // whether it is there, then state = seq<<2|1, and rings the others. Once every peer has
 // posted for this seq: if all buffers are in their arenas and of one length, the ranks run
-// in place; otherwise all of them run the slot ring, with nothing else changed. In place,
+// in place; otherwise all of them run Note [Single copy] where the group agreed on it, the
+// slot ring elsewhere, with nothing else changed. In place,
 // rank r reduces chunk r of every buffer and writes the result into chunk r of every buffer
 // (Note [One pass]; state seq<<2|3), and returns once every rank has done so: no rank may
 // touch its buffer again while a peer still reads or writes it. Each chunk is computed by
@@ -259,62 +257,62 @@ func (g *group) ownsShared(b []byte) bool {
 }
 
 // shmAllReduce is the all-reduce over shared memory for messages above DirectMaxBytes:
-// in place when every rank's buffer is in its arena, the slot ring otherwise (Note
-// [Shared buffers]).
+// in place when every rank's buffer is in its arena, Note [Single copy] when the group
+// reads its peers with process_vm_readv, the slot ring otherwise (Note [Shared buffers]).
 func (g *group) shmAllReduce(o *op) error {
-	if !g.inPlaceOK() {
+	vm := g.cmaFor(procgroup.OpAllReduce, len(o.buf))
+	if !g.inPlaceOK() && !vm {
 		return g.shmRingAllReduce(o)
 	}
 	// Every rank is a member, and its local index is its rank.
-	inPlace, vm, err := g.postBuffer(o, g.cfg.VMReadv)
+	inPlace, vm, err := g.postBuffer(o, o.buf, vm)
 	switch {
 	case err != nil:
 		return err
 	case inPlace:
-		return g.inPlaceAllReduce(o, false)
+		return g.inPlaceAllReduce(o)
 	case vm:
-		return g.inPlaceAllReduce(o, true)
+		return g.cmaAllReduce(o)
 	}
 	return g.shmRingAllReduce(o)
 }
 
-// postBuffer posts o's buffer for an in-place all-reduce among the region's members (Note
-// [Shared buffers]) and waits until every member has posted. inPlace: every member's
-// buffer is in its arena, and m.peerBufs holds their views, by local index. vm (only when
-// asked for): every member may be read with process_vm_readv instead.
-func (g *group) postBuffer(o *op, vmAsked bool) (inPlace, vm bool, err error) {
+// postBuffer posts b, the buffer of o its peers read (Note [Shared buffers], Note [Single
+// copy]), among the region's members and waits until every member has posted, checking
+// that each posted the same collective. inPlace: every member's buffer is in its arena,
+// and m.peerBufs holds their views, by local index. vm (only when asked for, which every
+// rank does alike): m.peerPID and m.peerAddr locate the members' buffers for
+// process_vm_readv.
+func (g *group) postBuffer(o *op, b []byte, vmAsked bool) (inPlace, vm bool, err error) {
 	m := g.shm
-	off, mine := m.ownOffset(o.buf)
+	off, mine := m.ownOffset(b)
 	p := m.post(m.me)
 	*m.u64(p + 8) = uint64(off)
-	*m.u64(p + 16) = uint64(len(o.buf))
+	*m.u64(p + 16) = uint64(len(b))
 	flag := uint32(0)
 	if mine {
 		flag = postArena
 	}
-	if vmAsked && len(o.buf) > 0 {
-		if m.vmCookie == 0 {
-			m.vmCookie = rand.Uint64() | 1
-		}
+	if vmAsked && len(b) > 0 {
 		flag |= postVM
-		pid := os.Getpid()
+		pid := m.pid
 		if vmPIDHook != nil {
 			pid = vmPIDHook(g, pid)
 		}
 		*m.u64(p + 32) = uint64(pid)
-		*m.u64(p + 40) = uint64(uintptr(unsafe.Pointer(&o.buf[0])))
-		*m.u64(p + 48) = m.vmCookie
-		*m.u64(p + 56) = uint64(uintptr(unsafe.Pointer(&m.vmCookie)))
+		*m.u64(p + 40) = uint64(uintptr(unsafe.Pointer(&b[0])))
 	}
 	*m.u32(p + 28) = uint32(o.dt)
+	what := postWhat(o)
+	*m.u64(p + 48) = what
 	atomic.StoreUint32(m.u32(p+24), flag)
 	if err := g.shmPhase(o.seq<<2 | 1); err != nil {
 		return false, false, err
 	}
 	n := m.members
 	if len(m.peerBufs) != n {
-		m.peerBufs = make([][]byte, n) // once: all-reduces allocate nothing
-		m.peerPID, m.peerAddr, m.vmChecked = make([]int, n), make([]uintptr, n), make([]uint64, n)
+		m.peerBufs = make([][]byte, n) // once: collectives allocate nothing
+		m.peerPID, m.peerAddr = make([]int, n), make([]uintptr, n)
 	}
 	inPlace, vm = mine, flag&postVM != 0
 	for j := range n {
@@ -325,22 +323,20 @@ func (g *group) postBuffer(o *op, vmAsked bool) (inPlace, vm bool, err error) {
 		// A peer that skipped this collective and posted a later one satisfies every
 		// phase wait; a correct peer cannot leave this one before this rank does.
 		if st := atomic.LoadUint64(m.u64(q)); st>>2 != o.seq {
-			return false, false, fmt.Errorf("%w: rank %d posted collective #%d in shared memory while this rank runs all-reduce #%d (ranks issued different collectives?)",
-				procgroup.ErrInvalidArgument, rank, st>>2, o.seq)
+			return false, false, fmt.Errorf("%w: rank %d posted collective #%d in shared memory while this rank runs %v #%d (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, rank, st>>2, o.kind, o.seq)
 		}
-		pOff, pLen := *m.u64(q + 8), *m.u64(q + 16)
+		pOff, pLen, pw := *m.u64(q + 8), *m.u64(q + 16), *m.u64(q + 48)
 		f := atomic.LoadUint32(m.u32(q + 24))
-		if pLen != uint64(len(o.buf)) || procgroup.DType(*m.u32(q + 28)) != o.dt {
-			return false, false, fmt.Errorf("%w: rank %d posted %d bytes of %v for all-reduce #%d in shared memory, this rank has %d bytes of %v (ranks issued different collectives?)",
-				procgroup.ErrInvalidArgument, rank, pLen, procgroup.DType(*m.u32(q + 28)), o.seq, len(o.buf), o.dt)
+		if pLen != uint64(len(b)) || procgroup.DType(*m.u32(q + 28)) != o.dt || pw != what {
+			return false, false, fmt.Errorf("%w: rank %d posted %v (root %d) of %d bytes of %v for #%d in shared memory, this rank runs %v (root %d) of %d bytes of %v (ranks issued different collectives?)",
+				procgroup.ErrInvalidArgument, rank, procgroup.CollectiveOp(pw>>32), int32(pw), pLen, procgroup.DType(*m.u32(q + 28)), o.seq,
+				o.kind, int32(what), len(b), o.dt)
 		}
 		if f&postVM == 0 {
 			vm = false
 		} else {
 			m.peerPID[j], m.peerAddr[j] = int(*m.u64(q + 32)), uintptr(*m.u64(q + 40))
-			if err := g.vmCheck(j, *m.u64(q + 48), uintptr(*m.u64(q + 56))); err != nil {
-				return false, false, err
-			}
 		}
 		if f&postArena == 0 {
 			inPlace = false
@@ -348,61 +344,36 @@ func (g *group) postBuffer(o *op, vmAsked bool) (inPlace, vm bool, err error) {
 		}
 		if pOff > uint64(m.arenaLen) || pLen > uint64(m.arenaLen)-pOff {
 			return false, false, fmt.Errorf("%w: rank %d posted a buffer of %d bytes at %d of its arena for collective #%d, this rank has %d bytes (ranks issued different collectives?)",
-				procgroup.ErrInvalidArgument, rank, pLen, pOff, o.seq, len(o.buf))
+				procgroup.ErrInvalidArgument, rank, pLen, pOff, o.seq, len(b))
 		}
 		at := j*m.arenaLen + int(pOff)
-		m.peerBufs[j] = m.arena[at : at+len(o.buf) : at+len(o.buf)]
+		m.peerBufs[j] = m.arena[at : at+len(b) : at+len(b)]
 	}
 	return inPlace, vm, nil
 }
 
+// postWhat is the collective a post names besides its sequence number: its kind and,
+// for Broadcast, its root.
+func postWhat(o *op) uint64 {
+	w := uint64(o.kind) << 32
+	if o.kind == procgroup.OpBroadcast {
+		w |= uint64(uint32(o.root))
+	}
+	return w
+}
+
 // inPlaceAllReduce is Note [Shared buffers]'s in-place all-reduce, once every rank has
-// posted its buffer. With the arena's views (m.peerBufs) it is one pass (Note [One pass]):
-// each rank reduces its own chunk from all the buffers, a block at a time, and writes each
-// finished block into every buffer. With vm the peers' buffers are read with
-// process_vm_readv (one copy, by the kernel: a segment at a time into g.tmp for the
-// reduction), and a second pass, past the next phase, copies the other chunks from their
-// owners straight into the buffer. Both reduce in one order, so they give the same bits.
-func (g *group) inPlaceAllReduce(o *op, vm bool) error {
-	n, r := g.size, g.rank
-	base := o.seq << 2
+// posted its buffer in its arena: one pass (Note [One pass]), each rank reducing its own
+// chunk from all the buffers, a block at a time, and writing each finished block into
+// every buffer.
+func (g *group) inPlaceAllReduce(o *op) error {
 	es := o.dt.Size()
 	g.setChunks(len(o.buf)/es, es)
-	if !vm {
-		g.lastPath = "shm-inplace"
-		if err := g.reduceBlocks(o, g.chunk(o.buf, r), g.offs[r], true); err != nil {
-			return err
-		}
-		return g.shmPhase(base | 3)
-	}
-	g.lastPath = "shm-vm"
-	own, seg := g.chunk(o.buf, r), len(g.tmp)&^7
-	for j := range n {
-		if j == r {
-			continue
-		}
-		for a := 0; a < len(own); a += seg {
-			src := g.tmp[:min(seg, len(own)-a)]
-			if err := g.vmRead(j, src, g.offs[r]+a); err != nil {
-				return err
-			}
-			kernels.Reduce(o.dt, o.rop, own[a:a+len(src)], src)
-		}
-	}
-	if o.rop == procgroup.Avg {
-		kernels.Divide(o.dt, own, n)
-	}
-	if err := g.shmPhase(base | 2); err != nil {
+	g.lastPath = "shm-inplace"
+	if err := g.reduceBlocks(o, g.chunk(o.buf, g.rank), g.offs[g.rank], true); err != nil {
 		return err
 	}
-	for j := range n {
-		if j != r {
-			if err := g.vmRead(j, g.chunk(o.buf, j), g.offs[j]); err != nil {
-				return err
-			}
-		}
-	}
-	return g.shmPhase(base | 3)
+	return g.shmPhase(o.seq<<2 | 3)
 }
 
 // Note [One pass]: the in-place all-reduce over the arena's views reads every byte of
@@ -482,7 +453,7 @@ func (g *group) hierPost(o *op) (bool, error) {
 	if !g.hostInPlaceOK() {
 		return false, nil
 	}
-	inPlace, _, err := g.postBuffer(o, false)
+	inPlace, _, err := g.postBuffer(o, o.buf, false)
 	return inPlace, err
 }
 
@@ -550,61 +521,9 @@ func (g *group) shmPhase(state uint64) error {
 }
 
 // The flags of a post (Note [Shared buffers]): the buffer is in the poster's arena; the
-// buffer may be read with process_vm_readv at the posted pid and address (Config.VMReadv).
+// buffer may be read with process_vm_readv at the posted pid and address (Note [Single
+// copy]).
 const (
 	postArena = 1
 	postVM    = 2
 )
-
-// vmPIDHook, nil outside tests, changes the pid a rank posts for process_vm_readv.
-var vmPIDHook func(g *group, pid int) int
-
-// vmCheck makes sure, once per peer, that process_vm_readv at the peer's posted pid reads
-// the peer: it reads the word at the posted address and compares it with the cookie the
-// peer posted in shared memory. Ranks that share a network namespace but not a pid
-// namespace would otherwise read another process, or fail only later.
-func (g *group) vmCheck(j int, cookie uint64, at uintptr) error {
-	m := g.shm
-	if m.vmChecked[j] == cookie {
-		return nil
-	}
-	var got uint64
-	err := g.vmReadAt(j, unsafe.Slice((*byte)(unsafe.Pointer(&got)), 8), at)
-	if err != nil || got != cookie {
-		return fmt.Errorf("gloo: rank %d: GODDP_GLOO_VMREADV: process_vm_readv cannot read rank %d at pid %d (%v; cookie %#x, want %#x): it needs the same pid namespace and ptrace permission (Yama ptrace_scope 0); unset GODDP_GLOO_VMREADV",
-			g.rank, j, m.peerPID[j], err, got, cookie)
-	}
-	m.vmChecked[j] = cookie
-	return nil
-}
-
-// vmRead reads len(dst) bytes at offset off of peer j's posted buffer into dst. A peer
-// whose process is gone (ESRCH, where vmCheck had read it) is lost.
-func (g *group) vmRead(j int, dst []byte, off int) error {
-	err := g.vmReadAt(j, dst, g.shm.peerAddr[j]+uintptr(off))
-	if errors.Is(err, unix.ESRCH) {
-		rank := g.shm.ranks[j]
-		return &PeerLostError{Rank: rank, Host: g.hosts[rank], Reporter: g.rank,
-			Err: fmt.Errorf("its process (pid %d) is gone: %w", g.shm.peerPID[j], err)}
-	}
-	return err
-}
-
-// vmReadAt reads len(dst) bytes at address at of peer j's process into dst.
-func (g *group) vmReadAt(j int, dst []byte, at uintptr) error {
-	pid := g.shm.peerPID[j]
-	for len(dst) > 0 {
-		local := []unix.Iovec{{Base: &dst[0]}}
-		local[0].SetLen(len(dst))
-		remote := []unix.RemoteIovec{{Base: at, Len: len(dst)}}
-		k, err := unix.ProcessVMReadv(pid, local, remote, 0)
-		if err != nil {
-			return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d): %w", g.rank, j, pid, err)
-		}
-		if k <= 0 {
-			return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d) read nothing", g.rank, j, pid)
-		}
-		dst, at = dst[k:], at+uintptr(k)
-	}
-	return nil
-}

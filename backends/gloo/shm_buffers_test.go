@@ -134,20 +134,31 @@ func TestSharedBuffersAllReduce(t *testing.T) {
 }
 
 // TestSharedBuffersMixed: when one rank's buffer is private and the others' shared, every
-// rank falls back to the slot ring, and the result is still right.
+// rank reads the peers with process_vm_readv where Note [Single copy] takes the size, or,
+// with it off, falls back to the slot ring; the result is right either way.
 func TestSharedBuffersMixed(t *testing.T) {
 	const size, count = 3, 50000
-	groups := startGroups(t, size, &Config{Transport: TransportUnix})
-	xs := inputs(7, size, count, procgroup.Sum)
-	bufs := mixedBufs(t, groups, xs)
-	before := slotSegments(groups[0])
-	each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum)) })
-	if slotSegments(groups[0]) == before {
-		t.Errorf("no segment went through the slots: the mixed all-reduce did not fall back to the ring")
-	}
-	want := reduceRef(xs, procgroup.Sum)
-	for r := range size {
-		checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float64, procgroup.Sum, fromBuf(bufs[r]), want)
+	for _, mode := range []string{VMReadvAuto, VMReadvOff} {
+		t.Run(mode, func(t *testing.T) {
+			cmaEverySize(t)
+			groups := startGroups(t, size, &Config{Transport: TransportUnix, VMReadv: mode})
+			xs := inputs(7, size, count, procgroup.Sum)
+			bufs := mixedBufs(t, groups, xs)
+			before := slotSegments(groups[0])
+			each(t, groups, func(r int, g procgroup.ProcessGroup) error { return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum)) })
+			if ring := slotSegments(groups[0]) != before; ring != (mode == VMReadvOff) {
+				t.Errorf("segments through the slots: %t, want %t", ring, mode == VMReadvOff)
+			}
+			for r, g := range groups {
+				if p, want := g.(*group).lastPath, map[string]string{VMReadvAuto: "shm-vm", VMReadvOff: "shm-ring"}[mode]; p != want {
+					t.Errorf("rank %d took %q, want %q", r, p, want)
+				}
+			}
+			want := reduceRef(xs, procgroup.Sum)
+			for r := range size {
+				checkClose(t, fmt.Sprintf("rank %d", r), procgroup.Float64, procgroup.Sum, fromBuf(bufs[r]), want)
+			}
+		})
 	}
 }
 
@@ -272,10 +283,11 @@ func uintptrOf[T any](p *T) uintptr { return uintptr(unsafe.Pointer(p)) }
 // slots), match a float64 reference, leave every rank with the same bits, and give the
 // bits of the arena's in-place path; a rank without VMReadv sends every rank to the ring.
 func TestVMReadvAllReduce(t *testing.T) {
+	cmaEverySize(t)
 	counts := []int{1, 3, 100, 4099, 70000}
 	for size := 2; size <= 4; size++ {
 		t.Run(fmt.Sprintf("n%d", size), func(t *testing.T) {
-			cfg := Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, VMReadv: true}
+			cfg := Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2}
 			groups := startGroups(t, size, &cfg)
 			seed := uint64(900)
 			for _, dt := range []procgroup.DType{procgroup.Float32, procgroup.Int64} {
@@ -323,7 +335,7 @@ func TestVMReadvAllReduce(t *testing.T) {
 		})
 	}
 	t.Run("different lengths", func(t *testing.T) {
-		groups := startGroups(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, VMReadv: true})
+		groups := startGroups(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2})
 		errs := make([]error, 2)
 		done := make(chan int, 2)
 		for r, g := range groups {
@@ -342,7 +354,7 @@ func TestVMReadvAllReduce(t *testing.T) {
 	})
 	t.Run("one rank without", func(t *testing.T) {
 		groups := startGroupsCfg(t, 3, func(r int) *Config {
-			return &Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, VMReadv: r != 1}
+			return &Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, VMReadv: vmOffAt(r, 1)}
 		}, nil, time.Minute)
 		t.Cleanup(func() {
 			for _, g := range groups {
@@ -648,6 +660,7 @@ func TestSharedBuffersLateRank(t *testing.T) {
 // all-reduce with a PeerLostError naming it, not a bare errno; an all-reduce before it
 // matches the reference.
 func TestVMReadvPeerGone(t *testing.T) {
+	cmaEverySize(t)
 	cmd := exec.Command("/bin/true")
 	if err := cmd.Run(); err != nil {
 		t.Skipf("no child process: %v", err)
@@ -661,7 +674,7 @@ func TestVMReadvPeerGone(t *testing.T) {
 		return pid
 	}
 	t.Cleanup(func() { vmPIDHook = nil }) // after the groups' cleanup below
-	groups := startGroupsTimeout(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, VMReadv: true, PollInterval: 50 * time.Millisecond}, 10*time.Second)
+	groups := startGroupsTimeout(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, PollInterval: 50 * time.Millisecond}, 10*time.Second)
 	const count = 50000
 	xs := inputs(5, 2, count, procgroup.Sum)
 	bufs := []any{toBuf(procgroup.Float32, xs[0]), toBuf(procgroup.Float32, xs[1])}

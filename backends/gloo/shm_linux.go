@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -110,14 +111,14 @@ type shmRegion struct {
 
 	// Note [Shared buffers]: every member's arena, arenaLen bytes each, back to back; nil
 	// when the host has none. heap hands out this rank's.
-	arena     []byte
-	arenaLen  int
-	heap      arenaHeap
-	peerBufs  [][]byte // worker-only: the peers' buffers of an in-place all-reduce
-	peerPID   []int    // worker-only: the peers' pids and buffer addresses (Config.VMReadv)
-	peerAddr  []uintptr
-	vmChecked []uint64 // worker-only: by local index, the cookie vmCheck verified
-	vmCookie  uint64   // this rank's word for the peers' vmCheck (Config.VMReadv)
+	arena    []byte
+	arenaLen int
+	heap     arenaHeap
+	peerBufs [][]byte // worker-only: the peers' buffers of an in-place all-reduce
+	peerPID  []int    // worker-only: the peers' pids and buffer addresses (Note [Single copy])
+	peerAddr []uintptr
+	pid      int    // this process's, posted for process_vm_readv
+	vmCookie uint64 // this rank's word for the peers' probe (Note [Single copy])
 }
 
 func shmLayout(members, slot, slots int) (chanLen, total int) {
@@ -129,7 +130,7 @@ func shmLayout(members, slot, slots int) (chanLen, total int) {
 
 // post is member i's line of Note [Shared buffers]: its state, then the offset and length
 // of its buffer in its arena, the flags (postArena, postVM) and the element type, and with
-// postVM its pid, the buffer's address and vmCheck's cookie and its address.
+// postVM its pid and the buffer's address; then the collective's kind and root (postWhat).
 func (m *shmRegion) post(i int) int {
 	return shmHeaderLen + m.members*shmRankLen + m.members*m.members*m.chanLen + i*shmLine
 }
@@ -422,7 +423,7 @@ func createShm(size int) (int, []byte, error) {
 func newShmRegion(mem []byte, members []int, size, rank, S, K, chanLen int) *shmRegion {
 	m := &shmRegion{mem: mem, members: len(members), slot: S, slots: K, chanLen: chanLen,
 		local: make([]int, size), ranks: members,
-		prod: make([]uint64, len(members)), cons: make([]uint64, len(members))}
+		prod: make([]uint64, len(members)), cons: make([]uint64, len(members)), pid: os.Getpid()}
 	for i := range m.local {
 		m.local[i] = -1
 	}

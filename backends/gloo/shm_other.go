@@ -37,6 +37,15 @@ func (g *group) hostReduce(*op, []byte, int) error              { panic("gloo: n
 func (g *group) shmPhase(uint64) error                          { panic("gloo: no shared memory") }
 func (g *group) hostBroadcast([]byte, int) error                { panic("gloo: no shared memory") }
 
+// Note [Single copy] (cma_linux.go) is Linux-only.
+var cmaMinBytes [procgroup.OpBarrier + 1]int
+
+func (g *group) agreeCMA(context.Context) error          { return nil }
+func (g *group) cmaFor(procgroup.CollectiveOp, int) bool { return false }
+func (g *group) cmaAllGather(*op) error                  { panic("gloo: no process_vm_readv") }
+func (g *group) cmaReduceScatter(*op) error              { panic("gloo: no process_vm_readv") }
+func (g *group) cmaBroadcast(*op) error                  { panic("gloo: no process_vm_readv") }
+
 // arenaAlloc and sharedAlloc have no shared memory to hand out here.
 func (g *group) arenaAlloc(procgroup.DType, int) any           { return nil }
 func (g *group) sharedAlloc(procgroup.DType, int) (any, error) { return nil, nil }

@@ -172,6 +172,9 @@ func TestAllReduceAlgorithm(t *testing.T) {
 			{4 << 10, procgroup.Float32, "shm-direct", 3}, {1 << 20, procgroup.Float32, "shm-ring", 2.5},
 			{1 << 20, procgroup.BFloat16, "widened", 0}, {0, procgroup.Float32, "none", 0},
 		}},
+		{"unix/n2/ring", 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing}, []want{
+			{1 << 20, procgroup.Float32, "shm-ring", 2.5}, // Note [Single copy]'s all-reduce is off by default
+		}},
 		{"tcp/n2", 2, &Config{Transport: TransportTCP}, []want{
 			{4 << 10, procgroup.Float32, "direct", 3}, {1 << 20, procgroup.Int64, "pair", 2.5},
 		}},
@@ -190,6 +193,13 @@ func TestAllReduceAlgorithm(t *testing.T) {
 			}
 		})
 	}
+	t.Run("unix/n3/single-copy", func(t *testing.T) { // Note [Single copy], where it applies
+		cmaEverySize(t)
+		groups := startGroups(t, 3, &Config{Transport: TransportUnix})
+		if name, traffic, _ := procgroup.AllReduceAlgorithm(groups[0], make([]float32, 1<<18)); name != "shm-vm" || math.Abs(traffic-8.0/3) > 1e-12 {
+			t.Errorf("a private buffer: %q, %g; want shm-vm, 8/3", name, traffic)
+		}
+	})
 	t.Run("unix/n3/shared", func(t *testing.T) { // Note [One pass]: 2 bytes per byte, whatever n
 		groups := startGroups(t, 3, &Config{Transport: TransportUnix})
 		g := groups[0].(*group)

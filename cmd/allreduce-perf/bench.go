@@ -14,43 +14,53 @@ import (
 // maxIters bounds the timed iterations --min_time asks for.
 const maxIters = 1 << 20
 
-// afterOp, when set (by the test hooks), runs after each all-reduce this rank completes.
+// afterOp, when set (by the test hooks), runs after each measured collective (warm-up,
+// checked, timed) this rank completes.
 var afterOp func(rank int)
 
 // bench runs every size of cfg on pg and calls emit with each size's row (on every rank:
 // the numbers are agreed between ranks with collectives).
 //
-// For each size the buffer is filled from the rank's pristine data before each warm-up
+// For each size the input is filled from the rank's pristine data before each warm-up
 // iteration, the checked one and the first timed one; the timed ones then run back to
 // back (restored before each with --reset, and for products, which would pass through
 // subnormals), and the time of a size is the slowest rank's mean.
 func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func(row)) error {
 	rank, world := pg.Rank(), pg.Size()
-	esize := int64(cfg.dtype.Size())
+	if cfg.collective == "" {
+		cfg.collective = collAllReduce
+	}
+	// allreduce is the all-reduce of the agreements between ranks (times, counts).
 	allreduce := func(buf any, op procgroup.ReduceOp, what string, size int64) error {
 		if err := pg.AllReduce(ctx, buf, op).Wait(ctx); err != nil {
 			return fmt.Errorf("%s all-reduce of %d bytes: %w", what, size, err)
 		}
-		if afterOp != nil {
-			afterOp(rank)
-		}
 		return nil
 	}
 	for size := cfg.minBytes; size <= cfg.maxBytes; size *= cfg.factor {
-		count := int(size / esize)
-		bytes := int64(count) * esize
-		src := procgroup.NewBuffer(cfg.dtype, count)
-		fill(src, newGen(rank, world, bytes, cfg.dtype, cfg.op))
-		buf, free, err := newBuffer(pg, cfg, count)
+		t, err := newTask(pg, cfg, size)
 		if err != nil {
 			return err
+		}
+		if t == nil {
+			continue // less than one element per rank
+		}
+		bytes := t.bytes
+		one := func(what string) error {
+			if err := t.run(ctx); err != nil {
+				return fmt.Errorf("%s %s of %d bytes: %w", what, cfg.collective, bytes, err)
+			}
+			if afterOp != nil {
+				afterOp(rank)
+			}
+			return nil
 		}
 
 		fastest := []float64{math.Inf(1)} // the fastest warm-up iteration, in seconds
 		for range cfg.warmup {
-			copyBuf(buf, src)
+			copyBuf(t.in, t.src)
 			start := time.Now()
-			if err := allreduce(buf, cfg.op, "warm-up", bytes); err != nil {
+			if err := one("warm-up"); err != nil {
 				return err
 			}
 			fastest[0] = min(fastest[0], time.Since(start).Seconds())
@@ -66,11 +76,11 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 		}
 		wrong := int64(-1)
 		if cfg.check {
-			copyBuf(buf, src)
-			if err := allreduce(buf, cfg.op, "checked", bytes); err != nil {
+			copyBuf(t.in, t.src)
+			if err := one("checked"); err != nil {
 				return err
 			}
-			total := []int64{verify(buf, world, bytes, cfg.dtype, cfg.op)}
+			total := []int64{t.wrong(rank, world, cfg)}
 			if err := allreduce(total, procgroup.Sum, "wrong-count", 8); err != nil {
 				return err
 			}
@@ -86,13 +96,13 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 		reset := cfg.reset || cfg.op == procgroup.Prod
 		var elapsed time.Duration
 		its := make([]float64, iters)
-		copyBuf(buf, src)
+		copyBuf(t.in, t.src)
 		for i := range iters {
 			if reset && i > 0 {
-				copyBuf(buf, src)
+				copyBuf(t.in, t.src)
 			}
 			start := time.Now()
-			if err := allreduce(buf, cfg.op, "timed", bytes); err != nil {
+			if err := one("timed"); err != nil {
 				return err
 			}
 			d := time.Since(start)
@@ -106,10 +116,10 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			return err
 		}
 		r := row{
-			SizeBytes: bytes, Count: count, DType: cfg.dtype.String(), Op: cfg.op.String(), Ranks: world,
+			Collective: cfg.collective, SizeBytes: bytes, Count: t.count, DType: cfg.dtype.String(), Op: cfg.op.String(), Ranks: world,
 			TimeUS: us[0], TimeUSMedian: us[1], Iters: iters, Wrong: wrong,
 		}
-		bus := 2 * float64(world-1) / float64(world)
+		bus := busFactor(cfg.collective, world)
 		if us[0] > 0 {
 			r.AlgBW = float64(bytes) / (us[0] * 1e3) // bytes/ns = GB/s
 		}
@@ -121,16 +131,18 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			ok := wrong == 0
 			r.OK = &ok
 		}
-		if name, _, ok := procgroup.AllReduceAlgorithm(pg, buf); ok {
-			r.Algo = name // the group's choice for this size (gloo: Note [Algorithm choice])
-		}
-		if cfg.ceiling {
-			if err := addCeiling(ctx, pg, buf, &r); err != nil {
-				return err
+		if cfg.collective == collAllReduce {
+			if name, _, ok := procgroup.AllReduceAlgorithm(pg, t.in); ok {
+				r.Algo = name // the group's choice for this size (gloo: Note [Algorithm choice])
+			}
+			if cfg.ceiling {
+				if err := addCeiling(ctx, pg, t.in, &r); err != nil {
+					return err
+				}
 			}
 		}
 		emit(r)
-		free()
+		t.free()
 		if size > cfg.maxBytes/cfg.factor {
 			break // the next step would pass -e (or overflow)
 		}
@@ -297,16 +309,25 @@ func unitRoundoff(dt procgroup.DType) float64 {
 // verify compares the all-reduced buf with a reference computed here, in float64, from
 // every rank's data regenerated from its seed, and returns the number of elements that
 // differ by more than the tolerance.
+func verify(buf any, world int, bytes int64, dt procgroup.DType, op procgroup.ReduceOp) int64 {
+	return verifyAt(buf, world, bytes, dt, op, 0)
+}
+
+// verifyAt is verify for a buf that holds the reduction of elements skip.. of every
+// rank's data (a ReduceScatter's share).
 //
 // Integers, Min and Max must match exactly. For float Sum and Avg the tolerance is
 // 2(n+1)·u·Σ|x| (u the type's unit roundoff; n+1 roundings along any reduction order, each
 // bounded by u times the partial sum, which is at most Σ|x|; twice that as margin); for
 // Prod it is 2(n+1)·u·|Πx|.
-func verify(buf any, world int, bytes int64, dt procgroup.DType, op procgroup.ReduceOp) int64 {
+func verifyAt(buf any, world int, bytes int64, dt procgroup.DType, op procgroup.ReduceOp, skip int) int64 {
 	_, count, _ := procgroup.DTypeOf(buf)
 	gens := make([]*gen, world)
 	for r := range gens {
 		gens[r] = newGen(r, world, bytes, dt, op)
+		for range skip {
+			gens[r].next()
+		}
 	}
 	isInt := dt == procgroup.Int32 || dt == procgroup.Int64
 	u := unitRoundoff(dt)

@@ -3,7 +3,10 @@
 // all-reduces, back to back on one buffer (--reset: each from the input again), and prints
 // size, element count, type, time, algorithm bandwidth and bus bandwidth (busbw =
 // algbw·2(n−1)/n, the per-link traffic of a ring), and checks the result of one more
-// all-reduce against a reference computed independently in float64.
+// all-reduce against a reference computed independently in float64. --collective
+// allgather, reducescatter or broadcast measures those instead, as nccl-tests'
+// all_gather_perf, reduce_scatter_perf and broadcast_perf do (busbw = algbw·(n−1)/n,
+// (n−1)/n and 1).
 //
 // # Usage
 //
@@ -11,6 +14,7 @@
 //	ddprun --nproc_per_node=4 allreduce-perf -d bf16  # ranks from the environment (torchrun style)
 //	allreduce-perf --nproc 2 --json | jq .busbw_gbs
 //	allreduce-perf --nproc 2 -b 1M -e 256M --ceiling # busbw against the memory bandwidth (Note [Ceiling])
+//	allreduce-perf --nproc 4 --collective allgather    # nccl-tests' all_gather_perf
 //
 // Without --nproc the process is one rank: it reads RANK, WORLD_SIZE, MASTER_ADDR, ... (or
 // SLURM/Open MPI variables, see procgroup.InitFromEnv) and meets the others through
@@ -29,6 +33,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -56,6 +61,7 @@ type config struct {
 	ceiling, shared    bool
 	reset              bool
 	minTime            time.Duration
+	collective         string
 }
 
 // errUsage marks flag errors (exit status 2).
@@ -83,6 +89,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.DurationVar(&c.minTime, "min_time", 0, "time each size for at least this long, at the fastest warm-up iteration's pace (-n is then the least count; needs -w 1 or more)")
 	fs.IntVar(&check, "c", 1, "check results (1) or not (0)")
 	fs.StringVar(&dt, "d", "float32", "element type: float32, float64, int32, int64, bfloat16, float16")
+	fs.StringVar(&c.collective, "collective", collAllReduce, "the collective: allreduce, allgather, reducescatter or broadcast (from rank 0); the size is the all-gathered output and the reduce-scattered input, as in nccl-tests")
 	fs.StringVar(&op, "op", "sum", "reduction: sum, avg, min, max, prod")
 	fs.StringVar(&bname, "backend", "gloo", "process group backend (\"store\": through the rendezvous store, slow, for checking)")
 	fs.IntVar(&c.nproc, "nproc", 0, "spawn this many local ranks on 127.0.0.1 (0: this process is one rank, from the environment)")
@@ -142,6 +149,10 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 		return c, usagef("--timeout %v: want a positive duration", c.timeout)
 	case bname == "":
 		return c, usagef("--backend: empty name")
+	case !slices.Contains(collectives, c.collective):
+		return c, usagef("--collective %q: want %s", c.collective, strings.Join(collectives, ", "))
+	case c.ceiling && c.collective != collAllReduce:
+		return c, usagef("--ceiling: only with --collective allreduce")
 	}
 	if transport != "" && transport != "auto" && transport != "tcp" && transport != "unix" {
 		return c, usagef("--transport %q: want auto, tcp or unix", transport)
@@ -283,14 +294,15 @@ func runRank(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
 
 // row is one line of output.
 type row struct {
-	SizeBytes int64   `json:"size_bytes"`
-	Count     int     `json:"count"`
-	DType     string  `json:"dtype"`
-	Op        string  `json:"op"`
-	Ranks     int     `json:"nranks"`
-	TimeUS    float64 `json:"time_us"` // the mean iteration, as nccl-tests reports it
-	AlgBW     float64 `json:"algbw_gbs"`
-	BusBW     float64 `json:"busbw_gbs"`
+	Collective string  `json:"collective"`
+	SizeBytes  int64   `json:"size_bytes"`
+	Count      int     `json:"count"`
+	DType      string  `json:"dtype"`
+	Op         string  `json:"op"`
+	Ranks      int     `json:"nranks"`
+	TimeUS     float64 `json:"time_us"` // the mean iteration, as nccl-tests reports it
+	AlgBW      float64 `json:"algbw_gbs"`
+	BusBW      float64 `json:"busbw_gbs"`
 	// The median iteration and its busbw, as the PyTorch peer's script reports them: one
 	// descheduled iteration moves the mean of a short run, not the median.
 	TimeUSMedian float64 `json:"time_us_median"`
@@ -351,6 +363,9 @@ func (t *tableReporter) header() {
 		check = 0
 	}
 	flags := "" // the flags past -c that are set
+	if t.cfg.collective != "" && t.cfg.collective != collAllReduce {
+		flags += " --collective " + t.cfg.collective
+	}
 	if t.cfg.shared {
 		flags += " --shared"
 	}

@@ -56,20 +56,21 @@ func TestParseSize(t *testing.T) {
 }
 
 func TestParseFlags(t *testing.T) {
-	c, err := parseFlags(strings.Fields("-b 1K -e 1M -f 4 -n 3 -w 0 -c 0 -d bf16 --op max --backend store --nproc 3 --json --transport unix --algo ring --reset --min_time 300ms -w 2"), &bytes.Buffer{})
+	c, err := parseFlags(strings.Fields("-b 1K -e 1M -f 4 -n 3 -w 0 -c 0 -d bf16 --op max --backend store --nproc 3 --json --transport unix --algo ring --reset --min_time 300ms -w 2 --collective reducescatter"), &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := config{minBytes: 1024, maxBytes: 1 << 20, factor: 4, iters: 3, warmup: 2, check: false,
 		dtype: procgroup.BFloat16, op: procgroup.Max, backend: "store", nproc: 3, json: true,
-		transport: "unix", algo: "ring", timeout: 5 * time.Minute, reset: true, minTime: 300 * time.Millisecond}
+		transport: "unix", algo: "ring", timeout: 5 * time.Minute, reset: true, minTime: 300 * time.Millisecond,
+		collective: collReduceScatter}
 	if c != want {
 		t.Fatalf("parseFlags =\n%+v\nwant\n%+v", c, want)
 	}
 	for _, args := range []string{
 		"-b 0", "-b 1 -d float32", "-b 1M -e 4K", "-f 1", "-n 0", "-w -1", "-c 2", "-d int8",
 		"--op mean", "--nproc -1", "--transport rdma", "--algo tree", "--bogus", "extra", "--timeout 0s", "-e lots",
-		"--min_time -1s", "--min_time 1s -w 0", "--min_time 5",
+		"--min_time -1s", "--min_time 1s -w 0", "--min_time 5", "--collective alltoall", "--collective allgather --ceiling",
 	} {
 		_, err := parseFlags(strings.Fields(args), &bytes.Buffer{})
 		var u errUsage
@@ -602,5 +603,20 @@ func TestMinTime(t *testing.T) {
 	rows := benchAll(t, pgs, cfg)
 	if len(rows) != 1 || rows[0].Iters <= 3 || rows[0].Iters > maxIters || rows[0].OK == nil || !*rows[0].OK {
 		t.Fatalf("--min_time 50ms: rows %+v, want one checked row of more than 3 iterations", rows)
+	}
+}
+
+// TestCommandCollectives: --collective through the command, 3 spawned ranks: every
+// collective's table is checked OK and its header names it.
+func TestCommandCollectives(t *testing.T) {
+	bin, haveGloo := buildCommand(t)
+	if !haveGloo {
+		t.Skip("built without gloo")
+	}
+	for _, coll := range collectives[1:] {
+		stdout, stderr, code := runCommand(t, bin, nil, "--nproc", "3", "-b", "64K", "-e", "4M", "-f", "64", "-n", "2", "-w", "1", "--collective", coll)
+		if code != 0 || len(dataRows(stdout)) != 2 || !strings.Contains(stdout, "--collective "+coll) || !strings.Contains(stdout, "Out of bounds values : 0 OK") {
+			t.Errorf("--collective %s: exit %d, want two checked rows under a header naming it\nstdout:\n%s\nstderr:\n%s", coll, code, stdout, stderr)
+		}
 	}
 }

@@ -1,0 +1,366 @@
+package gloo
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"math/rand/v2"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/goddp/goddp/internal/kernels"
+	"github.com/goddp/goddp/procgroup"
+)
+
+// Note [Single copy]: when every rank of the group shares one region (one host), the
+// collectives on buffers the user allocated read the peers' buffers straight out of their
+// processes with process_vm_readv (cross-memory attach, CMA): one copy, made by the
+// kernel, where the slot ring makes two (into a slot, out of it) and the sockets more.
+// Each rank posts its buffer's address and its pid in its line of the region (postBuffer),
+// waits for every peer's post, then
+//
+//   - AllReduce: rank r reduces chunk r, a block of cmaBlock bytes at a time: each peer's
+//     block is read into g.tmp (in cache) and reduced into this rank's own, peers in rank
+//     order, as Note [One pass] reduces (so both give the same bits); then, once every
+//     rank has finished its chunk (state seq<<2|2), it reads every other chunk from its
+//     owner straight into its buffer;
+//   - ReduceScatter: the same first half, reading chunk r of the peers' inputs, into out;
+//   - AllGather: it reads each peer's input straight into its slot of out;
+//   - Broadcast: a non-root rank reads the root's buffer into its own.
+//
+// Every rank then waits for the others (state seq<<2|3) before it returns, because a peer
+// may still be reading its buffer. Nothing is written into another process: a rank that
+// is late (Note [Late ranks]) can only read, and the abort checks before each block and
+// in every phase wait stop it. A peer whose process is gone fails the collective with a
+// *PeerLostError (ESRCH).
+//
+// The kernel must let every rank read every other: same user, no seccomp filter against
+// the call, Yama's ptrace_scope 0 (at 1 only an ancestor may read, which is rarely both
+// ways), the same pid namespace. So New probes it (agreeCMA), in the region before any
+// collective: each rank posts its pid and the address of a random cookie, reads every
+// peer's cookie back with process_vm_readv, and posts whether it failed. A rank that
+// cannot read a peer (or whose Config.VMReadv is off) logs why, once, and the whole group
+// runs without: every rank decides alike (Note [Agreement]), and the result is the same.
+// Where the kernel copies slower than the other paths (small messages: its per-call cost
+// and the phase waits; the all-reduce, whose slot ring copies twice but in user space,
+// several times faster per byte than the kernel's page-at-a-time copy), cmaFor keeps them.
+
+// cmaBlock is the block of Note [Single copy]'s reductions: one peer's block in g.tmp and
+// this rank's own stay in L2 while every peer's is reduced in.
+const cmaBlock = 256 << 10
+
+// cmaMinBytes is the smallest message of each collective (by procgroup.CollectiveOp)
+// that Note [Single copy] takes: below it the phase waits and the kernel's per-call cost
+// lose to direct exchange or the sockets. The all-reduce never takes it by default: the
+// slot ring's two user-space copies of a byte ran faster than the kernel's one at every
+// size from 1 to 256 MiB, n = 2 and 4 (docs/results/2026-12-07-single-copy.md), and the
+// arena's one pass faster still. Tests lower them.
+var cmaMinBytes = [procgroup.OpBarrier + 1]int{
+	procgroup.OpAllReduce:     math.MaxInt,
+	procgroup.OpReduceScatter: 64 << 10,
+	procgroup.OpAllGather:     64 << 10,
+	procgroup.OpBroadcast:     64 << 10,
+	procgroup.OpBarrier:       math.MaxInt,
+}
+
+// cmaFor reports whether a collective of this kind and size (the bytes that AllReduce and
+// Broadcast pass, that AllGather gathers and ReduceScatter reduces) takes Note [Single
+// copy]: the group agreed on it, the message is large enough, and above DirectMaxBytes
+// unless an algorithm is forced (Config.Algorithm "direct" never takes it). Every rank
+// decides alike.
+func (g *group) cmaFor(kind procgroup.CollectiveOp, bytes int) bool {
+	switch {
+	case !g.cma || bytes < cmaMinBytes[kind] || g.cfg.Algorithm == AlgoDirect:
+		return false
+	case g.cfg.Algorithm == AlgoAuto:
+		return bytes > g.cfg.DirectMaxBytes
+	}
+	return true
+}
+
+// vmPIDHook, nil outside tests, changes the pid a rank posts for process_vm_readv.
+var vmPIDHook func(g *group, pid int) int
+
+// vmProbeHook, nil outside tests, stands in for the kernel's answer to a rank's probe of
+// Note [Single copy]: an error it returns is that rank's failure.
+var vmProbeHook func(g *group) error
+
+// agreeCMA runs Note [Single copy]'s probe and agreement in the region, before the worker
+// starts (so it takes no sequence number from the user's collectives). Each member posts
+// its pid, the address of its cookie and the cookie in its post line (state 1), reads
+// every peer's cookie back, posts whether it failed (state 2), reads every verdict, and
+// says it is done (state 3) before any member posts its first collective over the line.
+func (g *group) agreeCMA(ctx context.Context) error {
+	m := g.shm
+	if m == nil || m.members != g.size {
+		return nil
+	}
+	deadline := time.Now().Add(g.opts.ConnectTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	m.vmCookie = rand.Uint64()>>1 | 1
+	p := m.post(m.me)
+	*m.u64(p + 32), *m.u64(p + 40), *m.u64(p + 48) = uint64(m.pid), uint64(uintptr(unsafe.Pointer(&m.vmCookie))), m.vmCookie
+	if err := g.probePhase(1, deadline); err != nil {
+		return err
+	}
+	var why error
+	switch {
+	case g.cfg.VMReadv == VMReadvOff:
+		why = errors.New("process_vm_readv is off here (GODDP_GLOO_VMREADV, gloo.Config.VMReadv)")
+	case vmProbeHook != nil:
+		why = vmProbeHook(g)
+	}
+	for j := 0; j < m.members && why == nil; j++ {
+		if j == m.me {
+			continue
+		}
+		q := m.post(j)
+		pid, at, cookie := int(*m.u64(q + 32)), uintptr(*m.u64(q + 40)), *m.u64(q + 48)
+		var got uint64
+		err := vmReadPID(pid, unsafe.Slice((*byte)(unsafe.Pointer(&got)), 8), at)
+		switch {
+		case err != nil:
+			why = fmt.Errorf("process_vm_readv of rank %d (pid %d): %w", m.ranks[j], pid, err)
+		case got != cookie:
+			why = fmt.Errorf("process_vm_readv at rank %d's pid %d read another process (another pid namespace?)", m.ranks[j], pid)
+		}
+	}
+	if why != nil {
+		atomic.StoreUint32(m.u32(p+24), 1)
+	} else {
+		atomic.StoreUint32(m.u32(p+24), 0)
+	}
+	if err := g.probePhase(2, deadline); err != nil {
+		return err
+	}
+	var without []int
+	for j := range m.members {
+		if atomic.LoadUint32(m.u32(m.post(j)+24)) != 0 {
+			without = append(without, m.ranks[j])
+		}
+	}
+	if err := g.probePhase(3, deadline); err != nil {
+		return err
+	}
+	switch {
+	case len(without) == 0:
+		g.cma = true
+	case why != nil:
+		g.log.Warn("gloo: this rank cannot read its peers' buffers with process_vm_readv (it needs the same user, the same pid namespace and Yama ptrace_scope 0): "+
+			"every rank's collectives on its own buffers go through the shared-memory slots and the sockets instead",
+			zap.Error(why), zap.String("ranks without", rankList(without)))
+	case g.rank == firstNotIn(without):
+		// One rank that could read its peers says why the group goes without.
+		g.log.Warn("gloo: some ranks cannot read their peers' buffers with process_vm_readv: "+
+			"every rank's collectives on its own buffers go through the shared-memory slots and the sockets instead",
+			zap.String("ranks without", rankList(without)))
+	}
+	return nil
+}
+
+// probePhase is shmPhase for agreeCMA, bounded by deadline (there is no collective yet
+// whose timeout would bound it).
+func (g *group) probePhase(state uint64, deadline time.Time) error {
+	m := g.shm
+	atomic.StoreUint64(m.u64(m.post(m.me)), state)
+	for i := range m.members {
+		if i != m.me {
+			m.ring(i)
+		}
+	}
+	bell := m.u32(m.rankArea(m.me) + shmBell)
+	for {
+		v := atomic.LoadUint32(bell)
+		late := -1
+		for i := range m.members {
+			if i != m.me && atomic.LoadUint64(m.u64(m.post(i))) < state {
+				late = m.ranks[i]
+				break
+			}
+		}
+		if late < 0 {
+			return g.shmCheck()
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("probing process_vm_readv: rank %d did not reach step %d in time (bounded by %s, %s)",
+				late, state, g.opts.ConnectTimeout, procgroup.ConnectTimeoutEnv)
+		}
+		if err := g.shmWait(v); err != nil {
+			return fmt.Errorf("probing process_vm_readv: %w", err)
+		}
+	}
+}
+
+// cmaAllReduce is Note [Single copy]'s all-reduce, once postBuffer has found every
+// peer's buffer.
+func (g *group) cmaAllReduce(o *op) error {
+	n, r := g.size, g.rank
+	es := o.dt.Size()
+	g.setChunks(len(o.buf)/es, es)
+	g.lastPath = "shm-vm"
+	if err := g.cmaReduce(o, g.chunk(o.buf, r), g.chunk(o.buf, r), g.offs[r]); err != nil {
+		return err
+	}
+	if err := g.shmPhase(o.seq<<2 | 2); err != nil {
+		return err
+	}
+	for j := range n {
+		if j != r {
+			if err := g.vmRead(j, g.chunk(o.buf, j), g.offs[j]); err != nil {
+				return err
+			}
+		}
+	}
+	return g.shmPhase(o.seq<<2 | 3)
+}
+
+// cmaReduce makes dst o.rop, over every rank's posted buffer, of its bytes at..
+// (divided by the group's size for Avg), a block at a time: this rank's own bytes, own,
+// are copied in first unless own is dst, then each peer's are read into g.tmp and reduced
+// in, in rank order. It checks for an abort before each block (Note [Late ranks]).
+func (g *group) cmaReduce(o *op, dst, own []byte, at int) error {
+	blk := min(cmaBlock, len(g.tmp)) &^ 7
+	same := len(dst) > 0 && &dst[0] == &own[0]
+	for a := 0; a < len(dst); a += blk {
+		if err := g.shmCheck(); err != nil {
+			return err
+		}
+		e := min(a+blk, len(dst))
+		d := dst[a:e]
+		if !same {
+			copy(d, own[a:e])
+		}
+		for j := range g.size {
+			if j == g.rank {
+				continue
+			}
+			src := g.tmp[:e-a]
+			if err := g.vmRead(j, src, at+a); err != nil {
+				return err
+			}
+			kernels.Reduce(o.dt, o.rop, d, src)
+		}
+		if o.rop == procgroup.Avg {
+			kernels.Divide(o.dt, d, g.size)
+		}
+	}
+	return nil
+}
+
+// cmaPost posts b for a collective of Note [Single copy] other than the all-reduce and
+// waits for every peer's post.
+func (g *group) cmaPost(o *op, b []byte) error {
+	g.lastPath = "shm-vm"
+	_, vm, err := g.postBuffer(o, b, true)
+	if err == nil && !vm {
+		// Every rank asks for it (g.cma is the group's); a peer that did not post it
+		// runs another collective or another version.
+		err = fmt.Errorf("%w: a peer did not post its buffer for process_vm_readv in %v #%d (ranks issued different collectives?)",
+			procgroup.ErrInvalidArgument, o.kind, o.seq)
+	}
+	return err
+}
+
+// cmaAllGather is Note [Single copy]'s AllGather; run has copied this rank's input into
+// its slot of o.buf.
+func (g *group) cmaAllGather(o *op) error {
+	if err := g.cmaPost(o, o.in); err != nil {
+		return err
+	}
+	l := len(o.in)
+	for j := range g.size {
+		if j == g.rank {
+			continue
+		}
+		if err := g.shmCheck(); err != nil {
+			return err
+		}
+		if err := g.vmRead(j, o.buf[j*l:(j+1)*l], 0); err != nil {
+			return err
+		}
+	}
+	return g.shmPhase(o.seq<<2 | 3)
+}
+
+// cmaReduceScatter is Note [Single copy]'s ReduceScatter: o.buf is the reduction of chunk
+// g.rank of every rank's input.
+func (g *group) cmaReduceScatter(o *op) error {
+	if err := g.cmaPost(o, o.in); err != nil {
+		return err
+	}
+	l := len(o.buf)
+	if err := g.cmaReduce(o, o.buf, o.in[g.rank*l:(g.rank+1)*l], g.rank*l); err != nil {
+		return err
+	}
+	return g.shmPhase(o.seq<<2 | 3)
+}
+
+// cmaBroadcast is Note [Single copy]'s Broadcast: every rank but the root reads the root's
+// buffer into its own.
+func (g *group) cmaBroadcast(o *op) error {
+	if err := g.cmaPost(o, o.buf); err != nil {
+		return err
+	}
+	if g.rank != o.root {
+		if err := g.vmRead(g.shm.local[o.root], o.buf, 0); err != nil {
+			return err
+		}
+	}
+	return g.shmPhase(o.seq<<2 | 3)
+}
+
+// vmRead reads len(dst) bytes at offset off of peer j's (local index) posted buffer into
+// dst. A peer whose process is gone (ESRCH, where the probe had read it) is lost.
+func (g *group) vmRead(j int, dst []byte, off int) error {
+	m := g.shm
+	err := vmReadPID(m.peerPID[j], dst, m.peerAddr[j]+uintptr(off))
+	if err == nil {
+		return nil
+	}
+	rank := m.ranks[j]
+	if errors.Is(err, unix.ESRCH) {
+		return &PeerLostError{Rank: rank, Host: g.hosts[rank], Reporter: g.rank,
+			Err: fmt.Errorf("its process (pid %d) is gone: %w", m.peerPID[j], err)}
+	}
+	return fmt.Errorf("gloo: rank %d: process_vm_readv of rank %d (pid %d): %w", g.rank, rank, m.peerPID[j], err)
+}
+
+// vmReadPID reads len(dst) bytes at address at of process pid into dst, with no
+// allocation.
+func vmReadPID(pid int, dst []byte, at uintptr) error {
+	for len(dst) > 0 {
+		local := unix.Iovec{Base: &dst[0]}
+		local.SetLen(len(dst))
+		remote := unix.RemoteIovec{Base: at, Len: len(dst)}
+		k, _, errno := unix.Syscall6(unix.SYS_PROCESS_VM_READV, uintptr(pid),
+			uintptr(unsafe.Pointer(&local)), 1, uintptr(unsafe.Pointer(&remote)), 1, 0)
+		if errno != 0 {
+			return errno
+		}
+		if k == 0 {
+			return io.ErrUnexpectedEOF
+		}
+		dst, at = dst[k:], at+k
+	}
+	return nil
+}
+
+// firstNotIn is the lowest rank not in the ascending list rs.
+func firstNotIn(rs []int) int {
+	r := 0
+	for _, x := range rs {
+		if x != r {
+			break
+		}
+		r++
+	}
+	return r
+}
