@@ -196,6 +196,9 @@ func rendezvous(ctx context.Context, env Env, files TLSFiles, logger *zap.Logger
 // dialStoreBounded dials the store within timeout, warning every ConnectWarnInterval while
 // it does not answer.
 func dialStoreBounded(ctx context.Context, env Env, addr, token string, dopts DialOptions, timeout time.Duration) (Store, error) {
+	if err := resolvable(ctx, addr); err != nil {
+		return nil, err
+	}
 	hint := fmt.Sprintf("check that rank 0's host (or the launcher's store) is up and that this host reaches %s; "+
 		"MASTER_ADDR and MASTER_PORT (ddprun: --master_addr, --master_port) must name it as other hosts see it", addr)
 	wctx, done := BoundedWait(ctx, timeout, 0, func(waited time.Duration) {
@@ -211,6 +214,40 @@ func dialStoreBounded(ctx context.Context, env Env, addr, token string, dopts Di
 	}
 	return st, err
 }
+
+// resolvable fails when addr's host is a name that this host's resolver says does not
+// exist, after retrying for up to resolveGrace (a Kubernetes service's name may appear a few
+// seconds after the pod): waiting for it until the set-up bound would be a silent wait of
+// minutes (a launcher's node name that resolves only on other hosts, a typo in MASTER_ADDR).
+// Other lookup errors (a resolver that times out) are left to the bounded dial.
+func resolvable(ctx context.Context, addr string) error {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil || net.ParseIP(host) != nil {
+		return nil
+	}
+	end := time.Now().Add(resolveGrace)
+	for {
+		lctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		_, err = net.DefaultResolver.LookupHost(lctx, host)
+		cancel()
+		var dnsErr *net.DNSError
+		if !errors.As(err, &dnsErr) || !dnsErr.IsNotFound {
+			return nil
+		}
+		if time.Now().After(end) || ctx.Err() != nil {
+			return fmt.Errorf("%w: the store's host %q does not resolve on this host (%v; tried for %v): set MASTER_ADDR (ddprun: --master_addr, "+
+				"--rdzv_endpoint) to a name or address that this host can resolve", ErrInvalidArgument, host, err, resolveGrace)
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// resolveGrace is how long resolvable retries a name that does not resolve (a variable for
+// the tests).
+var resolveGrace = 30 * time.Second
 
 func isLoopback(host string) bool {
 	if host == "localhost" {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -163,6 +164,15 @@ func TestRendezvousBadEnv(t *testing.T) {
 		if _, _, err := Rendezvous(ctx, env, nil); !errors.Is(err, ErrInvalidArgument) {
 			t.Errorf("Rendezvous(%+v): %v; want ErrInvalidArgument", env, err)
 		}
+	}
+	// A store host that does not resolve fails after resolveGrace, naming it, not at the
+	// set-up bound.
+	defer func(g time.Duration) { resolveGrace = g }(resolveGrace)
+	resolveGrace = 2 * time.Second
+	start := time.Now()
+	_, _, err := Rendezvous(ctx, Env{Rank: 1, WorldSize: 2, LocalWorldSize: 1, MasterAddr: "no-such-host.invalid", MasterPort: 29500, Token: "t0123456789abcdef"}, nil)
+	if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), `"no-such-host.invalid" does not resolve`) || time.Since(start) > 10*time.Second {
+		t.Errorf("Rendezvous with an unresolvable MASTER_ADDR: %v after %v; want within seconds an error naming it", err, time.Since(start))
 	}
 	// The port is taken: rank 0 cannot host the store.
 	s := startServer(t, StoreServerOptions{})
