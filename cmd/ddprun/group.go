@@ -196,6 +196,7 @@ func (j *job) runAttempt(ctx context.Context, attempt int, remote <-chan string)
 	var kill *time.Timer
 	var killC <-chan time.Time
 	stopping := false
+	sentKill := false // ddprun has sent SIGKILL to the ranks
 	beginStop := func() {
 		if stopping {
 			return
@@ -225,6 +226,12 @@ func (j *job) runAttempt(ctx context.Context, attempt int, remote <-chan string)
 			if p.failed() && !stopping {
 				res.first = p
 				beginStop()
+			} else if p.failed() && res.first != nil && !sentKill && p.killedBy(syscall.SIGKILL) && !res.first.killedBy(syscall.SIGKILL) {
+				// The first rank to be reported failed with an error (a lost peer, say),
+				// and this one, reported after it, died of a SIGKILL that ddprun did not
+				// send: that death is the likely cause, since a killed rank's output is
+				// drained before it is reported and its peers can fail first.
+				res.first = p
 			} else if p.failed() && res.remote != "" && res.first == nil && killC != nil && p.killedBy(syscall.SIGKILL) {
 				// Stopping for another node's failure, this node only sent SIGTERM, yet
 				// the rank died of SIGKILL: it was killed before, and that death is
@@ -245,6 +252,7 @@ func (j *job) runAttempt(ctx context.Context, attempt int, remote <-chan string)
 			beginStop()
 		case <-killC:
 			killC = nil
+			sentKill = true
 			j.con.msg(fmt.Sprintf("ddprun: ranks still running %v after SIGTERM; sending SIGKILL\n", c.stopTimeout))
 			stopAll(syscall.SIGKILL)
 		}
