@@ -2,6 +2,7 @@ package elastic
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -111,12 +112,11 @@ func Start(ctx context.Context, o Options) (*Job, error) {
 		return nil, fmt.Errorf("elastic: no world size from %d to %d processes (%d:%d nodes × %d) divides the %d shards of a step; %s",
 			cfg.minProcs(), cfg.maxProcs(), cfg.minNodes, cfg.maxNodes, cfg.localSize, o.Shards, sizesThatWork(o.Shards))
 	}
-	cli, err := cfg.tls.ClientConfig()
-	if err != nil && cfg.tls.Enabled() {
-		return nil, fmt.Errorf("elastic: %w", err)
-	}
-	if !cfg.tls.Enabled() {
-		cli = nil
+	var cli *tls.Config
+	if cfg.tls.Enabled() {
+		if cli, err = cfg.tls.ClientConfig(); err != nil {
+			return nil, fmt.Errorf("elastic: %w", err)
+		}
 	}
 	dctx, cancel := context.WithTimeout(ctx, cfg.connectTimeout)
 	store, err := procgroup.DialStore(dctx, cfg.storeAddr, cfg.token, procgroup.DialOptions{TLS: cli, Logger: j.log})

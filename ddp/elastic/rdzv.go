@@ -158,6 +158,10 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 	if err != nil {
 		return nil, err
 	}
+	prevIDs := map[string]bool{}
+	for _, m := range prev {
+		prevIDs[m.ID] = true
+	}
 	for {
 		if v, err := peek(ctx, r.st, roundKey(k, "closed")); err != nil {
 			return nil, err
@@ -226,7 +230,7 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 			if m.Epoch < 0 || m.Epoch == k-1 {
 				cands = append(cands, m)
 			}
-			if m.Epoch == k-1 && prev[m.ID] {
+			if m.Epoch == k-1 && prevIDs[m.ID] {
 				survivors++
 			}
 		}
@@ -246,11 +250,7 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 		early := allPrev && (c >= r.cfg.maxProcs() || (expect > 0 && c >= expect))
 		ready := complete && n > 0 && (len(prev) == 0 || survivors > 0) && (early || now.Sub(changed) >= r.cfg.lastCall)
 		if ready {
-			o, err := r.close(ctx, k, string(cause), cands, n)
-			if err != nil {
-				return nil, err
-			}
-			b, _ := json.Marshal(o)
+			b, _ := json.Marshal(r.close(k, string(cause), cands, n, prev))
 			_, won, err := r.st.CompareAndSet(ctx, roundKey(k, "closed"), nil, b)
 			if err != nil {
 				return nil, err
@@ -263,12 +263,8 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 			continue // read whichever outcome won
 		}
 		if now.Sub(opened) > r.cfg.timeout {
-			gone, err := r.gone(ctx, k, seen)
-			if err != nil {
-				return nil, err
-			}
 			return nil, fmt.Errorf("elastic: round %d: %d of at least %d processes (%d nodes × %d) arrived within %v (--rdzv_timeout); lost: %s",
-				k, len(cands), r.cfg.minProcs(), r.cfg.minNodes, r.cfg.localSize, r.cfg.timeout, describeAll(gone))
+				k, len(cands), r.cfg.minProcs(), r.cfg.minNodes, r.cfg.localSize, r.cfg.timeout, describeAll(gone(prev, seen)))
 		}
 		if err := sleep(ctx, poll); err != nil {
 			return nil, err
@@ -276,24 +272,24 @@ func (r *rounds) wait(ctx context.Context, k, idx int) (*outcome, error) {
 	}
 }
 
-// previous is the set of the members of epoch k−1 (their IDs); empty for k = 0.
-func (r *rounds) previous(ctx context.Context, k int) (map[string]bool, error) {
-	ids := map[string]bool{}
+// previous is the members of epoch k−1, each with that epoch and its rank there; none for
+// k = 0.
+func (r *rounds) previous(ctx context.Context, k int) ([]member, error) {
 	if k == 0 {
-		return ids, nil
+		return nil, nil
 	}
 	v, err := peek(ctx, r.st, roundKey(k-1, "closed"))
 	if err != nil || v == nil {
-		return ids, err
+		return nil, err
 	}
 	var o outcome
 	if err := json.Unmarshal(v, &o); err != nil {
 		return nil, fmt.Errorf("elastic: round %d: a corrupt outcome in the store: %w", k-1, err)
 	}
-	for _, m := range o.Members {
-		ids[m.ID] = true
+	for i := range o.Members {
+		o.Members[i].Epoch, o.Members[i].Rank = k-1, i
 	}
-	return ids, nil
+	return o.Members, nil
 }
 
 // size is the largest world size, at most n, within MIN and MAX, that the shards divide;
@@ -307,8 +303,9 @@ func (r *rounds) size(n int) int {
 	return 0
 }
 
-// close builds round k's outcome from its candidates: n members, the rest standbys.
-func (r *rounds) close(ctx context.Context, k int, cause string, cands []member, n int) (*outcome, error) {
+// close builds round k's outcome from its candidates: n members, the rest standbys; prev
+// is the epoch before's members.
+func (r *rounds) close(k int, cause string, cands []member, n int, prev []member) *outcome {
 	sort.Slice(cands, func(a, b int) bool {
 		x, y := cands[a], cands[b]
 		if (x.Epoch == k-1) != (y.Epoch == k-1) {
@@ -323,38 +320,22 @@ func (r *rounds) close(ctx context.Context, k int, cause string, cands []member,
 	for _, m := range cands {
 		seen[m.Index] = m
 	}
-	gone, err := r.gone(ctx, k, seen)
-	if err != nil {
-		return nil, err
-	}
-	return &outcome{Round: k, Cause: cause, Members: cands[:n], Standby: cands[n:], Gone: gone}, nil
+	return &outcome{Round: k, Cause: cause, Members: cands[:n], Standby: cands[n:], Gone: gone(prev, seen)}
 }
 
-// gone lists the members of epoch k−1 that are not among arrived.
-func (r *rounds) gone(ctx context.Context, k int, arrived map[int]member) ([]member, error) {
-	if k == 0 {
-		return nil, nil
-	}
-	v, err := peek(ctx, r.st, roundKey(k-1, "closed"))
-	if err != nil || v == nil {
-		return nil, err
-	}
-	var prev outcome
-	if err := json.Unmarshal(v, &prev); err != nil {
-		return nil, err
-	}
+// gone lists the members of prev that are not among arrived.
+func gone(prev []member, arrived map[int]member) []member {
 	here := map[string]bool{}
 	for _, m := range arrived {
 		here[m.ID] = true
 	}
-	var gone []member
-	for i, m := range prev.Members {
+	var g []member
+	for _, m := range prev {
 		if !here[m.ID] {
-			m.Epoch, m.Rank = k-1, i
-			gone = append(gone, m)
+			g = append(g, m)
 		}
 	}
-	return gone, nil
+	return g
 }
 
 // describeAll names members, or "none".
