@@ -80,13 +80,29 @@ type PowerSGDOptions = reducer.PowerSGDOptions
 // only, for now.
 func PowerSGDHook(o PowerSGDOptions) CommHook { return reducer.PowerSGDHook(o) }
 
+// AutoHookOptions configure AutoHook: the PowerSGD ranks it may choose (default 1, 2 and
+// 4) and PowerSGD's other settings. See reducer.AutoHookOptions.
+type AutoHookOptions = reducer.AutoHookOptions
+
+// AutoHook chooses each bucket's hook from the step model, as Options.BucketCapMB =
+// AutoBucketCap chooses the caps: the plain all-reduce, bf16, or PowerSGD at one of the
+// ranks, wherever the model predicts a step at least 5% shorter than the plain
+// all-reduce's (reducer Note [Auto hook]). It decides after three synced steps, measured
+// as the automatic bucket sizing measures them (with caps of their own even where
+// BucketCapMB is fixed, which the steps after the decision keep); AutoPlan says what it
+// chose and why. On one host it keeps the plain all-reduce; over a slow link it
+// compresses. Host buckets only; give each DDP its own.
+func AutoHook(o AutoHookOptions) CommHook { return reducer.AutoHook(o) }
+
 // CommHookNames are the names CommHookNamed knows, as a trainer's --comm_hook flag takes
 // them (PyTorch's hook names, without _hook).
-const CommHookNames = "none, fp16, bf16, powersgd"
+const CommHookNames = "none, fp16, bf16, powersgd, auto"
 
 // CommHookNamed returns the CommHook a trainer's --comm_hook flag names: "none" (or "":
-// AllReduceHook), "fp16", "bf16", or "powersgd" (PowerSGDHook with ps). Another name is
-// an error wrapping ErrInvalidArgument that lists the names.
+// AllReduceHook), "fp16", "bf16", "powersgd" (PowerSGDHook with ps; rank 1 where ps.Rank
+// is 0), or "auto" (AutoHook with ps's settings, choosing among the ranks 1, 2 and 4, or
+// only ps.Rank where it is set). Another name is an error wrapping ErrInvalidArgument
+// that lists the names.
 func CommHookNamed(name string, ps PowerSGDOptions) (CommHook, error) {
 	switch name {
 	case "", "none":
@@ -96,7 +112,16 @@ func CommHookNamed(name string, ps PowerSGDOptions) (CommHook, error) {
 	case "bf16":
 		return BF16CompressHook(), nil
 	case "powersgd":
+		if ps.Rank == 0 {
+			ps.Rank = 1
+		}
 		return PowerSGDHook(ps), nil
+	case "auto":
+		o := AutoHookOptions{PowerSGD: ps}
+		if ps.Rank != 0 {
+			o.Ranks = []int{ps.Rank}
+		}
+		return AutoHook(o), nil
 	}
 	return nil, fmt.Errorf("%w: comm hook %q, want one of %s", ErrInvalidArgument, name, CommHookNames)
 }

@@ -10,6 +10,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/goddp/goddp/bucket"
 	"github.com/goddp/goddp/bucket/sim"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -36,9 +37,9 @@ const autoMeasured = 5
 //
 //  1. Pass 1 runs the layout of FirstBucketCapMB and PyTorch's default 25 MiB and gives the
 //     grad-ready order, as without auto (Note [Rebuild]). At its end every rank agrees on
-//     rank 0's order and times a few all-reduces alone (the probe: 64 KiB and every 8× up
-//     to the size of all the gradients, at most 256 MiB, twice each, the faster kept, Note
-//     [Probe twice over]): the cost curve. The probe holds the reducer's lock, as the
+//     rank 0's order and times a few all-reduces alone (the probe: 64 KiB, or 4 KiB with
+//     an AutoHook, and every 8× up to the size of all the gradients, at most 256 MiB,
+//     twice each, the faster kept, Note [Probe twice over]): the cost curve. The probe holds the reducer's lock, as the
 //     rebuild's broadcast does, and runs on the memory that the next layout's buckets then
 //     take (Note [Bucket memory]). The next layout is one bucket, launched when the last
 //     gradient is ready.
@@ -64,6 +65,8 @@ const autoMeasured = 5
 // (AutoPlan). The layout is not re-tuned later. If rank 0 cannot model the step (a gradient
 // missing in pass 2), every rank goes back to the layout of pass 1's caps.
 type autoTuner struct {
+	hook     *autoHook    // the AutoHook to decide for, or nil
+	fixed    bool         // the caps are the options', not chosen (an AutoHook alone)
 	total    int64        // the bytes of all the gradients
 	rebuilds int          // rebuilds done so far
 	order    []int        // rank 0's grad-ready order, agreed by all at rebuild 1
@@ -99,12 +102,26 @@ type AutoPlan struct {
 	// Measured is the median step time of the first five steps after the decision (0 until
 	// they are done).
 	Measured time.Duration
+	// Fixed: the caps are the options' (an AutoHook with fixed caps: Note [Auto hook]).
+	Fixed bool
+	// Hooks is an AutoHook's choice by bucket, predicted with this rank's profile, whose
+	// Compression holds the hooks' costs this rank measured (nil without an AutoHook, or
+	// if they could not be priced).
+	Hooks *sim.HookPlan
 }
 
 func (p *AutoPlan) String() string {
 	s := fmt.Sprintf("auto bucket layout after %d synced steps: first cap %.3g MB, cap %.3g MB, %d buckets; predicted %.2f ms/step (default %.3g/%.3g MB: %.2f, %d buckets)",
 		p.DecidedAfter, float64(p.FirstCapBytes)/(1<<20), float64(p.CapBytes)/(1<<20), p.Buckets,
 		p.Predicted.Step*1e3, float64(p.DefaultFirstCapBytes)/(1<<20), float64(p.DefaultCapBytes)/(1<<20), p.Default.Step*1e3, p.Default.Buckets)
+	if p.Fixed {
+		s = fmt.Sprintf("auto hook after %d synced steps, with the caps as set (first %.3g MB, cap %.3g MB, %d buckets)",
+			p.DecidedAfter, float64(p.FirstCapBytes)/(1<<20), float64(p.CapBytes)/(1<<20), p.Buckets)
+	}
+	if h := p.Hooks; h != nil {
+		s += fmt.Sprintf("; hooks %s: predicted %.2f ms/step, %.2f exposed (plain all-reduce: %.2f, %.2f exposed)",
+			h.Summary(), h.Predicted.Step*1e3, h.Predicted.Exposed*1e3, h.None.Step*1e3, h.None.Exposed*1e3)
+	}
 	if p.Measured > 0 {
 		s += fmt.Sprintf(", measured %.2f ms/step", float64(p.Measured.Microseconds())/1e3)
 	}
@@ -155,7 +172,8 @@ func (a *autoTuner) rebuild(ctx context.Context, r *Reducer, agreed []int) error
 // probeMax bounds the probe's largest all-reduce.
 const probeMax = 256 << 20
 
-// runProbe times all-reduces of 64 KiB and every 8× up to total bytes, and total (at most
+// runProbe times all-reduces of 64 KiB (4 KiB with an AutoHook) and every 8× up to total
+// bytes, and total (at most
 // probeMax, and at most the bucket memory of one element type), twice each (Note [Probe
 // twice over]), on every rank alike. It probes where the buckets live: on the memory that
 // the next layout's buckets take, held meanwhile as the spare, which setLayout then hands
@@ -171,7 +189,11 @@ func (a *autoTuner) runProbe(ctx context.Context, r *Reducer, total int64) error
 	size := int64(4 << t) // bytes per element
 	top := min(max(total, size), probeMax, size*int64(n[t])) / size * size
 	var sizes []int64
-	for s := int64(64 << 10); s < top; s *= 8 {
+	lo := int64(64 << 10)
+	if a.hook != nil { // PowerSGD's messages are small: the curve must reach down to them
+		lo = 4 << 10
+	}
+	for s := lo; s < top; s *= 8 {
 		sizes = append(sizes, s)
 	}
 	sizes = append(sizes, top)
@@ -220,6 +242,9 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	// pass 1's caps.
 	choice := []int64{0, 0, 0, 0}
 	o := sim.AutoOptions(mib(r.opts.FirstBucketCapMB))
+	if a.fixed {
+		o.KeepCapBytes = mib(r.opts.BucketCapMB)
+	}
 	keepFirst, keepCap := o.KeepFirstCapBytes, o.KeepCapBytes
 	late, err := a.lastStarts(ctx, r)
 	if err != nil {
@@ -229,7 +254,9 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	if err != nil {
 		prof = nil
 	}
-	if prof != nil && r.pg.Rank() == 0 {
+	if prof != nil && r.pg.Rank() == 0 && a.fixed {
+		choice = []int64{keepFirst, keepCap, 0, 1}
+	} else if prof != nil && r.pg.Rank() == 0 {
 		var best sim.Plan
 		if best, err = prof.Best(o); err == nil {
 			choice = []int64{best.FirstCapBytes, best.CapBytes, int64(math.Round(best.Gain * 1e6)), 0}
@@ -246,21 +273,29 @@ func (a *autoTuner) decide(ctx context.Context, r *Reducer) error {
 	}
 	a.decided, a.fresh = true, true
 	if choice[0] <= 0 || choice[1] <= 0 {
-		r.firstCap, r.capBytes = keepFirst, keepCap
-		return nil
+		choice[0], choice[1] = keepFirst, keepCap
+		prof = nil // rank 0 could not model the step: nothing to describe
 	}
 	r.firstCap, r.capBytes = choice[0], choice[1]
-	if prof == nil { // this rank could not model the step; rank 0 could
-		return nil
-	}
-	bs, err := prof.Layout(choice[0], choice[1])
+	bs, err := bucket.AssignOrdered(r.bparams, a.order, choice[0], choice[1])
 	if err != nil {
 		return fmt.Errorf("reducer: auto bucket sizing: rank 0's caps: %w", err)
+	}
+	if a.hook != nil {
+		if err := a.hook.decide(ctx, r, prof, bs); err != nil {
+			return err
+		}
+	}
+	if prof == nil { // this rank could not model the step; rank 0 could
+		return nil
 	}
 	predicted, _ := prof.Simulate(bs)
 	def, _ := prof.SimulateCaps(keepFirst, keepCap)
 	a.plan = &AutoPlan{Profile: prof, FirstCapBytes: choice[0], CapBytes: choice[1], Buckets: len(bs),
-		Predicted: predicted, Default: def, DefaultFirstCapBytes: keepFirst, DefaultCapBytes: keepCap, Gain: float64(choice[2]) / 1e6, Kept: choice[3] == 1, DecidedAfter: autoPasses}
+		Predicted: predicted, Default: def, DefaultFirstCapBytes: keepFirst, DefaultCapBytes: keepCap, Gain: float64(choice[2]) / 1e6, Kept: choice[3] == 1 && !a.fixed, Fixed: a.fixed, DecidedAfter: autoPasses}
+	if a.hook != nil {
+		a.plan.Hooks = a.hook.plan
+	}
 	r.log.Info("reducer: "+a.plan.String(), zap.Int("rank", r.pg.Rank()))
 	return nil
 }

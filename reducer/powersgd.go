@@ -297,13 +297,19 @@ func (h *powerSGD) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *Buc
 	if !h.ready {
 		return procgroup.Completed(fmt.Errorf("%w: PowerSGD hook: bucket %d launched before Setup (the hook was not given to New)", ErrInvalidArgument, b.Index))
 	}
+	var msg any
 	switch buf := b.Buffer.(type) {
 	case []float32:
-		return psgdLaunch(h, ctx, pg, b, buf)
+		msg = psgdCompress(h, b, buf)
 	case []float64:
-		return psgdLaunch(h, ctx, pg, b, buf)
+		msg = psgdCompress(h, b, buf)
+	default:
+		return procgroup.Completed(fmt.Errorf("%w: PowerSGD hook: bucket %d holds %T, want []float32 or []float64", ErrInvalidArgument, b.Index, b.Buffer))
 	}
-	return procgroup.Completed(fmt.Errorf("%w: PowerSGD hook: bucket %d holds %T, want []float32 or []float64", ErrInvalidArgument, b.Index, b.Buffer))
+	if msg == nil { // zero-length parameters only: nothing to send (every rank agrees)
+		return procgroup.Completed(nil)
+	}
+	return pg.AllReduce(ctx, msg, procgroup.Sum)
 }
 
 func (h *powerSGD) Finish(b *BucketView) error {
@@ -348,12 +354,14 @@ func psgdScratch[T float32 | float64](h *powerSGD, b *BucketView) *psgdBucket[T]
 	return s
 }
 
-func psgdLaunch[T float32 | float64](h *powerSGD, ctx context.Context, pg procgroup.ProcessGroup, b *BucketView, buf []T) procgroup.Work {
+// psgdCompress is a launch's local part: it returns the message to all-reduce (b.Buffer
+// itself before StartIter), or nil if there is nothing to send.
+func psgdCompress[T float32 | float64](h *powerSGD, b *BucketView, buf []T) any {
 	s := psgdScratch[T](h, b)
 	step := h.step(b)
 	s.plain = step < h.o.StartIter
 	if s.plain {
-		return pg.AllReduce(ctx, b.Buffer, procgroup.Sum)
+		return b.Buffer
 	}
 	even := (step-h.o.StartIter)%2 == 0
 	msg, boxed := s.msg, s.odd
@@ -386,10 +394,10 @@ func psgdLaunch[T float32 | float64](h *powerSGD, ctx context.Context, pg procgr
 		}
 	}
 	s.empty = off == 0
-	if s.empty { // zero-length parameters only: nothing to send (every rank agrees)
-		return procgroup.Completed(nil)
+	if s.empty {
+		return nil
 	}
-	return pg.AllReduce(ctx, boxed, procgroup.Sum)
+	return boxed
 }
 
 func psgdFinish[T float32 | float64](h *powerSGD, b *BucketView, buf []T) {

@@ -148,16 +148,19 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	}
 	r.firstCap, r.capBytes = mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB)
 	rebuilds := 1
+	ah, _ := opts.CommHook.(*autoHook)
 	if opts.BucketCapMB == AutoBucketCap {
 		// The first pass runs PyTorch's default layout; then see Note [Auto buckets].
 		r.capBytes = bucket.DefaultCapBytes
-		if pg.Size() > 1 {
-			r.auto = &autoTuner{}
-			for _, p := range r.bparams {
-				r.auto.total += p.Bytes()
-			}
-			rebuilds = autoPasses
+	}
+	if (opts.BucketCapMB == AutoBucketCap || ah != nil) && pg.Size() > 1 {
+		// With fixed caps and an AutoHook, the same passes measure for the hook alone
+		// (Note [Auto hook]).
+		r.auto = &autoTuner{hook: ah, fixed: opts.BucketCapMB != AutoBucketCap}
+		for _, p := range r.bparams {
+			r.auto.total += p.Bytes()
 		}
+		rebuilds = autoPasses
 	}
 	buckets, err := bucket.Assign(r.bparams, r.firstCap, r.capBytes)
 	if err != nil {

@@ -37,8 +37,8 @@ REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-20}
 WARMUP=${WARMUP:-5}
 CONFIG=${CONFIG:-}            # e.g. "--num_layers 4 --hidden_size 512"
-COMM_HOOK=${COMM_HOOK:-}      # e.g. bf16 or powersgd: --comm_hook of both systems (none: the default)
-PSGD_RANK=${PSGD_RANK:-1}     # with COMM_HOOK=powersgd: --powersgd_rank (ddp_bench.py's --psgd_rank)
+COMM_HOOK=${COMM_HOOK:-}      # e.g. bf16, powersgd or auto: --comm_hook of both systems (none: the default; PyTorch has no auto and runs none)
+PSGD_RANK=${PSGD_RANK:-}      # with COMM_HOOK=powersgd: --powersgd_rank (ddp_bench.py's --psgd_rank; empty: 1); with auto: its only rank
 TORCH_DIR=${TORCH_DIR:-../shared/bench/torch}
 OUT=${OUT:-out/sweep_$(date +%Y%m%d_%H%M%S)}
 TAGS=${TAGS:-}
@@ -76,8 +76,10 @@ echo "system,kind,bucket_cap_mb,repeat,buckets,cpu_ms_step" > "$OUT/cpu.csv"
 # torch's --hidden/--batch/--seq are goddp's --hidden_size/--batch_size/--seq_len
 torch_config=$(echo " $CONFIG " | sed -e 's/--hidden_size/--hidden/; s/--batch_size/--batch/; s/--seq_len/--seq/')
 if [ -n "$COMM_HOOK" ]; then # both systems' DDP runs with that hook; PyTorch's PowerSGD starts at step 2
-  CONFIG="$CONFIG --comm_hook $COMM_HOOK --powersgd_rank $PSGD_RANK --powersgd_start_iter 2"
-  torch_config="$torch_config --comm_hook $COMM_HOOK --psgd_rank $PSGD_RANK"
+  CONFIG="$CONFIG --comm_hook $COMM_HOOK --powersgd_rank ${PSGD_RANK:-0} --powersgd_start_iter 2"
+  if [ "$COMM_HOOK" != auto ]; then
+    torch_config="$torch_config --comm_hook $COMM_HOOK --psgd_rank ${PSGD_RANK:-1}"
+  fi
 fi
 if [ "$TORCH" = 1 ]; then
   # shellcheck disable=SC1091

@@ -231,6 +231,9 @@ type Profile struct {
 	Comm Comm `json:"comm"`
 	// World is the number of ranks the measurements were taken with (informative).
 	World int `json:"world,omitempty"`
+	// Compression prices the communication hooks (Note [Hooks in the model]); nil where
+	// they were not measured.
+	Compression *Compression `json:"compression,omitempty"`
 }
 
 // Note [Shared speed]: while they overlap, compute runs at 1/(1+Slowdown) of its speed and a
@@ -335,6 +338,12 @@ func (p *Profile) SimulateCaps(firstCapBytes, capBytes int64) (Result, error) {
 
 // Simulate predicts one step with the given buckets (Note [Step model]).
 func (p *Profile) Simulate(buckets []bucket.Bucket) (Result, error) {
+	return p.simulate(buckets, nil)
+}
+
+// simulate is Simulate with the hooks' costs by bucket (Note [Hooks in the model]; nil:
+// the plain all-reduce).
+func (p *Profile) simulate(buckets []bucket.Bucket, hooks []HookCost) (Result, error) {
 	if err := p.Check(); err != nil {
 		return Result{}, err
 	}
@@ -349,7 +358,11 @@ func (p *Profile) Simulate(buckets []bucket.Bucket) (Result, error) {
 	}
 	s := state{p: p, commOf: make([]float64, nb), finish: make([]float64, nb), earliest: make([]float64, nb)}
 	for b := range buckets {
-		s.commOf[b] = p.Comm.Seconds(buckets[b].Bytes())
+		wire := buckets[b].Bytes()
+		if hooks != nil {
+			wire = hooks[b].Wire
+		}
+		s.commOf[b] = p.Comm.Seconds(wire)
 		s.finish[b] = -1
 	}
 	next, prev := 0, 0.0
@@ -359,7 +372,11 @@ func (p *Profile) Simulate(buckets []bucket.Bucket) (Result, error) {
 		s.compute(work)
 		pending[lay.Where[i].Bucket]--
 		for next < nb && pending[next] == 0 {
-			s.compute(p.Launch + p.CollectiveCPU)
+			pre := 0.0
+			if hooks != nil {
+				pre = hooks[next].Pre
+			}
+			s.compute(p.Launch + p.CollectiveCPU + pre)
 			s.earliest[next] = s.t + p.Skew
 			s.queue = append(s.queue, next)
 			if len(s.queue) == 1 {
@@ -376,6 +393,9 @@ func (p *Profile) Simulate(buckets []bucket.Bucket) (Result, error) {
 	s.drain()
 	for b := range buckets {
 		u := p.UnpackPerByte * float64(buckets[b].Bytes())
+		if hooks != nil {
+			u += hooks[b].Post
+		}
 		fin = math.Max(fin, s.finish[b]) + u
 		unpack += u
 	}

@@ -9,6 +9,7 @@
 //	ddpsim -profile p.json -allreduce perf.jsonl                # allreduce-perf --json's curve
 //	ddpsim -profile p.json -trace trace.rank0.json              # a trace's grad-ready times
 //	ddpsim -profile p.json -trace one.json -overlap_trace many.json # and its slowdowns under overlap
+//	ddpsim -profile p.json -hooks -world 2 -gbit 1          # each comm hook, and auto's choice, at 1 Gbit/s
 //	ddpsim -seed                                            # the seed article's cluster
 //
 // A profile is what a run with --bucket_cap_mb auto --auto_profile F measured on rank 0: the
@@ -53,24 +54,26 @@ func main() {
 }
 
 type config struct {
-	profiles []string
-	caps     []float64
-	firstMB  float64
-	minGain  float64 // -min_gain
-	measured string
-	layouts  string // -layouts: a sweep's layouts.csv
-	world    int
-	algo     string
-	latency  time.Duration
-	gbit     float64
-	seed     bool
-	perf     string        // -allreduce: allreduce-perf --json output
-	traces   []string      // -trace: goddp traces whose grad-ready times replace the profile's
-	overlap  []string      // -overlap_trace: goddp traces whose slowdowns under overlap replace the profile's
-	rank     int           // -trace_rank
-	from     int           // -trace_from
-	collCPU  time.Duration // -collective_cpu; negative: the profiles'
-	cpuCSV   string        // -collective_cpu_csv: a sweep's cpu.csv to fit it from
+	profiles   []string
+	caps       []float64
+	firstMB    float64
+	minGain    float64 // -min_gain
+	measured   string
+	layouts    string // -layouts: a sweep's layouts.csv
+	world      int
+	algo       string
+	latency    time.Duration
+	gbit       float64
+	seed       bool
+	perf       string        // -allreduce: allreduce-perf --json output
+	traces     []string      // -trace: goddp traces whose grad-ready times replace the profile's
+	overlap    []string      // -overlap_trace: goddp traces whose slowdowns under overlap replace the profile's
+	rank       int           // -trace_rank
+	from       int           // -trace_from
+	collCPU    time.Duration // -collective_cpu; negative: the profiles'
+	cpuCSV     string        // -collective_cpu_csv: a sweep's cpu.csv to fit it from
+	hooks      bool          // -hooks
+	hooksCapMB float64       // -hooks_cap_mb
 }
 
 func parse(args []string, stderr io.Writer) (config, error) {
@@ -94,6 +97,8 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.from, "trace_from", 3, "with -trace: the first backward pass (counted from 1) to read; the first ones warm up")
 	fs.DurationVar(&c.collCPU, "collective_cpu", -1, "each collective's own CPU time, charged as compute at its launch (Note [A collective's CPU] in package bucket/sim), instead of the profiles' (negative: theirs)")
 	fs.StringVar(&c.cpuCSV, "collective_cpu_csv", "", "instead of -collective_cpu: fit it from a sweep's cpu.csv (rank 0's CPU per step against the buckets of each launch, Note [CPU per collective from a sweep])")
+	fs.BoolVar(&c.hooks, "hooks", false, "also predict each communication hook (none, bf16, fp16, PowerSGD at each measured rank) and --comm_hook auto's choice, from the profile's compression costs (a profile from --comm_hook auto)")
+	fs.Float64Var(&c.hooksCapMB, "hooks_cap_mb", 25, "with -hooks: the bucket cap in MB of the layout the hooks are predicted on (first bucket: -first_cap_mb)")
 	fs.BoolVar(&c.seed, "seed", false, "print the extrapolation to the seed article's 8-GPU experiment and the multi-node what-if")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -128,6 +133,9 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	}
 	if !(c.firstMB > 0) || c.firstMB > 1<<30 {
 		return c, fmt.Errorf("-first_cap_mb %v: want a size in MB between 0 and 2^30", c.firstMB)
+	}
+	if !(c.hooksCapMB > 0) || c.hooksCapMB > 1<<30 {
+		return c, fmt.Errorf("-hooks_cap_mb %v: want a size in MB between 0 and 2^30", c.hooksCapMB)
 	}
 	if !(c.minGain >= 0 && c.minGain < 1) {
 		return c, fmt.Errorf("-min_gain %v: want a fraction in [0, 1)", c.minGain)
@@ -209,7 +217,13 @@ func run(args []string, stdout, stderr io.Writer) error {
 			return err
 		}
 	}
-	return predictTable(stdout, p, c, meas)
+	if err := predictTable(stdout, p, c, meas); err != nil {
+		return err
+	}
+	if c.hooks {
+		return hookTable(stdout, p, c)
+	}
+	return nil
 }
 
 // layoutLine prints where the best predicted cap stands among the measured layouts: the caps

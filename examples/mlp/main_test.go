@@ -400,8 +400,20 @@ func TestCommHookFlag(t *testing.T) {
 			t.Errorf("%s ends with the plain all-reduce's %s: the hook did not run", hook, crcs[hook])
 		}
 	}
-	_, err := parseFlags([]string{"--comm_hook", "powersdg"}, io.Discard)
-	if want := `--comm_hook: ddp: invalid argument: comm hook "powersdg", want one of none, fp16, bf16, powersgd`; err == nil || err.Error() != want {
+	// auto, on one host: it measures three steps and keeps the plain all-reduce, whose two
+	// ranks' sums have the same bits whatever the bucket layout.
+	last, stdout, stderr, err := ddprunTrainer(t, ddprun, 2, base+" --comm_hook auto")
+	if err != nil {
+		t.Fatalf("auto: ddprun: %v\nstdout:\n%s\nstderr:\n%s", err, stdout, stderr)
+	}
+	if last["rank0"] != crcs["none"] || last["rank1"] != crcs["none"] {
+		t.Errorf("auto ends with %q and %q, want the plain all-reduce's %s\nstdout:\n%s", last["rank0"], last["rank1"], crcs["none"], stdout)
+	}
+	if !strings.Contains(stdout, "auto hook after 3 synced steps, with the caps as set") || !strings.Contains(stdout, "; hooks none ×1: predicted") {
+		t.Errorf("auto: no plan keeping the plain all-reduce in\n%s", stdout)
+	}
+	_, err = parseFlags([]string{"--comm_hook", "powersdg"}, io.Discard)
+	if want := `--comm_hook: ddp: invalid argument: comm hook "powersdg", want one of none, fp16, bf16, powersgd, auto`; err == nil || err.Error() != want {
 		t.Errorf("--comm_hook powersdg: %v, want %q", err, want)
 	}
 }

@@ -9,7 +9,7 @@ import (
 )
 
 // TestCommHookFlag: 2 ranks with --comm_hook powersgd (and bf16) end with the same
-// parameters, other than the plain all-reduce's; ranks given different --powersgd_rank
+// parameters, other than the plain all-reduce's; auto keeps the plain all-reduce here; ranks given different --powersgd_rank
 // are refused at New, each naming both sides; an unknown hook is a flag error.
 func TestCommHookFlag(t *testing.T) {
 	const args = tinyDDPFlags + " --warmup_steps 1 --bench_steps 4"
@@ -23,6 +23,15 @@ func TestCommHookFlag(t *testing.T) {
 		if crc[hook] = a; hook != "none" && a == crc["none"] {
 			t.Errorf("%s ends with the plain all-reduce's parameters: the hook did not run", hook)
 		}
+	}
+	// auto, in one process: it measures three steps and keeps the plain all-reduce, whose
+	// two ranks' sums have the same bits whatever the layout.
+	_, out := trainRanks(t, 2, args+" --comm_hook auto")
+	if a, b := lastCRC(t, out[0]), lastCRC(t, out[1]); a != crc["none"] || b != crc["none"] {
+		t.Errorf("auto ends with %s and %s, want the plain all-reduce's %s", a, b, crc["none"])
+	}
+	if !strings.Contains(out[0], "auto hook after 3 synced steps, with the caps as set") || !strings.Contains(out[0], "; hooks none ×") {
+		t.Errorf("auto: rank 0 printed no plan keeping the plain all-reduce:\n%s", out[0])
 	}
 	_, _, errs := runRanks(t, 2, args+" --comm_hook powersgd --powersgd_rank 2", func(rank int, _ procgroup.ProcessGroup, f *flags) {
 		if rank == 1 {

@@ -127,7 +127,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.SetOutput(&usage)
 	f.bucketCapMB = 25
 	fs.Var(&f.bucketCapMB, "bucket_cap_mb", "DDP bucket size cap in MB, or auto: chosen from the first 3 steps' measurements")
-	fs.StringVar(&f.autoProfile, "auto_profile", "", "with --bucket_cap_mb auto, rank 0 writes what it measured (the step model's inputs, for cmd/ddpsim) to this JSON file")
+	fs.StringVar(&f.autoProfile, "auto_profile", "", "with --bucket_cap_mb auto or --comm_hook auto, rank 0 writes what it measured (the step model's inputs, for cmd/ddpsim) to this JSON file")
 	fs.Float64Var(&f.firstCapMB, "first_bucket_cap_mb", 1, "cap of the first bucket in MB (PyTorch: 1 MiB)")
 	fs.DurationVar(&f.timeout, "timeout", 0, "bound on each collective (0: the process group's default, 30m)")
 	fs.StringVar(&f.logLevel, "log_level", "warn", "level of the ddp/process-group log on stderr (debug, info, warn, error)")
@@ -159,7 +159,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.micro, "micro_batch_size", 0, "samples per logical shard (with --global_batch_size)")
 	straggle := fs.String("straggle_ms", "", "R:MS: rank R sleeps MS milliseconds per step before backward (a straggler on purpose, for the straggler report)")
 	fs.StringVar(&f.commHook, "comm_hook", "none", "DDP communication hook: "+ddp.CommHookNames)
-	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 1, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank)")
+	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 0, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank; 0: 1); with auto: the only rank it may choose (0: 1, 2 or 4)")
 	fs.IntVar(&f.psgd.StartIter, "powersgd_start_iter", 0, "with --comm_hook powersgd: steps all-reduced uncompressed first (PyTorch's start_powerSGD_iter)")
 	fs.Float64Var(&f.psgd.MinCompressionRate, "powersgd_min_compression_rate", 2, "with --comm_hook powersgd: a matrix is compressed only if that saves this factor (PyTorch's min_compression_rate)")
 	if err := fs.Parse(args); err != nil {
@@ -187,8 +187,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--warmup_steps %d, --bench_steps %d must not be negative", f.warmup, f.bench)
 	case !(f.bucketCapMB > 0 || f.bucketCapMB == ddp.AutoBucketCap) || !(f.firstCapMB > 0):
 		return f, fmt.Errorf("--bucket_cap_mb %v, --first_bucket_cap_mb %v must be positive", f.bucketCapMB, f.firstCapMB)
-	case f.autoProfile != "" && float64(f.bucketCapMB) != ddp.AutoBucketCap:
-		return f, errors.New("--auto_profile needs --bucket_cap_mb auto")
+	case f.autoProfile != "" && float64(f.bucketCapMB) != ddp.AutoBucketCap && f.commHook != "auto":
+		return f, errors.New("--auto_profile needs --bucket_cap_mb auto or --comm_hook auto")
 	case f.timeout < 0:
 		return f, fmt.Errorf("--timeout %v must not be negative", f.timeout)
 	case f.resume && f.checkpointDir == "":
@@ -914,8 +914,8 @@ func (t *trainer) reportAuto() error {
 	}
 	plan := t.d.AutoPlan()
 	if plan == nil {
-		if float64(t.f.bucketCapMB) == ddp.AutoBucketCap {
-			fmt.Fprintln(t.stdout, "auto bucket layout: none (it needs 3 synced steps and 2 ranks; or rank 0 could not model the step: see the log)")
+		if float64(t.f.bucketCapMB) == ddp.AutoBucketCap || t.f.commHook == "auto" {
+			fmt.Fprintln(t.stdout, "auto bucket layout or hook: none (it needs 3 synced steps and 2 ranks; or rank 0 could not model the step: see the log)")
 		}
 		return nil
 	}

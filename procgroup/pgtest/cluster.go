@@ -49,6 +49,7 @@ type Cluster struct {
 
 	mu    sync.Mutex    // guards the fields below and every group's mutable fields
 	slots map[int]*slot // collectives some rank has reached, by sequence number
+	link  float64       // SetLink's bytes per second; 0: none
 }
 
 // NewCluster returns a cluster of size ranks and starts one worker per rank. It panics if
@@ -121,6 +122,16 @@ func (c *Cluster) SetDelay(rank int, d time.Duration) {
 	g := c.group(rank)
 	c.mu.Lock()
 	g.delay = d
+	c.mu.Unlock()
+}
+
+// SetLink makes every rank's later collectives start Count·size/bytesPerSec after their
+// predecessor finished (or after they were issued), on top of SetDelay's delay: one
+// collective at a time moves its bytes over a link of that speed, as a slow network
+// would have it. Zero removes it.
+func (c *Cluster) SetLink(bytesPerSec float64) {
+	c.mu.Lock()
+	c.link = bytesPerSec
 	c.mu.Unlock()
 }
 
@@ -318,6 +329,9 @@ func (g *group) run() {
 			return
 		}
 		o, delay := g.queue[0], g.delay
+		if c.link > 0 {
+			delay += time.Duration(float64(o.rec.Count*o.rec.DType.Size()) / c.link * float64(time.Second))
+		}
 		c.mu.Unlock()
 
 		if delay > 0 {
