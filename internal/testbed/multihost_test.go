@@ -630,3 +630,40 @@ func TestElasticLinkCut(t *testing.T) {
 		t.Errorf("the survivors went on %v after the cut; the bound is 20 s", pause.Round(time.Millisecond))
 	}
 }
+
+// TestAutoHookOverSlowLink: over 1 Gbit/s, a model of 25 MB of gradients whose compute
+// takes far less than their 200 ms on the wire, --comm_hook auto compresses (rank 0 prints
+// a choice with PowerSGD in it, Note [Auto hook]), and both ranks end with the same
+// parameters. On one host the same job keeps the plain all-reduce (examples/mlp and
+// examples/transformer's TestCommHookFlag).
+func TestAutoHookOverSlowLink(t *testing.T) {
+	tb := newBed(t, Options{Hosts: 2, Rate: "1gbit"})
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	const args = "--num_layers 2 --hidden_size 512 --seq_len 8 --batch_size 1 --warmup_steps 4 --bench_steps 2 --comm_hook auto"
+	nodes := []*node{
+		startNode(t, ctx, tb, 0, 1, tokenEnv(), nil, args),
+		startNode(t, ctx, tb, 1, 1, tokenEnv(), nil, args),
+	}
+	var outs []string
+	for _, n := range nodes {
+		n.wait(t, 4*time.Minute)
+		if n.err != nil {
+			t.Fatalf("host%d: %v\n%s", n.host, n.err, n.out.String())
+		}
+		outs = append(outs, n.out.String())
+	}
+	if got := crcs(outs...); len(got) != 2 || got[0] != got[1] {
+		t.Fatalf("the ranks end with %v, want one params_crc32 each, the same\n%s", got, outs[0])
+	}
+	var plan string
+	for _, line := range strings.Split(outs[0], "\n") {
+		if strings.Contains(line, "auto hook after 3 synced steps") {
+			plan = line
+		}
+	}
+	if !strings.Contains(plan, "; hooks ") || !strings.Contains(plan, "powersgd(r=") {
+		t.Fatalf("rank 0's plan %q does not compress over 1 Gbit/s\n%s", plan, outs[0])
+	}
+	t.Logf("%s", plan)
+}
