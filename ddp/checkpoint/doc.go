@@ -42,6 +42,17 @@
 // over the process group. So the files need be on rank 0's host only, and a restart that
 // places rank 0 elsewhere still resumes.
 //
+// # Per-rank state
+//
+// A state that each rank holds its own of, such as PowerSGD's error feedback, is
+// registered with PerRank (a RankState, with a description such as ddp.DescribeHook's
+// line). Save is then a collective: the ranks' states are gathered into rank 0's file of
+// the step, so they are written in its one atomic write. Restore gives each rank its own
+// back at the world size that saved them (the run goes on bit for bit), and at another
+// world size hands all of them to the state's UnmarshalResized (Resizer), which decides
+// what each new rank takes; a state that cannot resize is refused there. A checkpoint with
+// another description, or without the state, is refused naming both.
+//
 // # Files
 //
 // Options.Dir holds step<S>.ckpt, the state after steps 0 … S−1. A write is atomic: a
