@@ -166,7 +166,7 @@ func (c *Checkpointer) checkRanks(recs []rankRecord, path string, step int64) er
 		r, ok := byName[p.name]
 		switch {
 		case !ok:
-			return fmt.Errorf("checkpoint %s of step %d was written without %s (this run has %s %s)", path, step, p.name, p.name, p.desc)
+			return fmt.Errorf("checkpoint %s of step %d holds no %s state (this run has %s %s)", path, step, p.name, p.name, p.desc)
 		case r.desc != p.desc:
 			return fmt.Errorf("checkpoint %s of step %d was written with %s %s (this run has %s %s)", path, step, p.name, r.desc, p.name, p.desc)
 		}
@@ -177,7 +177,7 @@ func (c *Checkpointer) checkRanks(recs []rankRecord, path string, step int64) er
 	}
 	for _, r := range recs {
 		if _, ok := byName[r.name]; ok {
-			return fmt.Errorf("checkpoint %s of step %d was written with %s %s (this run has no %s)", path, step, r.name, r.desc, r.name)
+			return fmt.Errorf("checkpoint %s of step %d holds the %s state of %s (this run keeps no %s state)", path, step, r.name, r.desc, r.name)
 		}
 	}
 	return nil

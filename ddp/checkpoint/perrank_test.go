@@ -160,8 +160,8 @@ func TestPerRankRefused(t *testing.T) {
 		saved, resumed, want string
 	}{
 		{"powersgd(rank 1)", "powersgd(rank 2)", "was written with comm_hook powersgd(rank 1) (this run has comm_hook powersgd(rank 2))"},
-		{"", "powersgd(rank 2)", "was written without comm_hook (this run has comm_hook powersgd(rank 2))"},
-		{"powersgd(rank 1)", "", "was written with comm_hook powersgd(rank 1) (this run has no comm_hook)"},
+		{"", "powersgd(rank 2)", "holds no comm_hook state (this run has comm_hook powersgd(rank 2))"},
+		{"powersgd(rank 1)", "", "holds the comm_hook state of powersgd(rank 1) (this run keeps no comm_hook state)"},
 	} {
 		dir := save(tc.saved)
 		cl := pgtest.NewCluster(2)
