@@ -593,6 +593,7 @@ func (t *trainer) resume(ctx context.Context, log *zap.Logger) (int, error) {
 	if t.ck, err = newCkpt(f, w, t.pg, t.m, t.opt, log); err != nil {
 		return 0, err
 	}
+	t.ck.commHook(t.d)
 	start, err := t.ck.restore(ctx, f, w)
 	if err != nil {
 		return 0, err
@@ -660,7 +661,7 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	}
 	if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
 		end := t.obs.tr.Span("checkpoint")
-		if err := t.ck.save(step + 1); err != nil {
+		if err := t.ck.save(ctx, step+1); err != nil {
 			return err
 		}
 		end()
