@@ -3,13 +3,14 @@ package checkpoint
 import (
 	"context"
 	"encoding"
-	"encoding/binary"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
 
 	"go.uber.org/zap"
 
+	"github.com/goddp/goddp/ddp/internal/blobs"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -66,87 +67,43 @@ func (c *Checkpointer) world() int {
 // collective). A rank whose state does not marshal still takes part, and every rank
 // returns an error naming the ranks that failed.
 func (c *Checkpointer) gatherRanks(ctx context.Context) error {
-	if len(c.ranks) == 0 {
-		return nil
-	}
-	blobs := make([][]byte, len(c.ranks))
-	lens := make([]int64, len(c.ranks))
 	var merr error
-	for i, p := range c.ranks {
+	var bad []int
+	for _, p := range c.ranks {
 		b, err := p.s.MarshalBinary()
-		if err != nil {
-			merr, lens[i] = fmt.Errorf("checkpoint: per-rank state %q: %w", p.name, err), -1
+		switch {
+		case err != nil:
+			merr, b = errors.Join(merr, fmt.Errorf("checkpoint: per-rank state %q: %w", p.name, err)), nil
+		case b == nil:
+			b = []byte{}
+		}
+		if c.pg == nil {
+			p.saved = [][]byte{b}
 			continue
 		}
-		blobs[i], lens[i] = b, int64(len(b))
-	}
-	if c.pg == nil {
-		if merr != nil {
-			return merr
-		}
-		for i, p := range c.ranks {
-			p.saved = [][]byte{blobs[i]}
-		}
-		return nil
-	}
-	n, k := c.pg.Size(), len(c.ranks)
-	all := make([]int64, n*k)
-	if err := c.pg.AllGather(ctx, all, lens).Wait(ctx); err != nil {
-		return fmt.Errorf("rank %d: checkpoint: gathering the per-rank states' sizes: %w", c.rank, err)
-	}
-	var bad []int
-	for r := range n {
-		if slices.Contains(all[r*k:(r+1)*k], -1) {
-			bad = append(bad, r)
-		}
-	}
-	if merr != nil {
-		return fmt.Errorf("rank %d: %w", c.rank, merr)
-	}
-	if len(bad) > 0 {
-		return fmt.Errorf("rank %d: checkpoint: ranks %v could not save their per-rank states (see their errors)", c.rank, bad)
-	}
-	for i, p := range c.ranks {
-		words := 0
-		for r := range n {
-			words = max(words, int(all[r*k+i]+7)/8)
-		}
-		out := make([]int64, n*max(words, 1))
-		in := packWords(blobs[i], max(words, 1))
-		if err := c.pg.AllGather(ctx, out, in).Wait(ctx); err != nil {
+		all, err := blobs.AllGather(ctx, c.pg, b) // a nil b: this rank failed
+		if err != nil {
 			return fmt.Errorf("rank %d: checkpoint: gathering per-rank state %q: %w", c.rank, p.name, err)
 		}
-		if c.rank != 0 {
-			continue
+		for r, b := range all {
+			if b == nil && !slices.Contains(bad, r) {
+				bad = append(bad, r)
+			}
 		}
-		p.saved = make([][]byte, n)
-		for r := range n {
-			p.saved[r] = unpackWords(out[r*max(words, 1):(r+1)*max(words, 1)], int(all[r*k+i]))
+		if c.rank == 0 {
+			p.saved = all
 		}
+	}
+	switch {
+	case merr != nil && c.pg != nil:
+		return fmt.Errorf("rank %d: %w", c.rank, merr)
+	case merr != nil:
+		return merr
+	case len(bad) > 0:
+		slices.Sort(bad)
+		return fmt.Errorf("rank %d: checkpoint: ranks %v could not save their per-rank states (see their errors)", c.rank, bad)
 	}
 	return nil
-}
-
-// packWords puts b into words little-endian int64s (the process group moves no bytes).
-func packWords(b []byte, words int) []int64 {
-	w := make([]int64, words)
-	for i := range w {
-		var v [8]byte
-		if 8*i < len(b) {
-			copy(v[:], b[8*i:])
-		}
-		w[i] = int64(binary.LittleEndian.Uint64(v[:]))
-	}
-	return w
-}
-
-// unpackWords returns the first n bytes that packWords put into w.
-func unpackWords(w []int64, n int) []byte {
-	b := make([]byte, 0, 8*len(w))
-	for _, v := range w {
-		b = binary.LittleEndian.AppendUint64(b, uint64(v))
-	}
-	return b[:n]
 }
 
 // rankRecord is a per-rank state as a file holds it.
@@ -186,33 +143,12 @@ func (c *Checkpointer) checkRanks(recs []rankRecord, path string, step int64) er
 // broadcastRanks sends src's per-rank states (read from its file) to every rank.
 func (c *Checkpointer) broadcastRanks(ctx context.Context, src int) error {
 	for _, p := range c.ranks {
-		n := []int64{int64(len(p.saved))}
-		if err := c.pg.Broadcast(ctx, n, src).Wait(ctx); err != nil {
+		saved, err := blobs.Broadcast(ctx, c.pg, p.saved, src)
+		if err != nil {
 			return fmt.Errorf("per-rank state %q: %w", p.name, err)
 		}
-		if n[0] < 1 || n[0] > maxRecs {
-			return fmt.Errorf("per-rank state %q: %d saving ranks", p.name, n[0])
-		}
-		lens := make([]int64, n[0])
-		for r, b := range p.saved {
-			lens[r] = int64(len(b))
-		}
-		if err := c.pg.Broadcast(ctx, lens, src).Wait(ctx); err != nil {
-			return fmt.Errorf("per-rank state %q: %w", p.name, err)
-		}
-		saved := make([][]byte, len(lens))
-		for r, l := range lens {
-			words := max(int(l+7)/8, 1)
-			var w []int64
-			if c.rank == src {
-				w = packWords(p.saved[r], words)
-			} else {
-				w = make([]int64, words)
-			}
-			if err := c.pg.Broadcast(ctx, w, src).Wait(ctx); err != nil {
-				return fmt.Errorf("per-rank state %q of saved rank %d: %w", p.name, r, err)
-			}
-			saved[r] = unpackWords(w, int(l))
+		if len(saved) == 0 {
+			return fmt.Errorf("per-rank state %q: saved by no rank", p.name)
 		}
 		p.saved = saved
 	}
