@@ -181,11 +181,15 @@ const psgdMagic = "goddp-powersgd-1"
 // MarshalBinary returns the hook's state between two steps: a header (psgdMagic, the rank
 // and the parameter count), then per parameter its step and, if compressed, its n and m,
 // P, Q (float64) and error (the element type), little-endian.
-func (h *powerSGD) MarshalBinary() ([]byte, error) {
+func (h *powerSGD) MarshalBinary() ([]byte, error) { return h.AppendBinary(nil) }
+
+// AppendBinary appends MarshalBinary's bytes to b (encoding.BinaryAppender): a copy after
+// every step (ddp/elastic's commits) reuses its buffer.
+func (h *powerSGD) AppendBinary(b []byte) ([]byte, error) {
 	if !h.ready {
 		return nil, errors.New("reducer: PowerSGD hook: no state before New")
 	}
-	b := append([]byte(nil), psgdMagic...)
+	b = append(b, psgdMagic...)
 	b = binary.LittleEndian.AppendUint64(b, uint64(h.o.Rank))
 	b = binary.LittleEndian.AppendUint64(b, uint64(len(h.mats)))
 	for i, mt := range h.mats {

@@ -155,6 +155,9 @@ func TestPowerSGDResized(t *testing.T) {
 	}
 	h := hooks[0]
 	keep, _ := h.MarshalBinary()
+	if b, err := h.AppendBinary([]byte("xy")); err != nil || string(b) != "xy"+string(keep) {
+		t.Errorf("AppendBinary: %v, want the prefix and MarshalBinary's bytes", err)
+	}
 	for _, tc := range []struct {
 		saved       [][]byte
 		rank, world int
