@@ -9,6 +9,7 @@ import (
 
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/elastic"
+	"github.com/goddp/goddp/internal/hookshards"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -65,7 +66,7 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 		if err != nil {
 			return err
 		}
-		d, err := ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.ddpShards(), CommHook: hook})
+		d, err := ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: hookshards.Options(f.commHook, f.shards()), CommHook: hook})
 		if err != nil {
 			return err
 		}
