@@ -34,17 +34,8 @@ func TestElasticLoseNode(t *testing.T) {
 				t.Fatalf("one process: %v\n%s", err, errb.String())
 			}
 			want := regexp.MustCompile(`params_crc32=[0-9a-f]{8}`).FindString(out.String())
-			j := launchtest.NewElasticJob(t, exe, "2:3", []string{asMainEnv + "=1"}, args)
-			a := j.Start("node a", "")
-			a.WaitFor(regexp.MustCompile(`hosts the job's rendezvous store`), 30*time.Second)
-			b, c := j.Start("node b", ""), j.Start("node c", "")
-			launchtest.WaitAny(t, regexp.MustCompile(`^\[local0\]: step (2[0-9]|[3-9][0-9]) loss`), a, b, c)
-			c.Kill()
+			a, b, _ := loseThirdNode(t, exe, args)
 			for _, n := range []*launchtest.Node{a, b} {
-				n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*world size 3 -> 2; resuming from step \d+; pause`), time.Minute)
-				if err := n.Wait(2 * time.Minute); err != nil {
-					t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
-				}
 				if got := regexp.MustCompile(`\[local0\]: (params_crc32=[0-9a-f]{8})`).FindStringSubmatch(n.Output()); got == nil || got[1] != want {
 					t.Fatalf("%s ends with %v; one process with the same 6 shards: %s\n%s", n.Name, got, want, n.Output())
 				}
@@ -54,6 +45,26 @@ func TestElasticLoseNode(t *testing.T) {
 			}
 		})
 	}
+}
+
+// loseThirdNode runs the trainer with args on three nodes (ddprun --nnodes 2:3), kills
+// the third's ddprun with SIGKILL once rank 0 is past step 20, and waits for the two
+// others to form epoch 1 without it and to exit 0.
+func loseThirdNode(t *testing.T, exe, args string) (a, b, c *launchtest.Node) {
+	t.Helper()
+	j := launchtest.NewElasticJob(t, exe, "2:3", []string{asMainEnv + "=1"}, args)
+	a = j.Start("node a", "")
+	a.WaitFor(regexp.MustCompile(`hosts the job's rendezvous store`), 30*time.Second)
+	b, c = j.Start("node b", ""), j.Start("node c", "")
+	launchtest.WaitAny(t, regexp.MustCompile(`^\[local0\]: step (2[0-9]|[3-9][0-9]) loss`), a, b, c)
+	c.Kill()
+	for _, n := range []*launchtest.Node{a, b} {
+		n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*world size 3 -> 2; resuming from step \d+; pause`), time.Minute)
+		if err := n.Wait(2 * time.Minute); err != nil {
+			t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
+		}
+	}
+	return a, b, c
 }
 
 // TestElasticPowerSGDLoseNode: TestElasticLoseNode (the copy task) under --comm_hook
@@ -71,18 +82,9 @@ func TestElasticPowerSGDLoseNode(t *testing.T) {
 		t.Fatal(err)
 	}
 	args := strings.Replace(shardArgs, "--bench_steps 4", "--bench_steps 300", 1) + " --task copy --comm_hook powersgd --powersgd_rank 2"
-	j := launchtest.NewElasticJob(t, exe, "2:3", []string{asMainEnv + "=1"}, args)
-	a := j.Start("node a", "")
-	a.WaitFor(regexp.MustCompile(`hosts the job's rendezvous store`), 30*time.Second)
-	b, c := j.Start("node b", ""), j.Start("node c", "")
-	launchtest.WaitAny(t, regexp.MustCompile(`^\[local0\]: step (2[0-9]|[3-9][0-9]) loss`), a, b, c)
-	c.Kill()
+	a, b, c := loseThirdNode(t, exe, args)
 	crcs := map[string]bool{}
 	for _, n := range []*launchtest.Node{a, b} {
-		n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*world size 3 -> 2; resuming from step \d+; pause`), time.Minute)
-		if err := n.Wait(2 * time.Minute); err != nil {
-			t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
-		}
 		got := regexp.MustCompile(`\[local0\]: (params_crc32=[0-9a-f]{8})`).FindStringSubmatch(n.Output())
 		if got == nil {
 			t.Fatalf("%s printed no params_crc32:\n%s", n.Name, n.Output())
