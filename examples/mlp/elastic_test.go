@@ -304,3 +304,29 @@ func TestElasticPowerSGDLoseNode(t *testing.T) {
 		t.Errorf("the loss did not fall across the change: steps 0-4 %.5f, steps 30-39 %.5f: %v", early, late, losses)
 	}
 }
+
+// TestElasticPowerSGDOtherRank: a node whose --powersgd_rank differs from the job's is
+// refused when it tries to join, naming both hooks, and the job goes on without it.
+func TestElasticPowerSGDOtherRank(t *testing.T) {
+	args := elasticArgs + " --comm_hook powersgd --powersgd_rank 1"
+	j := newElasticJob(t, "2:3", nil)
+	j.SetArgs(args)
+	a := j.Start("node a", "")
+	a.WaitFor(hostsStore, 30*time.Second)
+	b := j.Start("node b", "")
+	launchtest.WaitAny(t, stepAtLeast(5), a, b)
+	odd := j.Start("odd node", strings.Replace(args, "--powersgd_rank 1", "--powersgd_rank 2", 1))
+	err := odd.Wait(time.Minute)
+	const msg = `cannot join: its model or settings differ from the job's: this process has "per-rank comm_hook powersgd(rank 2, min_compression_rate 2, start_iter 0, seed 1)" where the job has "per-rank comm_hook powersgd(rank 1, min_compression_rate 2, start_iter 0, seed 1)"`
+	if err == nil || !strings.Contains(odd.Output(), msg) {
+		t.Fatalf("the odd node: ddprun: %v; want a failure saying %q:\n%s", err, msg, odd.Output())
+	}
+	for _, n := range []*launchtest.Node{a, b} {
+		if err := n.Wait(2 * time.Minute); err != nil {
+			t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
+		}
+	}
+	if strings.Contains(a.Output()+b.Output(), "elastic: epoch 1") {
+		t.Errorf("the job changed for a node it refused:\n%s", a.Output())
+	}
+}
