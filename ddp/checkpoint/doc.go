@@ -28,14 +28,15 @@
 //
 // # At any world size
 //
-// A file holds no world size and no rank: with ddp.Options.Shards the replicas hold the
-// same bits at every world size, and the data position counts global steps or samples, so a
-// checkpoint written by 3 ranks is resumed by 2, or by 1, and the run ends with the bits of
-// the uninterrupted one. (A trainer whose data do depend on the world size registers it with
+// A file holds no world size and no rank (but for a per-rank state, below, which holds a
+// copy per saving rank): with ddp.Options.Shards the replicas hold the same bits at every
+// world size, and the data position counts global steps or samples, so a checkpoint
+// written by 3 ranks is resumed by 2, or by 1, and the run ends with the bits of the
+// uninterrupted one. (A trainer whose data do depend on the world size registers it with
 // Config, and a resume at another size is refused.)
 //
-// Rank 0 alone writes: after a synced step every replica holds the same state, so one copy
-// is enough, and n ranks on a shared file system do not write it n times. Every rank reads:
+// Rank 0 alone writes: after a synced step every replica holds the same state (a per-rank
+// state is gathered to it), so one copy is enough, and n ranks on a shared file system do not write it n times. Every rank reads:
 // each finds the newest file of its own Options.Dir whose CRC is right, the ranks exchange
 // their steps (an all-gather), the newest wins, and if some rank lacks that file (a host
 // without a shared file system, a new host) the lowest rank holding it broadcasts the state
