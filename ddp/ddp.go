@@ -662,6 +662,10 @@ func (d *DDP) Stats() *IterStats {
 // ProcessGroup is the group the DDP reduces over (the caller's: New's pg).
 func (d *DDP) ProcessGroup() procgroup.ProcessGroup { return d.pg }
 
+// CommHook returns Options.CommHook as New was given it (nil: the default all-reduce),
+// for a trainer that checkpoints the hook's state (ddp/checkpoint's PerRank).
+func (d *DDP) CommHook() CommHook { return d.opts.CommHook }
+
 // BucketParams returns the current bucket layout: the indices of the parameters in each
 // bucket, buckets in launch order. The layout changes at the first synced Finalize (with
 // AutoBucketCap, at each of the first three; Generation tells which one this is). The

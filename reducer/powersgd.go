@@ -39,7 +39,8 @@ type PowerSGDOptions struct {
 // state between steps (each parameter's step, factors and error) as bytes, and back into
 // a hook with the same options over the same parameters, after New. The factors and the
 // step are the same on every rank, the error is each rank's own: a rank saves and restores
-// its own state.
+// its own state, and UnmarshalResized restores a state saved at another world size (Note
+// [PowerSGD checkpoints]).
 func PowerSGDHook(o PowerSGDOptions) CommHook {
 	if o.MinCompressionRate == 0 {
 		o.MinCompressionRate = 2
@@ -155,17 +156,40 @@ func (h *powerSGD) Setup(s HookSetup) error {
 	return nil
 }
 
+// Note [PowerSGD checkpoints]: a resumed job should go on as if it had not stopped. Of the
+// hook's state, the steps and the factors P and Q are the same bits on every rank; the
+// error E_w is each rank's own. The results depend on the errors only through their sum
+// over the ranks: once the factor a step multiplies by is fixed (the previous step's
+// all-reduced one, orthonormalised), the step is linear in M'_w = M_w/W + E_w, and the
+// all-reduce sums. The invariant of Note [PowerSGD] is about that sum too: the results
+// plus Σ_w E_w are the sum of the mean gradients. So a checkpoint keeps every rank's state
+// (ddp/checkpoint's PerRank: Save gathers them into rank 0's file, in the one atomic write
+// of the step). At the same world size each rank restores its own (UnmarshalBinary) and
+// the run goes on bit for bit. At another world size W' each rank takes Σ_w E_w / W'
+// (UnmarshalResized): the ranks' errors still sum to Σ_w E_w, so what the error feedback
+// owes is neither lost nor counted twice; the run then differs from an uninterrupted one by
+// rounding, and by whatever else the world size changes (a per-rank batch). One averaged
+// error would have made the file smaller (it holds W errors, each the size of the
+// compressed parameters), but no resume would be bit for bit. PyTorch's PowerSGDState is
+// picklable (PR #79334), less its process group, and which rank's copy is saved and loaded
+// is the user's choice; a rank 0 copy loaded on every rank gives each rank rank 0's error,
+// which sums to W·E_0, not Σ_w E_w.
+
 // psgdMagic starts the hook's saved state (version 1).
 const psgdMagic = "goddp-powersgd-1"
 
 // MarshalBinary returns the hook's state between two steps: a header (psgdMagic, the rank
 // and the parameter count), then per parameter its step and, if compressed, its n and m,
 // P, Q (float64) and error (the element type), little-endian.
-func (h *powerSGD) MarshalBinary() ([]byte, error) {
+func (h *powerSGD) MarshalBinary() ([]byte, error) { return h.AppendBinary(nil) }
+
+// AppendBinary appends MarshalBinary's bytes to b (encoding.BinaryAppender): a copy after
+// every step (ddp/elastic's commits) reuses its buffer.
+func (h *powerSGD) AppendBinary(b []byte) ([]byte, error) {
 	if !h.ready {
 		return nil, errors.New("reducer: PowerSGD hook: no state before New")
 	}
-	b := append([]byte(nil), psgdMagic...)
+	b = append(b, psgdMagic...)
 	b = binary.LittleEndian.AppendUint64(b, uint64(h.o.Rank))
 	b = binary.LittleEndian.AppendUint64(b, uint64(len(h.mats)))
 	for i, mt := range h.mats {
@@ -283,6 +307,104 @@ func (h *powerSGD) UnmarshalBinary(data []byte) error {
 		}
 	}
 	return nil
+}
+
+// UnmarshalResized restores this hook, rank of world, from the states (MarshalBinary's)
+// that the ranks of a job of another world size saved after the same step, in rank order:
+// the resume of a checkpoint at another world size (ddp/checkpoint's Resizer). The step
+// and the factors P and Q, the same on every rank, are taken from the states, which must
+// agree on them; the error of each rank becomes the sum of the saved errors divided by
+// world, so that the ranks' errors still sum to what they summed to (Note [PowerSGD
+// checkpoints]). It checks everything before it changes the hook.
+func (h *powerSGD) UnmarshalResized(saved [][]byte, rank, world int) error {
+	switch {
+	case !h.ready:
+		return errors.New("reducer: PowerSGD hook: restore its state after New")
+	case len(saved) == 0:
+		return errors.New("reducer: PowerSGD hook: no saved states to restore from")
+	case world < 1 || rank < 0 || rank >= world:
+		return fmt.Errorf("reducer: PowerSGD hook: rank %d of a world of %d", rank, world)
+	}
+	orig, err := h.MarshalBinary()
+	if err != nil {
+		return err
+	}
+	sums := make([][]float64, len(h.mats))
+	var first *powerSGD
+	for w, st := range saved {
+		if err := h.UnmarshalBinary(st); err != nil {
+			return errors.Join(fmt.Errorf("saved rank %d: %w", w, err), h.UnmarshalBinary(orig))
+		}
+		if first == nil {
+			first = h.factors()
+		} else if i := first.differs(h); i >= 0 {
+			return errors.Join(fmt.Errorf("reducer: PowerSGD hook: the saved states of ranks 0 and %d disagree on parameter %d's step or factors, which every rank of a job shares: not the states of one job and step", w, i), h.UnmarshalBinary(orig))
+		}
+		for i, mt := range h.mats {
+			if mt == nil {
+				continue
+			}
+			if sums[i] == nil {
+				sums[i] = make([]float64, mt.n*mt.m)
+			}
+			switch e := mt.e.(type) {
+			case []float32:
+				for k, v := range e {
+					sums[i][k] += float64(v)
+				}
+			case []float64:
+				for k, v := range e {
+					sums[i][k] += v
+				}
+			}
+		}
+	}
+	for i, mt := range h.mats {
+		if mt == nil {
+			continue
+		}
+		switch e := mt.e.(type) {
+		case []float32:
+			for k, v := range sums[i] {
+				e[k] = float32(v / float64(world))
+			}
+		case []float64:
+			for k, v := range sums[i] {
+				e[k] = v / float64(world)
+			}
+		}
+	}
+	return nil
+}
+
+// factors copies h's steps and factors (not its errors), for differs.
+func (h *powerSGD) factors() *powerSGD {
+	c := &powerSGD{steps: append([]int(nil), h.steps...), mats: make([]*psgdMat, len(h.mats))}
+	for i, mt := range h.mats {
+		if mt != nil {
+			c.mats[i] = &psgdMat{p: append([]float64(nil), mt.p...), q: append([]float64(nil), mt.q...)}
+		}
+	}
+	return c
+}
+
+// differs returns the first parameter whose step or factors differ, bit for bit, between
+// the copy c and h; −1 if none.
+func (c *powerSGD) differs(h *powerSGD) int {
+	same := func(a, b []float64) bool {
+		for k := range a {
+			if math.Float64bits(a[k]) != math.Float64bits(b[k]) {
+				return false
+			}
+		}
+		return true
+	}
+	for i, mt := range h.mats {
+		if c.steps[i] != h.steps[i] || (mt != nil && (!same(c.mats[i].p, mt.p) || !same(c.mats[i].q, mt.q))) {
+			return i
+		}
+	}
+	return -1
 }
 
 // psgdBucket is a bucket's message (BucketView.Scratch).

@@ -746,50 +746,20 @@ func TestPowerSGDState(t *testing.T) {
 	// run trains steps [from, to) on fresh Reducers, restoring states first if given, and
 	// returns each rank's results per step and its hook's state at the end.
 	run := func(from, to int, states [][]byte) (out [][][]float32, saved [][]byte) {
-		out, saved = make([][][]float32, ranks), make([][]byte, ranks)
-		c := pgtest.NewCluster(ranks)
-		defer c.Close()
-		ctx := testCtx(t)
-		errs := runRanks(ranks, func(rank int) error {
-			params := make([]Param, len(shapes))
-			for p, sh := range shapes {
-				params[p] = Param{Name: fmt.Sprint(p), Shape: sh, Grad: make([]float32, psgdSize(sh))}
-			}
-			h := PowerSGDHook(opts)
-			r, err := New(c.Group(rank), params, Options{CommHook: h, BucketCapMB: 300.0 / (1 << 20), FirstBucketCapMB: 300.0 / (1 << 20)})
-			if err != nil {
-				return err
-			}
-			defer r.Close()
-			if states != nil {
-				if err := h.(interface{ UnmarshalBinary([]byte) error }).UnmarshalBinary(states[rank]); err != nil {
-					return err
-				}
-			}
-			for s := from; s < to; s++ {
-				_ = r.BeginBackward(Sync)
-				at := 0
-				for p, sh := range shapes {
-					if err := r.GradReady(p, grads[rank][s][at:at+psgdSize(sh)]); err != nil {
-						return err
-					}
-					at += psgdSize(sh)
-				}
-				if err := r.Finalize(ctx); err != nil {
-					return err
-				}
-				var res []float32
-				for _, p := range params {
-					res = append(res, p.Grad.([]float32)...)
-				}
-				out[rank] = append(out[rank], res)
-			}
-			saved[rank], err = h.(interface{ MarshalBinary() ([]byte, error) }).MarshalBinary()
-			return err
-		})
-		for w, err := range errs {
-			if err != nil {
-				t.Fatalf("rank %d: %v", w, err)
+		steps := make([][][]float32, ranks)
+		for w := range ranks {
+			steps[w] = grads[w][from:to]
+		}
+		var restore func(int, *powerSGD) error
+		if states != nil {
+			restore = func(rank int, h *powerSGD) error { return h.UnmarshalBinary(states[rank]) }
+		}
+		out, hooks := psgdSteps(t, shapes, opts, steps, restore)
+		saved = make([][]byte, ranks)
+		for w, h := range hooks {
+			var err error
+			if saved[w], err = h.MarshalBinary(); err != nil {
+				t.Fatal(err)
 			}
 		}
 		return out, saved

@@ -52,6 +52,7 @@ type Checkpointer struct {
 	tensors []tensor
 	ints    []scalar
 	config  []kv
+	ranks   []*perRank // PerRank's
 	names   map[string]bool
 	regErr  error // the first bad registration, reported by Restore and Save
 	buf     []byte
@@ -191,11 +192,20 @@ func List(dir string) ([]int64, error) {
 // steps 0 … step−1 are done), on rank 0 only; on the other ranks it returns nil at once.
 // The write is atomic (a temporary file, fsync, rename, fsync of the directory), so a crash
 // leaves the earlier files intact; then the files beyond the Keep newest, and any of a
-// later step (of an abandoned attempt), are removed. Save is not a collective.
-func (c *Checkpointer) Save(step int64) error {
+// later step (of an abandoned attempt), are removed. Save is not a collective, unless a
+// PerRank state is registered: then every rank calls it (SaveContext) and it gathers their
+// states into rank 0's file.
+func (c *Checkpointer) Save(step int64) error { return c.SaveContext(context.Background(), step) }
+
+// SaveContext is Save, whose collective (with a PerRank state) ends with ctx.
+func (c *Checkpointer) SaveContext(ctx context.Context, step int64) error {
 	if c.regErr != nil {
 		return c.regErr
 	}
+	if err := c.gatherRanks(ctx); err != nil {
+		return fmt.Errorf("checkpoint of step %d: %w", step, err)
+	}
+	defer c.dropSaved()
 	if c.rank != 0 {
 		return nil
 	}
@@ -238,6 +248,13 @@ func (c *Checkpointer) Save(step int64) error {
 		}
 	}
 	return nil
+}
+
+// dropSaved forgets the gathered per-rank states once they are written.
+func (c *Checkpointer) dropSaved() {
+	for _, p := range c.ranks {
+		p.saved = nil
+	}
 }
 
 // tmpPattern names the temporary files of a write in progress.
@@ -360,6 +377,12 @@ func (c *Checkpointer) Restore(ctx context.Context) (int64, error) {
 		if err := c.broadcast(ctx, src); err != nil {
 			return 0, fmt.Errorf("rank %d: checkpoint: the state of step %d from rank %d: %w", c.rank, target, src, err)
 		}
+		if err := c.broadcastRanks(ctx, src); err != nil {
+			return 0, fmt.Errorf("rank %d: checkpoint: the state of step %d from rank %d: %w", c.rank, target, src, err)
+		}
+	}
+	if err := c.restoreRanks(ctx); err != nil {
+		return 0, err
 	}
 	c.log.Info("checkpoint: resuming", zap.Int64("step", target), zap.Int("from_rank", src), zap.Int("ranks_with_file", have))
 	return target, nil
@@ -392,12 +415,15 @@ func (c *Checkpointer) broadcast(ctx context.Context, src int) error {
 
 // The file format, little endian: magic, version (uint32), the step (int64); the configs
 // (a uint32 count, then key and value), the values (a count, then name and int64), the
-// tensors (a count, then name, the number of dimensions as a uint32 and each as an int64);
-// the tensors' float32 values in table order; a CRC-32 (IEEE) of everything before it. A
-// string is a uint32 length and its bytes.
+// tensors (a count, then name, the number of dimensions as a uint32 and each as an int64),
+// the per-rank states (version 2: a count, then name, description, the number of saving
+// ranks as a uint32 and each one's length in bytes as an int64); the tensors' float32
+// values in table order; the per-rank states' bytes, in table and rank order; a CRC-32
+// (IEEE) of everything before it. A string is a uint32 length and its bytes. Version 1
+// (no per-rank states) is read too.
 const (
 	magic   = "goddpckp"
-	version = 1
+	version = 2
 	maxName = 1 << 12 // bytes of a name, key or value
 	maxDims = 16
 	maxRecs = 1 << 20 // configs, values or tensors
@@ -450,6 +476,15 @@ func (c *Checkpointer) encode(w io.Writer, step int64) error {
 			e.i64(d)
 		}
 	}
+	e.u32(uint32(len(c.ranks)))
+	for _, p := range c.ranks {
+		e.str(p.name)
+		e.str(p.desc)
+		e.u32(uint32(len(p.saved)))
+		for _, b := range p.saved {
+			e.i64(int64(len(b)))
+		}
+	}
 	if c.buf == nil {
 		c.buf = make([]byte, 1<<16)
 	}
@@ -461,6 +496,11 @@ func (c *Checkpointer) encode(w io.Writer, step int64) error {
 			}
 			e.write(c.buf[:4*n])
 			p = p[n:]
+		}
+	}
+	for _, p := range c.ranks {
+		for _, b := range p.saved {
+			e.write(b)
 		}
 	}
 	if e.err != nil {
@@ -510,11 +550,15 @@ func (c *Checkpointer) decode(fh io.ReadSeeker, size int64, path string, step in
 	}
 	// Pass 2: the header, checked against the registration, then the values.
 	d := &decoder{r: bufio.NewReaderSize(io.LimitReader(fh, size-4), 1<<16), left: size - 4}
-	if string(d.bytes(len(magic))) != magic || d.u32() != version {
+	ver := uint32(0)
+	if string(d.bytes(len(magic))) == magic {
+		ver = d.u32()
+	}
+	if ver != 1 && ver != version {
 		if d.err != nil {
 			return fmt.Errorf("checkpoint %s: %w", path, d.err)
 		}
-		return fmt.Errorf("checkpoint %s: not a version-%d goddp checkpoint", path, version)
+		return fmt.Errorf("checkpoint %s: not a version-1 or version-%d goddp checkpoint", path, version)
 	}
 	if s := d.i64(); d.err == nil && s != step {
 		return fmt.Errorf("checkpoint %s: holds step %d", path, s)
@@ -554,11 +598,30 @@ func (c *Checkpointer) decode(fh io.ReadSeeker, size int64, path string, step in
 		total += e.n
 		table = append(table, e)
 	}
+	var recs []rankRecord
+	rankBytes := int64(0)
+	if ver >= 2 { // the per-rank states
+		for n := d.count(); n > 0 && d.err == nil; n-- {
+			r := rankRecord{name: d.str(), desc: d.str()}
+			for w := d.count(); w > 0 && d.err == nil; w-- {
+				l := d.i64()
+				if l < 0 || l > d.left-rankBytes {
+					d.fail("per-rank state %q: %d bytes", r.name, l)
+					break
+				}
+				r.lens, rankBytes = append(r.lens, l), rankBytes+l
+			}
+			if len(r.lens) == 0 {
+				d.fail("per-rank state %q: saved by no rank", r.name)
+			}
+			recs = append(recs, r)
+		}
+	}
 	if d.err != nil {
 		return fmt.Errorf("checkpoint %s: %w", path, d.err)
 	}
-	if total < 0 || total*4 != d.left {
-		return fmt.Errorf("checkpoint %s: its tensors hold %d values, the file %d bytes of them", path, total, d.left)
+	if total < 0 || rankBytes > d.left || total*4 != d.left-rankBytes {
+		return fmt.Errorf("checkpoint %s: its tensors hold %d values and its per-rank states %d bytes, the file %d bytes of them", path, total, rankBytes, d.left)
 	}
 
 	// The registration against the file.
@@ -597,6 +660,9 @@ func (c *Checkpointer) decode(fh io.ReadSeeker, size int64, path string, step in
 			return fmt.Errorf("checkpoint %s: has no value %q", path, s.name)
 		}
 	}
+	if err := c.checkRanks(recs, path, step); err != nil {
+		return err
+	}
 
 	// The values (the file is verified and matches: nothing below can fail but I/O).
 	if c.buf == nil {
@@ -617,6 +683,20 @@ func (c *Checkpointer) decode(fh io.ReadSeeker, size int64, path string, step in
 			}
 			p = p[n:]
 		}
+	}
+	byRank := map[string]*perRank{}
+	for _, p := range c.ranks {
+		byRank[p.name] = p
+	}
+	for _, r := range recs {
+		saved := make([][]byte, len(r.lens))
+		for w, l := range r.lens {
+			saved[w] = make([]byte, l)
+			if _, err := io.ReadFull(d.r, saved[w]); err != nil {
+				return &unreadableError{fmt.Errorf("checkpoint %s: %w", path, err)}
+			}
+		}
+		byRank[r.name].saved = saved
 	}
 	for _, s := range c.ints {
 		*s.p = ints[s.name]

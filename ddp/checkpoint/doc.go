@@ -28,19 +28,31 @@
 //
 // # At any world size
 //
-// A file holds no world size and no rank: with ddp.Options.Shards the replicas hold the
-// same bits at every world size, and the data position counts global steps or samples, so a
-// checkpoint written by 3 ranks is resumed by 2, or by 1, and the run ends with the bits of
-// the uninterrupted one. (A trainer whose data do depend on the world size registers it with
+// A file holds no world size and no rank (but for a per-rank state, below, which holds a
+// copy per saving rank): with ddp.Options.Shards the replicas hold the same bits at every
+// world size, and the data position counts global steps or samples, so a checkpoint
+// written by 3 ranks is resumed by 2, or by 1, and the run ends with the bits of the
+// uninterrupted one. (A trainer whose data do depend on the world size registers it with
 // Config, and a resume at another size is refused.)
 //
-// Rank 0 alone writes: after a synced step every replica holds the same state, so one copy
-// is enough, and n ranks on a shared file system do not write it n times. Every rank reads:
+// Rank 0 alone writes: after a synced step every replica holds the same state (a per-rank
+// state is gathered to it), so one copy is enough, and n ranks on a shared file system do not write it n times. Every rank reads:
 // each finds the newest file of its own Options.Dir whose CRC is right, the ranks exchange
 // their steps (an all-gather), the newest wins, and if some rank lacks that file (a host
 // without a shared file system, a new host) the lowest rank holding it broadcasts the state
 // over the process group. So the files need be on rank 0's host only, and a restart that
 // places rank 0 elsewhere still resumes.
+//
+// # Per-rank state
+//
+// A state that each rank holds its own of, such as PowerSGD's error feedback, is
+// registered with PerRank (a RankState, with a description such as ddp.DescribeHook's
+// line). Save is then a collective: the ranks' states are gathered into rank 0's file of
+// the step, so they are written in its one atomic write. Restore gives each rank its own
+// back at the world size that saved them (the run goes on bit for bit), and at another
+// world size hands all of them to the state's UnmarshalResized (Resizer), which decides
+// what each new rank takes; a state that cannot resize is refused there. A checkpoint with
+// another description, or without the state, is refused naming both.
 //
 // # Files
 //

@@ -45,6 +45,10 @@
 // from one of them (Note [Elastic state]), and Run calls body again from that step. Each
 // member says the change in one line (Note [Elastic reports]).
 //
+// A state that each rank holds its own of, such as PowerSGD's error feedback, is
+// registered with State.PerRank and given its object in each epoch with Job.Attach (Note
+// [Elastic per-rank state]).
+//
 // Outside an elastic launcher, Start makes a fixed group (ddp.InitProcessGroup), Run calls
 // body once from step 0, and Commit does nothing: one trainer serves both.
 //

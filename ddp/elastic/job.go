@@ -303,17 +303,19 @@ func (j *Job) restore(ctx context.Context, o *outcome, rank int) (int64, error) 
 		}
 	}
 	if src < 0 { // a new job: every process starts from the same state
-		j.state.commit(0)
-		return 0, nil
+		j.state.detach(-1)
+		_, err := j.state.commit(0)
+		return 0, err
 	}
+	j.state.detach(step)
 	if rank == src {
 		j.state.rollback()
 	}
 	if err := j.state.broadcast(ctx, j.pg, src); err != nil {
 		return 0, err
 	}
-	j.state.commit(step)
-	return step, nil
+	_, err := j.state.commit(step)
+	return step, err
 }
 
 // Note [Elastic state]: Commit copies the registered state after each synced step, so a
@@ -331,7 +333,9 @@ func (j *Job) Commit(ctx context.Context, step int64) error {
 	if j.static != nil {
 		return nil
 	}
-	if !j.state.commit(step) {
+	if ok, err := j.state.commit(step); err != nil {
+		return err
+	} else if !ok {
 		return &ChangeError{Epoch: j.o1.Round, Cause: "the epoch is ending"}
 	}
 	j.commits++

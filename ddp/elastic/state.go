@@ -3,6 +3,7 @@ package elastic
 import (
 	"context"
 	"crypto/sha256"
+	"encoding"
 	"encoding/hex"
 	"fmt"
 	"strings"
@@ -18,6 +19,7 @@ type State struct {
 	mu      sync.Mutex
 	tensors []tensorState
 	ints    []intState
+	ranks   []*rankSlot
 	config  []string // "key=value", in registration order
 	names   map[string]bool
 	err     error // the first bad registration, reported by Run
@@ -84,6 +86,41 @@ func (s *State) Int64(name string, p *int64) {
 	s.ints = append(s.ints, intState{name: name, p: p})
 }
 
+// RankState is a state each rank holds its own of, such as a comm hook's error feedback
+// (ddp.PowerSGDHook): its bytes, back, and, since an epoch may have another world size
+// and lose members, UnmarshalResized, which restores rank of world from the states of the
+// members that held one (in rank order).
+type RankState interface {
+	encoding.BinaryMarshaler
+	encoding.BinaryUnmarshaler
+	UnmarshalResized(saved [][]byte, rank, world int) error
+}
+
+// rankSlot is a registered per-rank state.
+type rankSlot struct {
+	name, desc string
+	live       RankState // this epoch's (Job.Attach); nil before
+	snap       []byte    // its copy at the last commit
+	step       int64     // snap's step; -1: none
+	usable     bool      // snap is of the step this epoch resumes from
+}
+
+// PerRank registers a state that each rank holds its own of, described by desc (a comm
+// hook's settings: ddp.DescribeHook's line; a process with another is refused when it
+// tries to join). Its object may change each epoch (a comm hook serves one DDP): give it
+// to Job.Attach in each epoch, after ddp.New, and the commits copy it from then on. See
+// Note [Elastic per-rank state].
+func (s *State) PerRank(name, desc string) {
+	if !s.register("per-rank state", name) {
+		return
+	}
+	if strings.Contains(desc, "\n") {
+		s.err = fmt.Errorf("elastic: per-rank state %q: a description without a newline, not %q", name, desc)
+		return
+	}
+	s.ranks = append(s.ranks, &rankSlot{name: name, desc: desc, step: -1})
+}
+
 // Config registers a setting the state depends on (a seed, the global batch): a process
 // whose settings differ is refused when it tries to join (Note [Elastic rounds]).
 func (s *State) Config(key, value string) {
@@ -102,6 +139,9 @@ func (s *State) describe() string {
 	}
 	for _, v := range s.ints {
 		fmt.Fprintf(&b, "value %s\n", v.name)
+	}
+	for _, r := range s.ranks {
+		fmt.Fprintf(&b, "per-rank %s %s\n", r.name, r.desc)
 	}
 	for _, c := range s.config {
 		fmt.Fprintf(&b, "config %s\n", c)
@@ -139,12 +179,23 @@ func firstDifference(mine, theirs string) string {
 	return "none"
 }
 
-// commit copies the live state as the state after step, unless a change has frozen it.
-func (s *State) commit(step int64) bool {
+// commit copies the live state as the state after step, unless a change has frozen it
+// (false). A per-rank state not attached in this epoch keeps its copy.
+func (s *State) commit(step int64) (bool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.frozen {
-		return false
+		return false, nil
+	}
+	for _, r := range s.ranks {
+		if r.live == nil {
+			continue
+		}
+		snap, err := appendState(r.live, r.snap[:0])
+		if err != nil {
+			return false, fmt.Errorf("elastic: per-rank state %q: %w", r.name, err)
+		}
+		r.snap, r.step = snap, step
 	}
 	for i := range s.tensors {
 		copy(s.tensors[i].snap, s.tensors[i].live)
@@ -153,7 +204,27 @@ func (s *State) commit(step int64) bool {
 		s.ints[i].snap = *s.ints[i].p
 	}
 	s.step = step
-	return true
+	return true, nil
+}
+
+// appendState appends st's bytes to b, without a new buffer if st can append.
+func appendState(st RankState, b []byte) ([]byte, error) {
+	if a, ok := st.(interface{ AppendBinary([]byte) ([]byte, error) }); ok {
+		return a.AppendBinary(b)
+	}
+	m, err := st.MarshalBinary()
+	return append(b, m...), err
+}
+
+// detach forgets the last epoch's per-rank objects, keeping their copies that are of
+// step, the step the next epoch resumes from.
+func (s *State) detach(step int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, r := range s.ranks {
+		r.live = nil
+		r.usable = r.snap != nil && r.step == step
+	}
 }
 
 // freeze stops the commits of this epoch and returns the step of the last one.

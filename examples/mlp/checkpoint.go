@@ -10,14 +10,16 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/checkpoint"
 	"github.com/goddp/goddp/procgroup"
 )
 
 // ckpt is the run's --checkpoint_dir: the parameters, the optimizer's whole state (none
 // for plain SGD; at --zero 1 and 2 gathered from the ranks' shards before each save, so
-// that any --zero and world size resumes it) and the data position (the next sample of
-// the run, counted over the global batch) in a ddp/checkpoint. A nil *ckpt checkpoints
+// that any --zero and world size resumes it), the data position (the next sample of
+// the run, counted over the global batch) and, with --comm_hook powersgd, each rank's
+// state of the hook (ddp/checkpoint's PerRank) in a ddp/checkpoint. A nil *ckpt checkpoints
 // nothing.
 type ckpt struct {
 	c     *checkpoint.Checkpointer
@@ -53,6 +55,11 @@ func restoreCkpt(ctx context.Context, f flags, pg procgroup.ProcessGroup, m *mlp
 			c.Float32("opt."+v.Name, v.Data)
 		}
 		c.Int64("opt.steps", opt.full.Steps)
+	}
+	if opt.d != nil { // PowerSGD's error feedback, each rank's own (Note [PowerSGD checkpoints])
+		if s, ok := opt.d.CommHook().(checkpoint.RankState); ok {
+			c.PerRank("comm_hook", ddp.DescribeHook(opt.d.CommHook()), s)
+		}
 	}
 	c.Config("--seed", strconv.FormatUint(f.seed, 10))
 	if f.shards() > 0 {
@@ -90,7 +97,7 @@ func (k *ckpt) after(ctx context.Context, rank, step int) error {
 		if err := k.opt.beforeSave(ctx); err != nil { // every rank
 			return err
 		}
-		if err := k.c.Save(int64(step + 1)); err != nil {
+		if err := k.c.SaveContext(ctx, int64(step+1)); err != nil { // every rank: a comm hook's state is gathered
 			return err
 		}
 	}

@@ -9,19 +9,21 @@ import (
 
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/elastic"
+	"github.com/goddp/goddp/internal/hookshards"
 	"github.com/goddp/goddp/procgroup"
 )
 
 // runElastic is run under an elastic launcher (ddprun --nnodes MIN:MAX): the step's batch
 // is --global_batch_size in shards of --micro_batch_size, so that the sum, and so the
 // run, has the same bits whatever the world size of each epoch, and the state that a
-// survivor hands over is the parameters and the data position (SGD has no state).
+// survivor hands over is the parameters and the data position (SGD has no state). With a
+// --comm_hook the hook reduces the shards (hooked.go), the bits depend on the world size,
+// and a stateful hook's state (powersgd's) is each member's own, restored in each epoch
+// (elastic's Attach: Note [Elastic per-rank state]).
 func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 	switch {
 	case f.shards() == 0:
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) needs --global_batch_size and --micro_batch_size: the batch of a step is fixed, not the batch of a rank")
-	case f.commHook == "powersgd":
-		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) does not take --comm_hook powersgd yet: its error feedback is not handed over, so a change would alter the run")
 	case f.noDDP || f.checkpointDir != "" || f.stepsPerRank != nil || f.zero > 0 || f.optimizer != "sgd":
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) takes neither --no_ddp, --checkpoint_dir, --steps_per_rank, --zero nor an --optimizer other than sgd")
 	}
@@ -38,6 +40,15 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 		st.Float32(m.names[i], p, shapes[i]...)
 	}
 	st.Int64("data.next_sample", &next)
+	f.psgd.Seed = f.seed
+	probe, err := ddp.CommHookNamed(f.commHook, f.psgd)
+	if err != nil {
+		return err
+	}
+	_, stateful := probe.(elastic.RankState)
+	if stateful {
+		st.PerRank("comm_hook", ddp.DescribeHook(probe))
+	}
 	for _, c := range [][2]string{
 		{"--seed", strconv.FormatUint(f.seed, 10)}, {"--global_batch_size", strconv.Itoa(f.global)},
 		{"--micro_batch_size", strconv.Itoa(f.micro)}, {"--lr", strconv.FormatFloat(f.lr, 'g', -1, 64)},
@@ -51,16 +62,24 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 			params[i] = ddp.Param{Name: m.names[i], Data: m.params[i], Grad: m.grads[i]}
 		}
 		params[w1].Shape = []int{f.hidden, inputs}
-		f.psgd.Seed = f.seed
-		hook, err := ddp.CommHookNamed(f.commHook, f.psgd)
+		hook, err := ddp.CommHookNamed(f.commHook, f.psgd) // a hook serves one DDP: one per epoch
 		if err != nil {
 			return err
 		}
-		d, err := ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: f.shards(), CommHook: hook})
+		d, err := ddp.New(ctx, pg, params, ddp.Options{BucketCapMB: f.bucketMB, FirstBucketCapMB: f.firstMB, Shards: hookshards.Options(f.commHook, f.shards()), CommHook: hook})
 		if err != nil {
 			return err
 		}
 		defer d.Close()
+		if stateful {
+			kept, err := job.Attach(ctx, "comm_hook", hook.(elastic.RankState))
+			if err != nil {
+				return err
+			}
+			if pg.Rank() == 0 {
+				fmt.Fprintf(stdout, "mlp: --comm_hook %s: its state restored from %d of the %d members' copies\n", f.commHook, kept, pg.Size())
+			}
+		}
 		return trainShards(ctx, f, pg, d, m, int(start), &next, stdout, func(step int) error {
 			return job.Commit(ctx, int64(step+1))
 		})

@@ -2,9 +2,11 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -231,4 +233,100 @@ func TestElasticChaos(t *testing.T) {
 		t.Fatalf("%d steps kept, want 200: %v", len(kept), kept)
 	}
 	t.Logf("changes: %v; every step of 0-199 kept once", changes)
+}
+
+// TestElasticPowerSGDLoseNode: TestElasticLoseNode under --comm_hook powersgd: the hook
+// reduces the shards, and each member's error feedback and the shared factors are
+// committed with the state; when the third node is killed at step 10, the two others
+// form epoch 1 from their own copies (Note [Elastic per-rank state]), keep training
+// (the mean loss of steps 30-39 is below half that of steps 0-4), and end agreeing, bit
+// for bit.
+func TestElasticPowerSGDLoseNode(t *testing.T) {
+	args := elasticArgs + " --comm_hook powersgd --powersgd_rank 1"
+	j := newElasticJob(t, "2:3", nil)
+	j.SetArgs(args)
+	a := j.Start("node a", "")
+	a.WaitFor(hostsStore, 30*time.Second)
+	b, c := j.Start("node b", ""), j.Start("node c", "")
+	launchtest.WaitAny(t, stepAtLeast(10), a, b, c)
+	c.Kill()
+	crcs := map[string]bool{}
+	restored := regexp.MustCompile(`(?m)^\[local0\]: mlp: --comm_hook powersgd: its state restored from (\d) of the (\d) members' copies$`)
+	for _, n := range []*launchtest.Node{a, b} {
+		n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*left: node .*; joined: none; world size 3 -> 2; resuming from step \d+`), time.Minute)
+		if err := n.Wait(2 * time.Minute); err != nil {
+			t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
+		}
+		m := crcLine.FindStringSubmatch(n.Output())
+		if m == nil {
+			t.Fatalf("%s printed no params_crc32:\n%s", n.Name, n.Output())
+		}
+		crcs[m[1]] = true
+	}
+	if len(crcs) != 1 {
+		t.Errorf("the survivors end with different parameters: %v\n%s\n%s", crcs, a.Output(), b.Output())
+	}
+	var said [][]string // rank 0's lines, on whichever node it was in each epoch
+	for _, n := range []*launchtest.Node{a, b, c} {
+		for _, m := range restored.FindAllStringSubmatch(n.Output(), -1) {
+			said = append(said, m[1:])
+		}
+	}
+	has := func(kept, world string) bool {
+		return slices.ContainsFunc(said, func(s []string) bool { return s[0] == kept && s[1] == world })
+	}
+	if len(said) != 2 || !has("0", "3") || !has("2", "2") {
+		t.Errorf("want epoch 0 restored from 0 of 3 members' copies and epoch 1 from 2 of 2: %v", said)
+	}
+	losses := map[int]float64{}
+	lossLine := regexp.MustCompile(`(?m)^\[local0\]: step (\d+) loss ([0-9.e+-]+)$`)
+	for _, n := range []*launchtest.Node{a, b, c} {
+		for _, m := range lossLine.FindAllStringSubmatch(n.Output(), -1) {
+			s, _ := strconv.Atoi(m[1])
+			l, _ := strconv.ParseFloat(m[2], 64)
+			losses[s] = l
+		}
+	}
+	mean := func(from, to int) float64 {
+		var sum float64
+		for s := from; s <= to; s++ {
+			l, ok := losses[s]
+			if !ok || math.IsNaN(l) {
+				t.Fatalf("no finite loss of step %d: %v", s, losses)
+			}
+			sum += l
+		}
+		return sum / float64(to-from+1)
+	}
+	early, late := mean(0, 4), mean(30, 39)
+	t.Logf("mean loss: steps 0-4 %.5f, steps 30-39 %.5f (the kill at step 10)", early, late)
+	if !(late < early/2) {
+		t.Errorf("the loss did not fall across the change: steps 0-4 %.5f, steps 30-39 %.5f: %v", early, late, losses)
+	}
+}
+
+// TestElasticPowerSGDOtherRank: a node whose --powersgd_rank differs from the job's is
+// refused when it tries to join, naming both hooks, and the job goes on without it.
+func TestElasticPowerSGDOtherRank(t *testing.T) {
+	args := elasticArgs + " --comm_hook powersgd --powersgd_rank 1"
+	j := newElasticJob(t, "2:3", nil)
+	j.SetArgs(args)
+	a := j.Start("node a", "")
+	a.WaitFor(hostsStore, 30*time.Second)
+	b := j.Start("node b", "")
+	launchtest.WaitAny(t, stepAtLeast(5), a, b)
+	odd := j.Start("odd node", strings.Replace(args, "--powersgd_rank 1", "--powersgd_rank 2", 1))
+	err := odd.Wait(time.Minute)
+	const msg = `cannot join: its model or settings differ from the job's: this process has "per-rank comm_hook powersgd(rank 2, min_compression_rate 2, start_iter 0, seed 1)" where the job has "per-rank comm_hook powersgd(rank 1, min_compression_rate 2, start_iter 0, seed 1)"`
+	if err == nil || !strings.Contains(odd.Output(), msg) {
+		t.Fatalf("the odd node: ddprun: %v; want a failure saying %q:\n%s", err, msg, odd.Output())
+	}
+	for _, n := range []*launchtest.Node{a, b} {
+		if err := n.Wait(2 * time.Minute); err != nil {
+			t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
+		}
+	}
+	if strings.Contains(a.Output()+b.Output(), "elastic: epoch 1") {
+		t.Errorf("the job changed for a node it refused:\n%s", a.Output())
+	}
 }

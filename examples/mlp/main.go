@@ -18,6 +18,7 @@ import (
 	_ "github.com/goddp/goddp/backends/gloo" // the "gloo" backend (--backend gloo)
 	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/elastic"
+	"github.com/goddp/goddp/internal/hookshards"
 	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -288,7 +289,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			return nil, err
 		}
 		// New checks the ranks' models and hooks agree and copies rank 0's parameters.
-		opts.BucketCapMB, opts.FirstBucketCapMB, opts.Shards, opts.CommHook = f.bucketMB, f.firstMB, f.shards(), hook
+		opts.BucketCapMB, opts.FirstBucketCapMB, opts.Shards, opts.CommHook = f.bucketMB, f.firstMB, hookshards.Options(f.commHook, f.shards()), hook
 		opts.UnevenInputs = f.stepsPerRank != nil
 		if f.stepsPerRank != nil {
 			if len(f.stepsPerRank) != world {
@@ -406,8 +407,13 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp.DDP, m *mlp, start int, next *int64, stdout io.Writer, after func(step int) error) error {
 	L := f.shards()
 	lo, hi := 0, L
+	scale := float32(1) // of a shard's gradient: n/L with a comm hook (hookshards)
 	if d != nil {
-		lo, hi = d.LocalShards()
+		var err error
+		if lo, hi, err = hookshards.Local(d, L); err != nil {
+			return err
+		}
+		scale = float32(hookshards.Scale(d, lo, hi))
 	}
 	losses, all := make([]float32, hi-lo), make([]float32, L) // per shard: its mean loss
 	xs, ys := make([]float32, f.micro*inputs), make([]float32, f.micro)
@@ -431,14 +437,14 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 	}
 	shard := func(s int) error {
 		samples(f.seed, int(*next)+s*f.micro, f.micro, xs, ys)
-		losses[s-lo] = m.forwardBackward(xs, ys, 1, ready) // the shard's own mean
+		losses[s-lo] = m.forwardBackward(xs, ys, scale, ready) / scale // the shard's own mean
 		return nil
 	}
 	inv := 1 / float32(L)
 	for ; step < f.steps; step++ {
 		paced := time.Now()
 		if d != nil {
-			if err := d.BackwardShards(ctx, shard); err != nil { // m.grads: the mean over the shards
+			if err := hookshards.Backward(ctx, d, lo, hi, shard); err != nil { // m.grads: the mean over the shards
 				return leave(ctx, f, pg, err)
 			}
 		} else {

@@ -8,6 +8,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/checkpoint"
 	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/examples/transformer/model"
@@ -78,7 +79,20 @@ func (k *ckpt) restore(ctx context.Context, f flags, w world) (int, error) {
 	return int(start), nil
 }
 
-// save writes the checkpoint of step (the step to continue from) on rank 0.
-func (k *ckpt) save(step int) error {
-	return k.c.Save(int64(step))
+// commHook registers d's comm hook's state, if it keeps one (--comm_hook powersgd: each
+// rank's error feedback and the shared factors, Note [PowerSGD checkpoints] in package
+// reducer), before restore. A nil d (alone, without ddp) has none.
+func (k *ckpt) commHook(d *ddp.DDP) {
+	if d == nil {
+		return
+	}
+	if s, ok := d.CommHook().(checkpoint.RankState); ok {
+		k.c.PerRank("comm_hook", ddp.DescribeHook(d.CommHook()), s)
+	}
+}
+
+// save writes the checkpoint of step (the step to continue from) on rank 0. With a comm
+// hook's state every rank calls it: the ranks' states are gathered into rank 0's file.
+func (k *ckpt) save(ctx context.Context, step int) error {
+	return k.c.SaveContext(ctx, int64(step))
 }

@@ -9,6 +9,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/goddp/goddp/ddp"
 	"github.com/goddp/goddp/ddp/elastic"
 	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/examples/transformer/model"
@@ -16,23 +17,25 @@ import (
 )
 
 // elasticRun is what the epochs of an elastic job share: the job, the optimizer whose
-// state it hands over, and the first step of the epoch that runs.
+// state it hands over, the first step of the epoch that runs, and whether the comm hook
+// keeps a state of its own (--comm_hook powersgd), which each epoch's hook takes over.
 type elasticRun struct {
-	job   *elastic.Job
-	opt   *optim.AdamW
-	start int64
+	job      *elastic.Job
+	opt      *optim.AdamW
+	start    int64
+	stateful bool
 }
 
 // trainElastic trains m under an elastic launcher (ddprun --nnodes MIN:MAX): with
 // --global_batch_size in shards of --micro_batch_size, the data and dropout keyed by shard
 // and step, the run has the same bits whatever the world size of each epoch; the state a
-// survivor hands over is the parameters and AdamW's moments and step.
+// survivor hands over is the parameters and AdamW's moments and step. With a --comm_hook
+// the hook reduces the shards (internal/hookshards) and the bits depend on the world size;
+// a hook's own state (powersgd's) is each member's, and goes with the job too.
 func trainElastic(ctx context.Context, f flags, m *model.Model, log *zap.Logger, stdout io.Writer) error {
 	switch {
 	case f.shards() == 0:
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) needs --global_batch_size and --micro_batch_size: the batch of a step is fixed, not the batch of a rank")
-	case f.commHook == "powersgd":
-		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) does not take --comm_hook powersgd yet: its error feedback is not handed over, so a change would alter the run")
 	case f.checkpointDir != "":
 		return errors.New("an elastic job (ddprun --nnodes MIN:MAX) keeps its state in memory: drop --checkpoint_dir")
 	case f.zero > 0:
@@ -49,6 +52,15 @@ func trainElastic(ctx context.Context, f flags, m *model.Model, log *zap.Logger,
 	}
 	el := &elasticRun{job: job, opt: opt}
 	st := job.State()
+	ps := f.psgd
+	ps.Seed = f.seed
+	probe, err := ddp.CommHookNamed(f.commHook, ps)
+	if err != nil {
+		return err
+	}
+	if _, el.stateful = probe.(elastic.RankState); el.stateful {
+		st.PerRank("comm_hook", ddp.DescribeHook(probe))
+	}
 	data := m.Data32()
 	for _, p := range m.Params() {
 		st.Float32(p.Name, data[p.Offset:p.Offset+p.Size], p.Shape...)
@@ -75,6 +87,16 @@ func trainElastic(ctx context.Context, f flags, m *model.Model, log *zap.Logger,
 		fmt.Fprintln(stdout, "transformer: the job finished while this process waited to join it")
 		return nil
 	}
+	return err
+}
+
+// attach gives the epoch's comm hook (d's, made with the epoch's DDP) the state of the
+// hook it replaces, if it keeps one (Note [Elastic per-rank state]).
+func (el *elasticRun) attach(ctx context.Context, d *ddp.DDP) error {
+	if !el.stateful || d == nil {
+		return nil
+	}
+	_, err := el.job.Attach(ctx, "comm_hook", d.CommHook().(elastic.RankState))
 	return err
 }
 

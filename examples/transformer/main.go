@@ -31,6 +31,7 @@ import (
 	"github.com/goddp/goddp/ddp/gorgoniaddp"
 	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/examples/transformer/model"
+	"github.com/goddp/goddp/internal/hookshards"
 	"github.com/goddp/goddp/internal/outpath"
 	"github.com/goddp/goddp/procgroup"
 )
@@ -233,8 +234,6 @@ func checkShardFlags(f flags, fs *flag.FlagSet) error {
 		return errors.New("--global_batch_size and --micro_batch_size fix the batch: drop --batch_size and --accum_steps")
 	case float64(f.bucketCapMB) == ddp.AutoBucketCap:
 		return errors.New("--global_batch_size: the shards take a fixed --bucket_cap_mb, not auto")
-	case f.commHook != "none" && f.commHook != "":
-		return fmt.Errorf("--global_batch_size: the shards are gathered and summed in shard order, without --comm_hook %s", f.commHook)
 	}
 	return nil
 }
@@ -454,19 +453,27 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 	if err != nil {
 		return err
 	}
-	batch := f.batch
+	batch, scale := f.batch, 1/float64(f.accum)
 	if L := f.shards(); L > 0 {
 		batch = f.micro // one shard per run, its own mean loss (--accum_steps is 1)
 		lo, hi := 0, L
 		if t.d != nil {
-			lo, hi = t.d.LocalShards()
+			if lo, hi, err = hookshards.Local(t.d, L); err != nil {
+				return err
+			}
+			scale = hookshards.Scale(t.d, lo, hi) // 1, or n/L with a --comm_hook
 		}
-		t.shardLo, t.shardLoss = lo, make([]float64, hi-lo)
+		t.shardLo, t.shardLoss, t.shardScale = lo, make([]float64, hi-lo), scale
+	}
+	if el != nil {
+		if err := el.attach(ctx, t.d); err != nil {
+			return err
+		}
 	}
 	graphBuild.Lock()
 	t.g, err = m.NewGraph(model.GraphOptions{
 		Batch: batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
-		LossScale: 1 / float64(f.accum), Hook: hook,
+		LossScale: scale, Hook: hook,
 	})
 	graphBuild.Unlock()
 	if err != nil {
@@ -528,8 +535,9 @@ type trainer struct {
 
 	// With --global_batch_size: this rank's first shard, and the last step's loss of each
 	// of its shards.
-	shardLo   int
-	shardLoss []float64
+	shardLo    int
+	shardLoss  []float64
+	shardScale float64 // of a shard's loss and gradient: 1, or n/L with a --comm_hook
 
 	timed  time.Duration // the total time of the timed steps (after --warmup_steps)
 	nTimed int
@@ -562,7 +570,7 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 		return err
 	}
 	opts := ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook,
-		NoFiniteCheck: t.f.noFiniteCheck, Shards: t.f.shards()}
+		NoFiniteCheck: t.f.noFiniteCheck, Shards: hookshards.Options(t.f.commHook, t.f.shards())}
 	if t.f.zero > 0 { // the same AdamW as --zero 0's, bit for bit
 		lr := t.f.lr
 		opts.Zero = t.f.zero
@@ -593,6 +601,7 @@ func (t *trainer) resume(ctx context.Context, log *zap.Logger) (int, error) {
 	if t.ck, err = newCkpt(f, w, t.pg, t.m, t.opt, log); err != nil {
 		return 0, err
 	}
+	t.ck.commHook(t.d)
 	start, err := t.ck.restore(ctx, f, w)
 	if err != nil {
 		return 0, err
@@ -660,7 +669,7 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	}
 	if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
 		end := t.obs.tr.Span("checkpoint")
-		if err := t.ck.save(step + 1); err != nil {
+		if err := t.ck.save(ctx, step+1); err != nil {
 			return err
 		}
 		end()
@@ -761,11 +770,11 @@ func (t *trainer) backwardShards(ctx context.Context, step int) (float64, error)
 		if err != nil {
 			return fmt.Errorf("step %d shard %d: %w", step, s, err)
 		}
-		t.shardLoss[s-t.shardLo] = l
+		t.shardLoss[s-t.shardLo] = l / t.shardScale
 		return nil
 	}
 	if t.d != nil {
-		if err := t.d.BackwardShards(ctx, pass); err != nil {
+		if err := hookshards.Backward(ctx, t.d, t.shardLo, t.shardLo+len(t.shardLoss), pass); err != nil {
 			return 0, err
 		}
 	} else {

@@ -146,13 +146,15 @@ func TestShardFlags(t *testing.T) {
 	if f, err := parseFlags(nil, &bytes.Buffer{}); err != nil || f.shards() != 0 {
 		t.Fatalf("without --global_batch_size: %d shards, %v", f.shards(), err)
 	}
+	if f, err := parseFlags(strings.Fields("--global_batch_size 12 --micro_batch_size 2 --comm_hook powersgd"), &bytes.Buffer{}); err != nil || f.shards() != 6 {
+		t.Fatalf("12 / 2 with --comm_hook powersgd (the hook reduces the shards): %d shards, %v", f.shards(), err)
+	}
 	for args, want := range map[string]string{
 		"--global_batch_size 12":                                           "--global_batch_size 12, --micro_batch_size 0: want both positive",
 		"--micro_batch_size 2":                                             "--global_batch_size 0, --micro_batch_size 2: want both positive",
 		"--global_batch_size 13 --micro_batch_size 2":                      "the global batch a multiple of the micro-batch",
 		"--global_batch_size 12 --micro_batch_size 2 --batch_size 8":       "drop --batch_size and --accum_steps",
 		"--global_batch_size 12 --micro_batch_size 2 --accum_steps 2":      "drop --batch_size and --accum_steps",
-		"--global_batch_size 12 --micro_batch_size 2 --comm_hook fp16":     "without --comm_hook fp16",
 		"--global_batch_size 12 --micro_batch_size 2 --bucket_cap_mb auto": "a fixed --bucket_cap_mb, not auto",
 	} {
 		if _, err := parseFlags(strings.Fields(args), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), want) {
