@@ -9,6 +9,7 @@
 #
 #   RATES="1gbit 10gbit" SHAPES="4x512 2x256" REPEATS=3 scripts/hooks_testbed.sh
 #   RATES=host SHAPES=4x512 scripts/hooks_testbed.sh      # 2 ranks on this host, no testbed
+#   GODDP_HOOKS="none auto" TORCH_HOOKS= RATES=host ...      # some hooks only
 #
 # Out: $OUT/raw.csv (rate,shape,system,hook,repeat,ms_step), $OUT/table.md (the medians,
 # exposed = ms/step less the system's compute alone, and the bytes each hook puts on the
@@ -37,8 +38,8 @@ GODDP_TOKEN=${GODDP_TOKEN:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n'
 export GODDP_TOKEN # the two hosts' ddprun authenticate with it
 raw="$OUT/raw.csv"
 echo "rate,shape,system,hook,repeat,ms_step" > "$raw"
-goddp_hooks=(none bf16 fp16 powersgd_r1 powersgd_r2 powersgd_r4 auto)
-torch_hooks=(none fp16 powersgd_r1 powersgd_r2 powersgd_r4)
+read -r -a goddp_hooks <<< "${GODDP_HOOKS:-none bf16 fp16 powersgd_r1 powersgd_r2 powersgd_r4 auto}"
+read -r -a torch_hooks <<< "${TORCH_HOOKS-none fp16 powersgd_r1 powersgd_r2 powersgd_r4}" # empty: no PyTorch DDP points
 
 fail() {
   echo "hooks_testbed: $2 failed or printed no ms/step; last lines of $1:" >&2

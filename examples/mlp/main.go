@@ -144,6 +144,10 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	if _, err := ddp.CommHookNamed(f.commHook, f.psgd); err != nil {
 		return f, fmt.Errorf("--comm_hook: %w", err)
 	}
+	if f.commHook == "auto" && (f.checkpointDir != "" || f.global > 0 || f.micro > 0) {
+		// its PowerSGD states are not saved or handed over yet: a resume would drop them
+		return f, errors.New("--comm_hook auto takes neither --checkpoint_dir nor --global_batch_size (an elastic job) yet: its state would not survive a resume or a change; use --comm_hook powersgd, whose state does")
+	}
 	set := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
 	if set["global_batch_size"] || set["micro_batch_size"] {
