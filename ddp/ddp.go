@@ -668,7 +668,7 @@ func (d *DDP) CommHook() CommHook { return d.opts.CommHook }
 
 // BucketParams returns the current bucket layout: the indices of the parameters in each
 // bucket, buckets in launch order. The layout changes at the first synced Finalize (with
-// AutoBucketCap, at each of the first three; Generation tells which one this is). The
+// AutoBucketCap or an AutoHook, at each of the first three; Generation tells which one this is). The
 // slices are the caller's.
 func (d *DDP) BucketParams() [][]int {
 	bs := d.r.Buckets()
@@ -680,13 +680,14 @@ func (d *DDP) BucketParams() [][]int {
 }
 
 // AutoPlan returns the automatic bucket sizing's choice (Options.BucketCapMB =
-// AutoBucketCap), or nil before it decided (at the end of the third synced step), with a
-// fixed cap, with one rank, or if this rank could not model the step (it then logs why,
-// and the DDP keeps its first layout's caps).
+// AutoBucketCap) and an AutoHook's (its Hooks), or nil before it decided (at the end of
+// the third synced step), with neither of them, with one rank, or if this rank could not
+// model the step (it then logs why, and the DDP keeps its first layout's caps and the
+// plain all-reduce).
 func (d *DDP) AutoPlan() *AutoPlan { return d.r.AutoPlan() }
 
 // Generation counts the bucket layouts (0, then 1 after the first synced Finalize; with
-// AutoBucketCap, up to 3 after the third).
+// AutoBucketCap or an AutoHook, up to 3 after the third).
 func (d *DDP) Generation() int { return d.r.Generation() }
 
 // BroadcastBuffers copies rank 0's buffers (Options.Buffers) to every rank, as PyTorch does

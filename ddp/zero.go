@@ -103,6 +103,8 @@ func checkZero(o *Options) error {
 		with = "Options.GradientAsBucketView"
 	case o.BucketCapMB == AutoBucketCap:
 		with = "AutoBucketCap (its later rebuilds would move the shards; give BucketCapMB)"
+	case reducer.IsAutoHook(o.CommHook):
+		with = "AutoHook (its measured passes rebuild the buckets, which would move the shards)"
 	case o.Zero == 2 && o.CommHook != nil && o.CommHook != reducer.AllReduceHook():
 		with = "a CommHook at stage 2 (the buckets are reduce-scattered instead)"
 	}

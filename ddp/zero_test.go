@@ -310,6 +310,7 @@ func TestZeroErrors(t *testing.T) {
 		{Options{Zero: 1, Optimizer: f, Shards: 1}, "cannot be combined with Options.Shards"},
 		{Options{Zero: 2, Optimizer: f, UnevenInputs: true}, "cannot be combined with Options.UnevenInputs"},
 		{Options{Zero: 1, Optimizer: f, BucketCapMB: AutoBucketCap}, "AutoBucketCap"},
+		{Options{Zero: 1, Optimizer: f, CommHook: AutoHook(AutoHookOptions{})}, "AutoHook"},
 		{Options{Zero: 2, Optimizer: f, CommHook: FP16CompressHook()}, "a CommHook at stage 2"},
 	} {
 		_, err := New(ctx, c.Group(0), one(), tc.o)

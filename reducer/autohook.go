@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 
 	"go.uber.org/zap"
@@ -48,6 +49,13 @@ func AutoHook(o AutoHookOptions) CommHook {
 	return &autoHook{o: o}
 }
 
+// IsAutoHook reports whether h is an AutoHook, whose measured passes rebuild the buckets as
+// AutoBucketCap's do (package ddp's ZeRO refuses it, as it refuses AutoBucketCap).
+func IsAutoHook(h CommHook) bool {
+	_, ok := h.(*autoHook)
+	return ok
+}
+
 // Note [Auto hook]: compression pays only where the wire is slower than the compression's
 // own compute (Agarwal et al., MLSys 2022, found it beat well-tuned synchronous training
 // in few set-ups), so AutoHook leaves the choice to the step model (Note [Step model] in
@@ -56,8 +64,9 @@ func AutoHook(o AutoHookOptions) CommHook {
 // when the caps are fixed, and keeps the caps it was given then.
 //
 // At the decision, every rank times the hooks' own kernels on a matrix of the model's (the
-// largest that PowerSGD compresses, cut to at most 2^20 elements, a row being the unit of
-// their work): PowerSGD's launch and finish at each rank, an even and an odd step, and the
+// largest that PowerSGD at rank 1 compresses, cut to about 2^20 elements, a row being the
+// unit of their work, but kept to more rows than the highest rank so that every rank
+// compresses it): PowerSGD's launch and finish at each rank, an even and an odd step, and the
 // casts to and from bfloat16, the least of two tries (measureCompression). The step model
 // prices each hook on each bucket (Note [Hooks in the model]), and rank 0 chooses
 // (sim.Profile.BestHooks): for each level of compression it allows (bf16; PowerSGD at the
@@ -84,6 +93,7 @@ type autoHook struct {
 	choice []sim.Hook        // by bucket; nil until the decision
 	psgd   map[int]*powerSGD // by rank, for the buckets that chose it
 	comp   *sim.Compression  // this rank's measurements
+	force  []sim.Hook        // tests: rank 0's choice, instead of the model's
 	plan   *sim.HookPlan     // rank 0's choice, as this rank predicts it
 }
 
@@ -98,8 +108,10 @@ func (h *autoHook) Setup(s HookSetup) error {
 		return errors.New("already set up by another Reducer: give each DDP its own hook")
 	case s.Device:
 		return errors.New("device buckets (Options.Device) are not supported: use a host bucket or another hook")
-	case !(h.o.PowerSGD.MinCompressionRate >= 1):
-		return fmt.Errorf("MinCompressionRate %v, want at least 1", h.o.PowerSGD.MinCompressionRate)
+	case !(h.o.PowerSGD.MinCompressionRate >= 1) || math.IsInf(h.o.PowerSGD.MinCompressionRate, 0):
+		return fmt.Errorf("MinCompressionRate %v, want at least 1 (and finite)", h.o.PowerSGD.MinCompressionRate)
+	case h.o.PowerSGD.StartIter < 0:
+		return fmt.Errorf("StartIter %d, want 0 or more", h.o.PowerSGD.StartIter)
 	case !(h.o.MinGain > 0 && h.o.MinGain < 1) || !(h.o.Accuracy > 0 && h.o.Accuracy < 1):
 		return fmt.Errorf("margins %v and %v, want each in (0, 1)", h.o.MinGain, h.o.Accuracy)
 	}
@@ -136,9 +148,6 @@ func (h *autoHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *Buc
 }
 
 func (h *autoHook) Finish(b *BucketView) error { return h.hookFor(b.Index).Finish(b) }
-
-// Choice returns each bucket's hook (nil before the decision).
-func (h *autoHook) Choice() []sim.Hook { return slices.Clone(h.choice) }
 
 // hookCode encodes a sim.Hook for the broadcast of rank 0's choice.
 func hookCode(x sim.Hook) int64 {
@@ -188,6 +197,9 @@ func (h *autoHook) decide(ctx context.Context, r *Reducer, prof *sim.Profile, bs
 		if err == nil && r.pg.Rank() == 0 {
 			var plan sim.HookPlan
 			if plan, err = prof.BestHooks(bs, sim.HookOptions{MinGain: h.o.MinGain, Accuracy: h.o.Accuracy, MinSaving: sim.DefaultHookMinSaving}); err == nil {
+				if h.force != nil {
+					plan.Hooks = h.force
+				}
 				for b, x := range plan.Hooks {
 					codes[b] = hookCode(x)
 				}
@@ -218,17 +230,27 @@ func (h *autoHook) decide(ctx context.Context, r *Reducer, prof *sim.Profile, bs
 		return err
 	}
 	if prof != nil {
-		costs := make([]sim.HookCost, len(bs))
-		for b, x := range choice {
-			costs[b], _ = prof.Compression.Cost(prof, bs[b], x)
-		}
-		pred, err := prof.SimulateHooks(bs, costs)
-		none, err2 := prof.Simulate(bs)
-		if err == nil && err2 == nil {
-			h.plan = &sim.HookPlan{Hooks: choice, Predicted: pred, None: none, Gain: 1 - pred.Step/none.Step}
-		}
+		h.plan = describe(prof, bs, choice)
 	}
 	return nil
+}
+
+// describe is this rank's prediction for rank 0's choice (nil if its profile cannot price
+// it).
+func describe(prof *sim.Profile, bs []bucket.Bucket, choice []sim.Hook) *sim.HookPlan {
+	costs := make([]sim.HookCost, len(bs))
+	for b, x := range choice {
+		var err error
+		if costs[b], err = prof.Compression.Cost(prof, bs[b], x); err != nil {
+			return nil
+		}
+	}
+	pred, err := prof.SimulateHooks(bs, costs)
+	none, err2 := prof.Simulate(bs)
+	if err != nil || err2 != nil {
+		return nil
+	}
+	return &sim.HookPlan{Hooks: choice, Predicted: pred, None: none, Gain: 1 - pred.Step/none.Step}
 }
 
 // setChoice sets up the hooks chosen for the buckets: a PowerSGD state per rank chosen,

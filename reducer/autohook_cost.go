@@ -2,6 +2,7 @@ package reducer
 
 import (
 	"math"
+	"slices"
 	"time"
 
 	"github.com/goddp/goddp/bucket/sim"
@@ -12,8 +13,8 @@ import (
 const measureElems = 1 << 20
 
 // measureCompression times the hooks' kernels for Note [Auto hook]: PowerSGD at each of
-// ranks on the largest parameter that rank 1 compresses (cut to whole rows, at most
-// measureElems elements), an even and an odd step's launch and finish, and bf16's casts of
+// ranks on the largest parameter that rank 1 compresses (cut to whole rows, about
+// measureElems elements but more rows than the highest rank), an even and an odd step's launch and finish, and bf16's casts of
 // as many elements; each the least of two tries, per element. It allocates its matrix, the
 // hook's state and the message for the time it takes.
 func measureCompression(params []HookParam, ranks []int, rate float64) (*sim.Compression, error) {
@@ -31,7 +32,9 @@ func measureCompression(params []HookParam, ranks []int, rate float64) (*sim.Com
 	elems := measureElems
 	dt := procgroup.Float32
 	if big >= 0 {
-		bigN = max(1, min(bigN, measureElems/bigM))
+		// About measureElems elements, but more rows than the highest rank: one row is
+		// never compressed, and a few rows of a very wide matrix not at every rank.
+		bigN = min(bigN, max(measureElems/bigM, slices.Max(ranks)+1))
 		elems = bigN * bigM
 		dt = params[big].DType
 	}

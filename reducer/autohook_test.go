@@ -142,6 +142,53 @@ func TestAutoHookSlowLink(t *testing.T) {
 	}
 }
 
+// TestAutoHookMixed: whatever rank 0 chooses for each bucket (forced here, to cover the
+// mixes the model picks on other links), every parameter of a bucket ends each step after
+// the decision with the bits its own hook gives it alone: the plain all-reduce, bf16, or
+// PowerSGD at its rank started at the decision (StartIter 3), although several PowerSGD
+// states and the plain buckets share one model.
+func TestAutoHookMixed(t *testing.T) {
+	const steps = 7
+	opts := Options{BucketCapMB: 0.04, FirstBucketCapMB: 0.01} // two buckets: a matrix each
+	refs := map[sim.Hook]hookRun{}
+	ref := func(h sim.Hook) hookRun {
+		if r, ok := refs[h]; ok {
+			return r
+		}
+		mk := map[string]func() CommHook{"none": AllReduceHook, "bf16": BF16CompressHook,
+			"powersgd": func() CommHook { return PowerSGDHook(PowerSGDOptions{Rank: h.Rank, StartIter: autoPasses}) }}[h.Kind]
+		refs[h] = runHook(t, mk, opts, 0, 0, steps, 14)
+		return refs[h]
+	}
+	r1, r2, r4 := sim.Hook{Kind: "powersgd", Rank: 1}, sim.Hook{Kind: "powersgd", Rank: 2}, sim.Hook{Kind: "powersgd", Rank: 4}
+	none, bf := sim.Hook{Kind: "none"}, sim.Hook{Kind: "bf16"}
+	for _, force := range [][]sim.Hook{{r1, r2}, {r2, r1}, {bf, r2}, {r1, none}, {none, r4}} {
+		auto := runHook(t, func() CommHook {
+			h := AutoHook(AutoHookOptions{}).(*autoHook)
+			h.force = force
+			return h
+		}, opts, 0, 0, steps, 14)
+		for w := range auto.out {
+			if p := auto.plans[w]; p == nil || p.Hooks == nil || !slices.Equal(p.Hooks.Hooks, force) {
+				t.Fatalf("%v: rank %d's plan %v", force, w, p)
+			}
+			if len(auto.buckets[w]) != len(force) {
+				t.Fatalf("%v: %d buckets", force, len(auto.buckets[w]))
+			}
+			for b, h := range force {
+				want := ref(h)
+				for s := autoPasses; s < steps; s++ {
+					for _, i := range auto.buckets[w][b].Params {
+						if !slices.Equal(auto.out[w][s][i], want.out[w][s][i]) {
+							t.Errorf("%v: rank %d, step %d, parameter %d (bucket %d, %v): differs from the hook alone", force, w, s, i, b, h)
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
 // TestAutoHookFastLink: with no link to cross, the all-reduce is nearly free beside
 // backward, and AutoHook keeps the plain all-reduce: the averages are the plain ones, and
 // every all-reduce after the decision carries the whole bucket.
@@ -209,6 +256,7 @@ func TestAutoHookRefused(t *testing.T) {
 		{"rank 0", AutoHookOptions{Ranks: []int{0, 2}}, "PowerSGD rank 0"},
 		{"margin", AutoHookOptions{MinGain: 1.5}, "margins"},
 		{"rate", AutoHookOptions{PowerSGD: PowerSGDOptions{MinCompressionRate: 0.5}}, "MinCompressionRate"},
+		{"start", AutoHookOptions{PowerSGD: PowerSGDOptions{StartIter: -1}}, "StartIter -1"},
 	} {
 		_, err := New(c.Group(0), params(), Options{CommHook: AutoHook(tc.o)})
 		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), tc.want) || !strings.Contains(err.Error(), "auto(") {
@@ -248,6 +296,11 @@ func TestMeasureCompression(t *testing.T) {
 		if !(rc.Pre > 0) || !(rc.Post > 0) {
 			t.Errorf("rank %d: %+v", rc.Rank, rc)
 		}
+	}
+	// A matrix wider than the measured elements keeps five rows, which rank 4 compresses.
+	wide, err := measureCompression([]HookParam{{Name: "w", DType: procgroup.Float32, Shape: []int{64, 600000}}}, []int{1, 2, 4}, 2)
+	if err != nil || len(wide.PowerSGD) != 3 {
+		t.Errorf("64×600000: %+v, %v: want the three ranks measured", wide, err)
 	}
 	vec, err := measureCompression(ps[1:], []int{1}, 2)
 	if err != nil || len(vec.PowerSGD) != 0 {

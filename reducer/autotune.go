@@ -131,8 +131,8 @@ func (p *AutoPlan) String() string {
 	return s
 }
 
-// AutoPlan returns a copy of the auto sizing's plan, or nil without AutoBucketCap or before
-// it decided.
+// AutoPlan returns a copy of the auto sizing's plan, or nil without AutoBucketCap or an
+// AutoHook, or before it decided.
 func (r *Reducer) AutoPlan() *AutoPlan {
 	r.mu.Lock()
 	defer r.mu.Unlock()

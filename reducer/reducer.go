@@ -82,7 +82,7 @@ type Reducer struct {
 	order64  []int64 // the rebuild's broadcast buffer
 	firstCap int64   // the caps of the current layout, in bytes
 	capBytes int64
-	auto     *autoTuner               // with AutoBucketCap
+	auto     *autoTuner               // with AutoBucketCap or an AutoHook
 	retired  []procgroup.DeviceBuffer // device buckets of the layout before the rebuild, freed at Close
 	late     []lateWork               // device collectives of earlier passes not yet seen complete
 	mem      [2]hostMem               // the host buckets' memory (float32, float64; Note [Bucket memory])
@@ -235,8 +235,8 @@ func (r *Reducer) Buckets() []bucket.Bucket {
 }
 
 // Generation counts the bucket layouts: 0 at New, 1 after the rebuild that follows the first
-// synced backward (with AutoBucketCap, up to 3 after the third). Slices from GradView belong
-// to one generation.
+// synced backward (with AutoBucketCap or an AutoHook, up to 3 after the third). Slices from
+// GradView belong to one generation.
 func (r *Reducer) Generation() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -475,8 +475,9 @@ func (r *Reducer) poll(now time.Time) {
 // Finalize ends the backward pass. After a synced pass it launches the buckets left (with
 // FindUnusedParameters, those of unused parameters, reduced as zeros), waits for every
 // bucket, and leaves the averaged gradients in each Param.Grad (or, with
-// GradientAsBucketView, in the views); after the first synced pass (with AutoBucketCap, each
-// of the first three) it also rebuilds the buckets (Note [Rebuild], Note [Auto buckets]). After an Accumulate pass it returns at once: the running sum
+// GradientAsBucketView, in the views); after the first synced pass (with AutoBucketCap or
+// an AutoHook, each of the first three) it also rebuilds the buckets (Note [Rebuild], Note
+// [Auto buckets]). After an Accumulate pass it returns at once: the running sum
 // stays in the bucket slots (Param.Grad is not written until the next synced Finalize).
 //
 // It fails with an *UnusedError if parameters got no gradient (without
@@ -640,9 +641,9 @@ func (r *Reducer) unpack(b int) error {
 // every bucket of that pass is reduced, every rank issues one Broadcast from rank 0 of
 // rank 0's observed grad-ready order (parameters that got no gradient follow, in reverse
 // registration order), and all ranks rebuild their buckets from it with the same caps, so
-// they agree whatever their own hooks' order. This is done once (with AutoBucketCap, after
-// each of the first three synced passes, Note [Auto buckets]): later passes keep the
-// layout. It happens inside Finalize because Finalize has a ctx for the broadcast and is
+// they agree whatever their own hooks' order. This is done once (with AutoBucketCap or an
+// AutoHook, after each of the first three synced passes, Note [Auto buckets]): later
+// passes keep the layout. It happens inside Finalize because Finalize has a ctx for the broadcast and is
 // already a point every rank reaches in step. In bucket-view mode the averaged gradients
 // are carried over into the new buffers and Generation is incremented, so views taken
 // before must be taken again; if the order reproduces the current layout nothing changes.

@@ -80,7 +80,8 @@ func (c *Compression) Candidates() []Hook {
 	return hs
 }
 
-func (c *Compression) check(p *Profile) error {
+// Check reports what is inconsistent in c for p's model.
+func (c *Compression) Check(p *Profile) error {
 	if len(c.Shapes) != len(p.Params) {
 		return fmt.Errorf("%w: compression: %d shapes for %d parameters", ErrInvalid, len(c.Shapes), len(p.Params))
 	}
@@ -125,6 +126,14 @@ func (c *Compression) matrix(i, r int) (n, m int, ok bool) {
 // Cost prices hook h on bucket b of p's model (Note [Hooks in the model]).
 func (c *Compression) Cost(p *Profile, b bucket.Bucket, h Hook) (HookCost, error) {
 	var out HookCost
+	if len(c.Shapes) != len(p.Params) {
+		return out, fmt.Errorf("%w: compression: %d shapes for %d parameters", ErrInvalid, len(c.Shapes), len(p.Params))
+	}
+	for _, i := range b.Params {
+		if i < 0 || i >= len(p.Params) {
+			return out, fmt.Errorf("%w: bucket parameter %d of %d", ErrInvalid, i, len(p.Params))
+		}
+	}
 	switch h.Kind {
 	case "none":
 		for _, i := range b.Params {
@@ -245,7 +254,7 @@ func (p *Profile) BestHooks(buckets []bucket.Bucket, o HookOptions) (HookPlan, e
 	if c == nil {
 		return HookPlan{}, fmt.Errorf("%w: the profile has no compression costs", ErrInvalid)
 	}
-	if err := c.check(p); err != nil {
+	if err := c.Check(p); err != nil {
 		return HookPlan{}, err
 	}
 	if !(o.MinGain >= 0 && o.MinGain < 1) || !(o.Accuracy >= 0 && o.Accuracy < 1) || !(o.MinSaving >= 0) {

@@ -15,6 +15,9 @@ func hookTable(w io.Writer, p *sim.Profile, c config) error {
 	if p.Compression == nil {
 		return errors.New("-hooks: the profile has no compression costs: write it from a run with --comm_hook auto --auto_profile FILE")
 	}
+	if err := p.Compression.Check(p); err != nil {
+		return fmt.Errorf("-hooks: %w", err)
+	}
 	bs, err := p.Layout(mib(c.firstMB), mib(c.hooksCapMB))
 	if err != nil {
 		return err

@@ -51,6 +51,11 @@ func TestHookTable(t *testing.T) {
 	if !strings.Contains(out.String(), "| auto: none ×") || !strings.Contains(out.String(), "auto keeps the plain all-reduce") {
 		t.Errorf("1000 Gbit/s: auto does not keep the plain all-reduce in\n%s", out.String())
 	}
+	p.Compression.Shapes = p.Compression.Shapes[:1] // a stranger's or a damaged profile
+	short := writeJSON(t, dir, "short.json", p)
+	if err := run([]string{"-profile", short, "-caps", "25", "-hooks"}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "1 shapes for 8 parameters") {
+		t.Errorf("a profile with too few shapes: %v", err)
+	}
 	err = run([]string{"-profile", path, "-caps", "25", "-hooks"}, io.Discard, io.Discard)
 	if err == nil || !strings.Contains(err.Error(), "--comm_hook auto --auto_profile") {
 		t.Errorf("no costs: %v", err)
