@@ -55,6 +55,22 @@
 // a node may leave or join mid-run, the survivors go on with the parameters and AdamW's
 // state from memory, and the run ends with the bits of the uninterrupted one.
 //
+// # Uneven data per rank
+//
+// --steps_per_rank 3,5 (instead of --bench_steps) gives rank r its own count of steps, as
+// when the ranks' data run out at different points: a rank whose steps are done calls
+// ddp's Join (ddp.Options.UnevenInputs), which shadows the others' all-reduces with zero
+// gradients until every rank is done, and every rank then ends with the parameters of the
+// rank that ran the most steps. The average divides by the world size (Note [Join] in
+// package ddp). --no_ddp --steps_per_rank 3,5 runs the same batches in one process, each
+// step the micro-batches of the ranks that still have data; at 2 ranks, or with two ranks
+// that have data, the params_crc32 is the same. Without Join the ranks that stop early
+// leave their peers in a collective until --timeout. It takes neither --checkpoint_dir,
+// --zero, --global_batch_size, --bucket_cap_mb auto nor --inject_nan; the straggler report
+// (a collective every --report_every steps) is off, and rank 0 prints its own loss.
+//
+//	ddprun --nproc_per_node 2 ./examples/transformer -- --steps_per_rank 3,5 --warmup_steps 0
+//
 // # Non-finite gradients
 //
 // A NaN or an infinity in any rank's gradient makes every rank's Finalize return the same

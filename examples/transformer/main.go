@@ -16,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	stdsync "sync"
@@ -67,8 +68,9 @@ type flags struct {
 	straggle      time.Duration // … sleeps this long per step before backward
 	inject        injection     // --inject_nan
 	noFiniteCheck bool
-	global        int // --global_batch_size: samples per step over all ranks (with --micro_batch_size)
-	micro         int // --micro_batch_size: samples per logical shard
+	global        int   // --global_batch_size: samples per step over all ranks (with --micro_batch_size)
+	micro         int   // --micro_batch_size: samples per logical shard
+	stepsPerRank  []int // --steps_per_rank: rank r runs stepsPerRank[r] steps, then ddp's Join (nil: even)
 
 	// stderr is where a rank says a non-finite gradient before it leaves (nonFinite).
 	stderr   io.Writer
@@ -157,6 +159,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.BoolVar(&f.noFiniteCheck, "no_finite_check", false, "turn off ddp's check that names the ranks and parameters of non-finite gradients (ddp.Options.NoFiniteCheck)")
 	fs.IntVar(&f.global, "global_batch_size", 0, "samples per step over all ranks, cut into global/micro logical shards whose sum is the same bits at every world size that divides it (with --micro_batch_size; instead of --batch_size and --accum_steps)")
 	fs.IntVar(&f.micro, "micro_batch_size", 0, "samples per logical shard (with --global_batch_size)")
+	perRank := fs.String("steps_per_rank", "", "comma-separated steps of each rank, the first --warmup_steps untimed (uneven data, e.g. 3,5): a rank whose steps are done joins (ddp.Options.UnevenInputs) until every rank's are; instead of --bench_steps. With --no_ddp, one process runs every rank's micro-batches of each step, as the ranks would with Join")
 	straggle := fs.String("straggle_ms", "", "R:MS: rank R sleeps MS milliseconds per step before backward (a straggler on purpose, for the straggler report)")
 	fs.StringVar(&f.commHook, "comm_hook", "none", "DDP communication hook: "+ddp.CommHookNames)
 	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 1, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank)")
@@ -178,6 +181,11 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	if err := checkShardFlags(f, fs); err != nil {
 		return f, err
 	}
+	steps, err := parseStepsPerRank(f, fs, *perRank)
+	if err != nil {
+		return f, err
+	}
+	f.stepsPerRank = steps
 	switch {
 	case fs.NArg() > 0:
 		return f, fmt.Errorf("unexpected argument %q", fs.Arg(0))
@@ -237,6 +245,33 @@ func checkShardFlags(f flags, fs *flag.FlagSet) error {
 		return fmt.Errorf("--global_batch_size: the shards are gathered and summed in shard order, without --comm_hook %s", f.commHook)
 	}
 	return nil
+}
+
+// parseStepsPerRank parses --steps_per_rank and refuses what cannot go beside it: what
+// fixes the steps or the batch (--bench_steps, --global_batch_size), and what issues
+// collectives of its own at some step (--checkpoint_dir, --zero, --bucket_cap_mb auto,
+// --inject_nan's leaving together).
+func parseStepsPerRank(f flags, fs *flag.FlagSet, s string) ([]int, error) {
+	set := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	if !set["steps_per_rank"] {
+		return nil, nil
+	}
+	var steps []int
+	for _, p := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(p))
+		if err != nil || n < 0 {
+			return nil, fmt.Errorf("--steps_per_rank %q: want comma-separated step counts, not negative, one per rank (e.g. 3,5)", s)
+		}
+		steps = append(steps, n)
+	}
+	switch {
+	case set["bench_steps"]:
+		return nil, errors.New("--steps_per_rank gives each rank its steps: drop --bench_steps")
+	case f.shards() > 0 || f.checkpointDir != "" || f.zero > 0 || float64(f.bucketCapMB) == ddp.AutoBucketCap || set["inject_nan"]:
+		return nil, errors.New("--steps_per_rank takes neither --global_batch_size, --checkpoint_dir, --zero, --bucket_cap_mb auto nor --inject_nan")
+	}
+	return steps, nil
 }
 
 // usageError is a bad command line (exit status 2; other errors exit 1).
@@ -466,7 +501,7 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 	graphBuild.Lock()
 	t.g, err = m.NewGraph(model.GraphOptions{
 		Batch: batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
-		LossScale: 1 / float64(f.accum), Hook: hook,
+		LossScale: 1 / float64(f.accum*t.emulated()), Hook: hook,
 	})
 	graphBuild.Unlock()
 	if err != nil {
@@ -490,7 +525,7 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 	}
 	t.banner(start)
 
-	total := f.warmup + f.bench
+	total := t.steps()
 	if t.obs, err = newObserver(f, t.w, t.d, stdout, total); err != nil {
 		return err
 	}
@@ -504,7 +539,36 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 			return err
 		}
 	}
+	if t.d != nil && f.stepsPerRank != nil { // this rank's data is done: shadow the others' steps
+		end := t.obs.tr.Span("join")
+		if err := t.d.Join(ctx); err != nil { // then every rank holds the same parameters
+			return fmt.Errorf("rank %d: --steps_per_rank: %w", t.w.rank, err)
+		}
+		end()
+	}
 	return t.finish(ctx)
+}
+
+// steps is the number of steps this rank runs: --warmup_steps + --bench_steps, or its count
+// of --steps_per_rank (alone, the largest count).
+func (t *trainer) steps() int {
+	f := t.f
+	switch {
+	case f.stepsPerRank == nil:
+		return f.warmup + f.bench
+	case t.pg != nil:
+		return f.stepsPerRank[t.w.rank]
+	}
+	return slices.Max(f.stepsPerRank)
+}
+
+// emulated is the number of ranks whose micro-batches this process runs itself: with
+// --no_ddp and --steps_per_rank every rank's, 1 otherwise.
+func (t *trainer) emulated() int {
+	if t.pg == nil && t.f.stepsPerRank != nil {
+		return len(t.f.stepsPerRank)
+	}
+	return 1
 }
 
 // trainer is one rank's training run: what trainWith sets up, and the totals of the timed
@@ -562,7 +626,10 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 		return err
 	}
 	opts := ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook,
-		NoFiniteCheck: t.f.noFiniteCheck, Shards: t.f.shards()}
+		NoFiniteCheck: t.f.noFiniteCheck, Shards: t.f.shards(), UnevenInputs: t.f.stepsPerRank != nil}
+	if n := len(t.f.stepsPerRank); n > 0 && n != t.w.size {
+		return fmt.Errorf("--steps_per_rank %v: %d counts for a world of %d ranks", t.f.stepsPerRank, n, t.w.size)
+	}
 	if t.f.zero > 0 { // the same AdamW as --zero 0's, bit for bit
 		lr := t.f.lr
 		opts.Zero = t.f.zero
@@ -717,30 +784,44 @@ func (t *trainer) step(ctx context.Context, step int) (float64, error) {
 }
 
 // forwardBackward runs the step's micro-batches, all but the last without sync, and
-// returns the sum of their losses.
+// returns the sum of their losses. With --no_ddp and --steps_per_rank it runs, for each
+// micro-batch, every rank's that has data at step, in rank order, each loss scaled by
+// 1/ranks (the graph's LossScale): what the ranks' steps with Join sum, since a rank that
+// has joined adds zeros and the average divides by the world size.
 func (t *trainer) forwardBackward(step int) (float64, error) {
-	f, w := t.f, t.w
+	f := t.f
+	lo, hi, size := t.w.rank, t.w.rank+1, t.w.size // the ranks whose micro-batches run here
+	if n := t.emulated(); n > 1 {
+		lo, hi, size = 0, n, n
+	}
 	var loss float64
+	first := true
 	for mb := 0; mb < f.accum; mb++ {
-		// Global sample index: micro-batch mb of rank r holds samples
-		// (mb·world + r)·B …, so R ranks × A micro-batches × B samples see the same
-		// data as one process with batch R·A·B.
-		if err := t.g.Load(step, (mb*w.size+w.rank)*f.batch); err != nil {
-			return 0, err
+		for r := lo; r < hi; r++ {
+			if t.pg == nil && f.stepsPerRank != nil && step >= f.stepsPerRank[r] {
+				continue // rank r's data has run out: it has joined
+			}
+			// Global sample index: micro-batch mb of rank r holds samples
+			// (mb·world + r)·B …, so R ranks × A micro-batches × B samples see the same
+			// data as one process with batch R·A·B.
+			if err := t.g.Load(step, (mb*size+r)*f.batch); err != nil {
+				return 0, err
+			}
+			if t.local != nil {
+				t.local.first = first
+			}
+			first = false
+			mode := ddp.Accumulate // NoSync for all but the last micro-batch
+			if mb == f.accum-1 {
+				mode = ddp.Sync
+			}
+			t.sync.BeginBackward(mode)
+			l, err := t.g.Run()
+			if err != nil {
+				return 0, fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
+			}
+			loss += l
 		}
-		if t.local != nil {
-			t.local.first = mb == 0
-		}
-		mode := ddp.Accumulate // NoSync for all but the last micro-batch
-		if mb == f.accum-1 {
-			mode = ddp.Sync
-		}
-		t.sync.BeginBackward(mode)
-		l, err := t.g.Run()
-		if err != nil {
-			return 0, fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
-		}
-		loss += l
 	}
 	return loss, nil
 }
@@ -793,7 +874,7 @@ func (t *trainer) showLoss(ctx context.Context, step int, loss float64) error {
 	if t.f.shards() > 0 {
 		return t.showShardsLoss(ctx, step)
 	}
-	if t.pg != nil {
+	if t.pg != nil && t.f.stepsPerRank == nil { // with uneven steps, rank 0's own loss
 		lb := []float64{loss}
 		if err := t.pg.AllReduce(ctx, lb, procgroup.Sum).Wait(ctx); err != nil {
 			return fmt.Errorf("rank %d: step %d: averaging the loss: %w", t.w.rank, step, err)
