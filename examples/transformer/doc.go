@@ -88,8 +88,12 @@
 // --zero 1 or 2 hands AdamW to ddp (ddp.Options.Zero, package ddp/optim's AdamW, the same
 // arithmetic): each rank keeps the moments of about half (1/n) of the parameters, and at
 // 2 the buckets are reduce-scattered; every rank prints its optimizer_state_bytes. It ends
-// with --zero 0's params_crc32 at 1, and at 2 on two ranks. It takes no --checkpoint_dir
-// yet (examples/mlp checkpoints the sharded state).
+// with --zero 0's params_crc32 at 1, and at 2 on two ranks. With --checkpoint_dir the
+// ranks all-gather the shards' state before each save (ddp.DDP.GatherOptimizerState), so
+// the file holds AdamW's whole state as --zero 0 writes it, and a restore hands each rank
+// its shard (SetOptimizerState): a checkpoint resumes at any --zero. Each rank then also
+// holds that whole state, twice the model's size, beside its shard (not counted in
+// optimizer_state_bytes).
 //
 // With --checkpoint_dir rank 0 saves the parameters, AdamW's state and the step (with the
 // seed, the data and dropout position) every --checkpoint_every steps and after the last

@@ -148,7 +148,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.Float64Var(&f.dropout, "dropout", 0.1, "dropout probability")
 	fs.IntVar(&f.logEvery, "log_every", 5, "print the loss every N steps (0: never)")
 	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "directory for checkpoints (empty: none)")
-	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 AdamW's state sharded over the ranks, 2 gradients reduce-scattered too")
+	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 AdamW's state sharded over the ranks, 2 gradients reduce-scattered too; a checkpoint holds the whole state and resumes at any stage")
 	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and at the end)")
 	fs.BoolVar(&f.resume, "resume", false, "resume from the checkpoint in --checkpoint_dir if there is one")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
@@ -207,8 +207,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--report_every %d must be positive", f.reportEvery)
 	case f.zero < 0 || f.zero > 2:
 		return f, fmt.Errorf("--zero %d: want 0, 1 or 2", f.zero)
-	case f.zero > 0 && (f.noDDP || f.checkpointDir != "" || f.shards() > 0 || float64(f.bucketCapMB) == ddp.AutoBucketCap):
-		return f, errors.New("--zero 1 and 2 take neither --no_ddp, --checkpoint_dir, --global_batch_size nor --bucket_cap_mb auto")
+	case f.zero > 0 && (f.noDDP || f.shards() > 0 || float64(f.bucketCapMB) == ddp.AutoBucketCap):
+		return f, errors.New("--zero 1 and 2 take neither --no_ddp, --global_batch_size nor --bucket_cap_mb auto")
 	}
 	f.straggleRank = -1
 	if *straggle != "" {
@@ -600,6 +600,11 @@ type trainer struct {
 	// timedCPU: the process's CPU time (user and system) over the timed steps
 	timedCPU time.Duration
 	ov       overlap
+
+	// zeroFull, with --zero and --checkpoint_dir, holds AdamW's whole state, gathered from
+	// the ranks' shards before each save and handed to them after a restore: the form
+	// --zero 0's AdamW has, so a checkpoint resumes at any --zero.
+	zeroFull *optim.AdamW
 }
 
 // initSync sets t.sync: a localSync alone, otherwise a DDP over every parameter.
@@ -656,13 +661,26 @@ func (t *trainer) resume(ctx context.Context, log *zap.Logger) (int, error) {
 	if f.checkpointDir == "" {
 		return 0, nil
 	}
+	opt := t.opt
+	if f.zero > 0 {
+		var err error
+		if t.zeroFull, err = optim.NewAdamW(t.m.NumParams(), optim.AdamWOptions{LR: f.lr}); err != nil {
+			return 0, err
+		}
+		opt = t.zeroFull
+	}
 	var err error
-	if t.ck, err = newCkpt(f, w, t.pg, t.m, t.opt, log); err != nil {
+	if t.ck, err = newCkpt(f, w, t.pg, t.m, opt, log); err != nil {
 		return 0, err
 	}
 	start, err := t.ck.restore(ctx, f, w)
 	if err != nil {
 		return 0, err
+	}
+	if t.zeroFull != nil && start > 0 { // this rank's shard of the restored state
+		if err := t.d.SetOptimizerState(t.zeroFull.State()); err != nil {
+			return 0, fmt.Errorf("rank %d: --checkpoint_dir: AdamW's state: %w", w.rank, err)
+		}
 	}
 	// The kill test (scripts/kill_test.sh) finds this rank's process by this file.
 	if err := os.MkdirAll(f.checkpointDir, 0o755); err != nil {
@@ -727,6 +745,11 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	}
 	if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
 		end := t.obs.tr.Span("checkpoint")
+		if t.zeroFull != nil { // every rank: the shards' state, whole
+			if err := t.d.GatherOptimizerState(ctx, t.zeroFull.State()); err != nil {
+				return fmt.Errorf("rank %d: step %d: gathering AdamW's state for the checkpoint: %w", t.w.rank, step, err)
+			}
+		}
 		if err := t.ck.save(step + 1); err != nil {
 			return err
 		}
