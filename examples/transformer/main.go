@@ -68,9 +68,8 @@ type flags struct {
 	straggle      time.Duration // … sleeps this long per step before backward
 	inject        injection     // --inject_nan
 	noFiniteCheck bool
-	global        int   // --global_batch_size: samples per step over all ranks (with --micro_batch_size)
-	micro         int   // --micro_batch_size: samples per logical shard
-	stepsPerRank  []int // --steps_per_rank: rank r runs stepsPerRank[r] steps, then ddp's Join (nil: even)
+	global        int // --global_batch_size: samples per step over all ranks (with --micro_batch_size)
+	micro         int // --micro_batch_size: samples per logical shard
 
 	// stderr is where a rank says a non-finite gradient before it leaves (nonFinite).
 	stderr   io.Writer
@@ -86,6 +85,10 @@ type flags struct {
 	// onGrads, when set (by tests), sees each step's final gradients before the
 	// optimizer step. It must not keep grads.
 	onGrads func(step int, grads []float32)
+
+	// stepsPerRank is --steps_per_rank: rank r runs stepsPerRank[r] steps, then ddp's Join
+	// (nil: every rank runs --warmup_steps + --bench_steps).
+	stepsPerRank []int
 }
 
 // shards is the number of logical shards of a step's batch, L = global/micro; 0 without
