@@ -106,8 +106,9 @@
 // lacks it gets the state from one that has it). Data and reductions are deterministic, so
 // a run whose ranks are killed and restarted ends with the same params_crc32 as an
 // uninterrupted one (scripts/kill_test.sh). Without --global_batch_size this trainer's
-// data depend on the world size, so a checkpoint resumes at its own world size only; with
-// it, at any world size that divides the shards: see Note [Checkpoints] in checkpoint.go.
+// data depend on the world size times --accum_steps, so a checkpoint resumes where that
+// product is its own (2 ranks resume 1 rank's file with --accum_steps 2); with it, at any
+// world size that divides the shards: see Note [Checkpoints] in checkpoint.go.
 //
 // # gorgonia and the matrix products
 //

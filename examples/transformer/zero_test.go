@@ -65,8 +65,10 @@ func TestZeroFlags(t *testing.T) {
 // TestZeroCheckpointResume launches this trainer under the real ddprun on 2 ranks: a run
 // checkpoints after 3 of its 6 steps at one --zero stage and is resumed (--resume) to 6 at
 // another (2 → 1, 2 → 0, 0 → 2, 1 → 2); each prints the params_crc32 of the uninterrupted
-// --zero 0 run, so the shards' AdamW state went through the file whole. The same resume
-// at 1 rank is refused, naming the world size (this trainer's data depend on it).
+// --zero 0 run, so the shards' AdamW state went through the file whole. So do the runs
+// that change the world size with the samples per step: 2 ranks at --zero 2 resumed by 1
+// rank with --accum_steps 2 at --zero 1, and the reverse (at 2 ranks, or 2 micro-batches,
+// the sums are the same bits). 1 rank with --accum_steps 1 is refused, naming the setting.
 func TestZeroCheckpointResume(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds ddprun")
@@ -79,8 +81,10 @@ func TestZeroCheckpointResume(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v\n%s\n%s", extra, err, stdout, stderr)
 		}
-		if last["rank1"] != last["rank0"] || !regexp.MustCompile(`^params_crc32=`).MatchString(last["rank0"]) {
-			t.Fatalf("%s: last lines %q", extra, last)
+		for r := range n {
+			if last[fmt.Sprint("rank", r)] != last["rank0"] || !regexp.MustCompile(`^params_crc32=`).MatchString(last["rank0"]) {
+				t.Fatalf("%s: last lines %q", extra, last)
+			}
 		}
 		return last["rank0"], stdout
 	}
@@ -100,10 +104,22 @@ func TestZeroCheckpointResume(t *testing.T) {
 			t.Errorf("--zero %d for 3 steps, resumed at --zero %d to 6: %s, uninterrupted --zero 0: %s", c[0], c[1], got, want)
 		}
 	}
+	for _, c := range [][2]string{
+		{"2 --zero 2", "1 --zero 1 --accum_steps 2"},
+		{"1 --zero 1 --accum_steps 2", "2 --zero 2"},
+	} {
+		first, then := strings.SplitN(c[0], " ", 2), strings.SplitN(c[1], " ", 2)
+		n0, n1 := int(first[0][0]-'0'), int(then[0][0]-'0')
+		dir := filepath.Join(t.TempDir(), "ckpt")
+		run(n0, "--bench_steps 2 --checkpoint_dir "+dir+" "+first[1])
+		if got, _ := run(n1, "--bench_steps 5 --resume --checkpoint_dir "+dir+" "+then[1]); got != want {
+			t.Errorf("%d rank(s) %s for 3 steps, resumed by %d rank(s) %s to 6: %s, uninterrupted: %s", n0, first[1], n1, then[1], got, want)
+		}
+	}
 	dir := filepath.Join(t.TempDir(), "ckpt")
 	run(2, "--bench_steps 2 --zero 2 --checkpoint_dir "+dir)
 	_, stdout, stderr, err := launchRanks(t, ddprun, 1, args+" --bench_steps 5 --zero 1 --resume --checkpoint_dir "+dir)
-	if err == nil || !strings.Contains(stdout+stderr, "world size") {
-		t.Errorf("resume at 1 rank of a 2-rank checkpoint: %v, want a refusal naming the world size\n%s\n%s", err, stdout, stderr)
+	if err == nil || !strings.Contains(stdout+stderr, "world size × --accum_steps") {
+		t.Errorf("resume at 1 rank of a 2-rank checkpoint: %v, want a refusal naming world size × --accum_steps\n%s\n%s", err, stdout, stderr)
 	}
 }
