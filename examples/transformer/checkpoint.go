@@ -23,8 +23,10 @@ import (
 // count, and the step. The step is also the data and RNG position: the model draws the data
 // and the dropout masks from (seed, global sample index, step). The global sample index
 // depends on the world size here (micro-batch mb of rank r holds samples (mb·world + r)·B …),
-// so the world size, --seed, --batch_size and --accum_steps are registered settings, and a
-// checkpoint written with others is refused, naming them. With --global_batch_size shard s
+// through world × accum only: a step's samples are 0 … world·accum·B−1 whatever the split. So
+// --seed, --batch_size and world size × --accum_steps are registered settings, and a
+// checkpoint written with others is refused, naming them; 2 ranks resume 1 rank's file
+// with --accum_steps 2, or the reverse. With --global_batch_size shard s
 // holds the samples s·micro … at every world size and the shards are summed in shard
 // order, so --seed, --global_batch_size and --micro_batch_size are the settings, not the
 // world size: the file resumes at any world size that divides the shards.
@@ -59,9 +61,8 @@ func newCkpt(f flags, w world, pg procgroup.ProcessGroup, m *model.Model, opt *o
 		c.Config("--global_batch_size", strconv.Itoa(f.global))
 		c.Config("--micro_batch_size", strconv.Itoa(f.micro))
 	} else {
-		c.Config("world size", strconv.Itoa(w.size))
+		c.Config("world size × --accum_steps", strconv.Itoa(w.size*f.accum))
 		c.Config("--batch_size", strconv.Itoa(f.batch))
-		c.Config("--accum_steps", strconv.Itoa(f.accum))
 	}
 	return k, nil
 }

@@ -55,6 +55,22 @@
 // a node may leave or join mid-run, the survivors go on with the parameters and AdamW's
 // state from memory, and the run ends with the bits of the uninterrupted one.
 //
+// # Uneven data per rank
+//
+// --steps_per_rank 3,5 (instead of --bench_steps) gives rank r its own count of steps, as
+// when the ranks' data run out at different points: a rank whose steps are done calls
+// ddp's Join (ddp.Options.UnevenInputs), which shadows the others' all-reduces with zero
+// gradients until every rank is done, and every rank then ends with the parameters of the
+// rank that ran the most steps. The average divides by the world size (Note [Join] in
+// package ddp). --no_ddp --steps_per_rank 3,5 runs the same batches in one process, each
+// step the micro-batches of the ranks that still have data; at 2 ranks, or with two ranks
+// that have data, the params_crc32 is the same. Without Join the ranks that stop early
+// leave their peers in a collective until --timeout. It takes neither --checkpoint_dir,
+// --zero, --global_batch_size, --bucket_cap_mb auto nor --inject_nan; the straggler report
+// (a collective every --report_every steps) is off, and rank 0 prints its own loss.
+//
+//	ddprun --nproc_per_node 2 ./examples/transformer -- --steps_per_rank 3,5 --warmup_steps 0
+//
 // # Non-finite gradients
 //
 // A NaN or an infinity in any rank's gradient makes every rank's Finalize return the same
@@ -72,8 +88,12 @@
 // --zero 1 or 2 hands AdamW to ddp (ddp.Options.Zero, package ddp/optim's AdamW, the same
 // arithmetic): each rank keeps the moments of about half (1/n) of the parameters, and at
 // 2 the buckets are reduce-scattered; every rank prints its optimizer_state_bytes. It ends
-// with --zero 0's params_crc32 at 1, and at 2 on two ranks. It takes no --checkpoint_dir
-// yet (examples/mlp checkpoints the sharded state).
+// with --zero 0's params_crc32 at 1, and at 2 on two ranks. With --checkpoint_dir the
+// ranks all-gather the shards' state before each save (ddp.DDP.GatherOptimizerState), so
+// the file holds AdamW's whole state as --zero 0 writes it, and a restore hands each rank
+// its shard (SetOptimizerState): a checkpoint resumes at any --zero. Each rank then also
+// holds that whole state, twice the model's size, beside its shard (not counted in
+// optimizer_state_bytes).
 //
 // With --checkpoint_dir rank 0 saves the parameters, AdamW's state and the step (with the
 // seed, the data and dropout position) every --checkpoint_every steps and after the last
@@ -86,8 +106,9 @@
 // lacks it gets the state from one that has it). Data and reductions are deterministic, so
 // a run whose ranks are killed and restarted ends with the same params_crc32 as an
 // uninterrupted one (scripts/kill_test.sh). Without --global_batch_size this trainer's
-// data depend on the world size, so a checkpoint resumes at its own world size only; with
-// it, at any world size that divides the shards: see Note [Checkpoints] in checkpoint.go.
+// data depend on the world size times --accum_steps, so a checkpoint resumes where that
+// product is its own (2 ranks resume 1 rank's file with --accum_steps 2); with it, at any
+// world size that divides the shards: see Note [Checkpoints] in checkpoint.go.
 //
 // # gorgonia and the matrix products
 //

@@ -16,6 +16,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	stdsync "sync"
@@ -85,6 +86,10 @@ type flags struct {
 	// onGrads, when set (by tests), sees each step's final gradients before the
 	// optimizer step. It must not keep grads.
 	onGrads func(step int, grads []float32)
+
+	// stepsPerRank is --steps_per_rank: rank r runs stepsPerRank[r] steps, then ddp's Join
+	// (nil: every rank runs --warmup_steps + --bench_steps).
+	stepsPerRank []int
 }
 
 // shards is the number of logical shards of a step's batch, L = global/micro; 0 without
@@ -147,7 +152,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.Float64Var(&f.dropout, "dropout", 0.1, "dropout probability")
 	fs.IntVar(&f.logEvery, "log_every", 5, "print the loss every N steps (0: never)")
 	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "directory for checkpoints (empty: none)")
-	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 AdamW's state sharded over the ranks, 2 gradients reduce-scattered too")
+	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 AdamW's state sharded over the ranks, 2 gradients reduce-scattered too; a checkpoint holds the whole state and resumes at any stage")
 	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and at the end)")
 	fs.BoolVar(&f.resume, "resume", false, "resume from the checkpoint in --checkpoint_dir if there is one")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
@@ -158,6 +163,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.BoolVar(&f.noFiniteCheck, "no_finite_check", false, "turn off ddp's check that names the ranks and parameters of non-finite gradients (ddp.Options.NoFiniteCheck)")
 	fs.IntVar(&f.global, "global_batch_size", 0, "samples per step over all ranks, cut into global/micro logical shards whose sum is the same bits at every world size that divides it (with --micro_batch_size; instead of --batch_size and --accum_steps)")
 	fs.IntVar(&f.micro, "micro_batch_size", 0, "samples per logical shard (with --global_batch_size)")
+	perRank := fs.String("steps_per_rank", "", "comma-separated steps of each rank, the first --warmup_steps untimed (uneven data, e.g. 3,5): a rank whose steps are done joins (ddp.Options.UnevenInputs) until every rank's are; instead of --bench_steps. With --no_ddp, one process runs every rank's micro-batches of each step, as the ranks would with Join")
 	straggle := fs.String("straggle_ms", "", "R:MS: rank R sleeps MS milliseconds per step before backward (a straggler on purpose, for the straggler report)")
 	fs.StringVar(&f.commHook, "comm_hook", "none", "DDP communication hook: "+ddp.CommHookNames)
 	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 0, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank; 0: 1); with auto: the only rank it may choose (0: 1, 2 or 4)")
@@ -183,6 +189,11 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	if err := checkShardFlags(f, fs); err != nil {
 		return f, err
 	}
+	steps, err := parseStepsPerRank(f, fs, *perRank)
+	if err != nil {
+		return f, err
+	}
+	f.stepsPerRank = steps
 	switch {
 	case fs.NArg() > 0:
 		return f, fmt.Errorf("unexpected argument %q", fs.Arg(0))
@@ -204,8 +215,8 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--report_every %d must be positive", f.reportEvery)
 	case f.zero < 0 || f.zero > 2:
 		return f, fmt.Errorf("--zero %d: want 0, 1 or 2", f.zero)
-	case f.zero > 0 && (f.noDDP || f.checkpointDir != "" || f.shards() > 0 || float64(f.bucketCapMB) == ddp.AutoBucketCap):
-		return f, errors.New("--zero 1 and 2 take neither --no_ddp, --checkpoint_dir, --global_batch_size nor --bucket_cap_mb auto")
+	case f.zero > 0 && (f.noDDP || f.shards() > 0 || float64(f.bucketCapMB) == ddp.AutoBucketCap):
+		return f, errors.New("--zero 1 and 2 take neither --no_ddp, --global_batch_size nor --bucket_cap_mb auto")
 	}
 	f.straggleRank = -1
 	if *straggle != "" {
@@ -240,6 +251,33 @@ func checkShardFlags(f flags, fs *flag.FlagSet) error {
 		return errors.New("--global_batch_size: the shards take a fixed --bucket_cap_mb, not auto")
 	}
 	return nil
+}
+
+// parseStepsPerRank parses --steps_per_rank and refuses what cannot go beside it: what
+// fixes the steps or the batch (--bench_steps, --global_batch_size), and what issues
+// collectives of its own at some step (--checkpoint_dir, --zero, --bucket_cap_mb auto,
+// --inject_nan's leaving together).
+func parseStepsPerRank(f flags, fs *flag.FlagSet, s string) ([]int, error) {
+	set := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
+	if !set["steps_per_rank"] {
+		return nil, nil
+	}
+	var steps []int
+	for _, p := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(p))
+		if err != nil || n < 0 {
+			return nil, fmt.Errorf("--steps_per_rank %q: want comma-separated step counts, not negative, one per rank (e.g. 3,5)", s)
+		}
+		steps = append(steps, n)
+	}
+	switch {
+	case set["bench_steps"]:
+		return nil, errors.New("--steps_per_rank gives each rank its steps: drop --bench_steps")
+	case f.shards() > 0 || f.checkpointDir != "" || f.zero > 0 || float64(f.bucketCapMB) == ddp.AutoBucketCap || set["inject_nan"]:
+		return nil, errors.New("--steps_per_rank takes neither --global_batch_size, --checkpoint_dir, --zero, --bucket_cap_mb auto nor --inject_nan")
+	}
+	return steps, nil
 }
 
 // usageError is a bad command line (exit status 2; other errors exit 1).
@@ -457,7 +495,7 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 	if err != nil {
 		return err
 	}
-	batch, scale := f.batch, 1/float64(f.accum)
+	batch, scale := f.batch, 1/float64(f.accum*t.emulated())
 	if L := f.shards(); L > 0 {
 		batch = f.micro // one shard per run, its own mean loss (--accum_steps is 1)
 		lo, hi := 0, L
@@ -501,7 +539,7 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 	}
 	t.banner(start)
 
-	total := f.warmup + f.bench
+	total := t.steps()
 	if t.obs, err = newObserver(f, t.w, t.d, stdout, total); err != nil {
 		return err
 	}
@@ -515,7 +553,36 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 			return err
 		}
 	}
+	if t.d != nil && f.stepsPerRank != nil { // this rank's data is done: shadow the others' steps
+		end := t.obs.tr.Span("join")
+		if err := t.d.Join(ctx); err != nil { // then every rank holds the same parameters
+			return fmt.Errorf("rank %d: --steps_per_rank: %w", t.w.rank, err)
+		}
+		end()
+	}
 	return t.finish(ctx)
+}
+
+// steps is the number of steps this rank runs: --warmup_steps + --bench_steps, or its count
+// of --steps_per_rank (alone, the largest count).
+func (t *trainer) steps() int {
+	f := t.f
+	switch {
+	case f.stepsPerRank == nil:
+		return f.warmup + f.bench
+	case t.pg != nil:
+		return f.stepsPerRank[t.w.rank]
+	}
+	return slices.Max(f.stepsPerRank)
+}
+
+// emulated is the number of ranks whose micro-batches this process runs itself: with
+// --no_ddp and --steps_per_rank every rank's, 1 otherwise.
+func (t *trainer) emulated() int {
+	if t.pg == nil && t.f.stepsPerRank != nil {
+		return len(t.f.stepsPerRank)
+	}
+	return 1
 }
 
 // trainer is one rank's training run: what trainWith sets up, and the totals of the timed
@@ -548,6 +615,11 @@ type trainer struct {
 	// timedCPU: the process's CPU time (user and system) over the timed steps
 	timedCPU time.Duration
 	ov       overlap
+
+	// zeroFull, with --zero and --checkpoint_dir, holds AdamW's whole state, gathered from
+	// the ranks' shards before each save and handed to them after a restore: the form
+	// --zero 0's AdamW has, so a checkpoint resumes at any --zero.
+	zeroFull *optim.AdamW
 }
 
 // initSync sets t.sync: a localSync alone, otherwise a DDP over every parameter.
@@ -574,7 +646,10 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 		return err
 	}
 	opts := ddp.Options{BucketCapMB: float64(t.f.bucketCapMB), FirstBucketCapMB: t.f.firstCapMB, Logger: log, CommHook: hook,
-		NoFiniteCheck: t.f.noFiniteCheck, Shards: hookshards.Options(t.f.commHook, t.f.shards())}
+		NoFiniteCheck: t.f.noFiniteCheck, Shards: hookshards.Options(t.f.commHook, t.f.shards()), UnevenInputs: t.f.stepsPerRank != nil}
+	if n := len(t.f.stepsPerRank); n > 0 && n != t.w.size {
+		return fmt.Errorf("--steps_per_rank %v: %d counts for a world of %d ranks", t.f.stepsPerRank, n, t.w.size)
+	}
 	if t.f.zero > 0 { // the same AdamW as --zero 0's, bit for bit
 		lr := t.f.lr
 		opts.Zero = t.f.zero
@@ -601,14 +676,27 @@ func (t *trainer) resume(ctx context.Context, log *zap.Logger) (int, error) {
 	if f.checkpointDir == "" {
 		return 0, nil
 	}
+	opt := t.opt
+	if f.zero > 0 {
+		var err error
+		if t.zeroFull, err = optim.NewAdamW(t.m.NumParams(), optim.AdamWOptions{LR: f.lr}); err != nil {
+			return 0, err
+		}
+		opt = t.zeroFull
+	}
 	var err error
-	if t.ck, err = newCkpt(f, w, t.pg, t.m, t.opt, log); err != nil {
+	if t.ck, err = newCkpt(f, w, t.pg, t.m, opt, log); err != nil {
 		return 0, err
 	}
 	t.ck.commHook(t.d)
 	start, err := t.ck.restore(ctx, f, w)
 	if err != nil {
 		return 0, err
+	}
+	if t.zeroFull != nil && start > 0 { // this rank's shard of the restored state
+		if err := t.d.SetOptimizerState(t.zeroFull.State()); err != nil {
+			return 0, fmt.Errorf("rank %d: --checkpoint_dir: AdamW's state: %w", w.rank, err)
+		}
 	}
 	// The kill test (scripts/kill_test.sh) finds this rank's process by this file.
 	if err := os.MkdirAll(f.checkpointDir, 0o755); err != nil {
@@ -673,6 +761,11 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	}
 	if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
 		end := t.obs.tr.Span("checkpoint")
+		if t.zeroFull != nil { // every rank: the shards' state, whole
+			if err := t.d.GatherOptimizerState(ctx, t.zeroFull.State()); err != nil {
+				return fmt.Errorf("rank %d: step %d: gathering AdamW's state for the checkpoint: %w", t.w.rank, step, err)
+			}
+		}
 		if err := t.ck.save(ctx, step+1); err != nil {
 			return err
 		}
@@ -730,30 +823,44 @@ func (t *trainer) step(ctx context.Context, step int) (float64, error) {
 }
 
 // forwardBackward runs the step's micro-batches, all but the last without sync, and
-// returns the sum of their losses.
+// returns the sum of their losses. With --no_ddp and --steps_per_rank it runs, for each
+// micro-batch, every rank's that has data at step, in rank order, each loss scaled by
+// 1/ranks (the graph's LossScale): what the ranks' steps with Join sum, since a rank that
+// has joined adds zeros and the average divides by the world size.
 func (t *trainer) forwardBackward(step int) (float64, error) {
-	f, w := t.f, t.w
+	f := t.f
+	lo, hi, size := t.w.rank, t.w.rank+1, t.w.size // the ranks whose micro-batches run here
+	if n := t.emulated(); n > 1 {
+		lo, hi, size = 0, n, n
+	}
 	var loss float64
+	first := true
 	for mb := 0; mb < f.accum; mb++ {
-		// Global sample index: micro-batch mb of rank r holds samples
-		// (mb·world + r)·B …, so R ranks × A micro-batches × B samples see the same
-		// data as one process with batch R·A·B.
-		if err := t.g.Load(step, (mb*w.size+w.rank)*f.batch); err != nil {
-			return 0, err
+		for r := lo; r < hi; r++ {
+			if t.pg == nil && f.stepsPerRank != nil && step >= f.stepsPerRank[r] {
+				continue // rank r's data has run out: it has joined
+			}
+			// Global sample index: micro-batch mb of rank r holds samples
+			// (mb·world + r)·B …, so R ranks × A micro-batches × B samples see the same
+			// data as one process with batch R·A·B.
+			if err := t.g.Load(step, (mb*size+r)*f.batch); err != nil {
+				return 0, err
+			}
+			if t.local != nil {
+				t.local.first = first
+			}
+			first = false
+			mode := ddp.Accumulate // NoSync for all but the last micro-batch
+			if mb == f.accum-1 {
+				mode = ddp.Sync
+			}
+			t.sync.BeginBackward(mode)
+			l, err := t.g.Run()
+			if err != nil {
+				return 0, fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
+			}
+			loss += l
 		}
-		if t.local != nil {
-			t.local.first = mb == 0
-		}
-		mode := ddp.Accumulate // NoSync for all but the last micro-batch
-		if mb == f.accum-1 {
-			mode = ddp.Sync
-		}
-		t.sync.BeginBackward(mode)
-		l, err := t.g.Run()
-		if err != nil {
-			return 0, fmt.Errorf("step %d micro-batch %d: %w", step, mb, err)
-		}
-		loss += l
 	}
 	return loss, nil
 }
@@ -806,7 +913,7 @@ func (t *trainer) showLoss(ctx context.Context, step int, loss float64) error {
 	if t.f.shards() > 0 {
 		return t.showShardsLoss(ctx, step)
 	}
-	if t.pg != nil {
+	if t.pg != nil && t.f.stepsPerRank == nil { // with uneven steps, rank 0's own loss
 		lb := []float64{loss}
 		if err := t.pg.AllReduce(ctx, lb, procgroup.Sum).Wait(ctx); err != nil {
 			return fmt.Errorf("rank %d: step %d: averaging the loss: %w", t.w.rank, step, err)

@@ -62,8 +62,12 @@ func newObserver(f flags, w world, d *ddp.DDP, stdout io.Writer, total int) (o *
 	}
 	if d != nil {
 		o.acc = observe.NewOverlapAccumulator(d)
-		if o.sm, err = observe.NewStragglerMonitor(d, o.every); err != nil {
-			return o, err
+		// The straggler data is exchanged every --report_every steps, a collective that
+		// ranks with uneven steps (--steps_per_rank) would not all reach.
+		if f.stepsPerRank == nil {
+			if o.sm, err = observe.NewStragglerMonitor(d, o.every); err != nil {
+				return o, err
+			}
 		}
 	}
 	if f.metricsAddr != "" {
@@ -152,6 +156,9 @@ func (o *observer) afterFinalize(ctx context.Context, d *ddp.DDP) error {
 	o.tr.Record(st)
 	o.acc.Add(st)
 	o.m.ObserveStats(st)
+	if o.sm == nil {
+		return nil
+	}
 	return o.sm.Record(ctx, st)
 }
 
@@ -209,17 +216,21 @@ func (o *observer) finish(ctx context.Context) error {
 	if o.prog != nil {
 		o.prog.Done()
 	}
-	if o.sm == nil {
+	if o.acc == nil {
 		return nil
 	}
-	if err := o.sm.Flush(ctx); err != nil {
-		return err
+	if o.sm != nil {
+		if err := o.sm.Flush(ctx); err != nil {
+			return err
+		}
 	}
 	if o.out != nil {
 		if r := o.acc.Report(); r.Passes > 0 {
 			o.println(r.String())
 		}
-		o.println(o.sm.Report().String())
+		if o.sm != nil {
+			o.println(o.sm.Report().String())
+		}
 	}
 	return nil
 }

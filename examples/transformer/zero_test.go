@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"fmt"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -54,9 +55,71 @@ func TestZeroUnderDDPRun(t *testing.T) {
 // TestZeroFlags: --zero out of range, or with what it cannot take yet, is refused naming
 // the flag.
 func TestZeroFlags(t *testing.T) {
-	for _, args := range []string{"--zero 3", "--zero 1 --checkpoint_dir /tmp/x", "--zero 2 --no_ddp", "--zero 1 --bucket_cap_mb auto"} {
+	for _, args := range []string{"--zero 3", "--zero 2 --no_ddp", "--zero 1 --bucket_cap_mb auto"} {
 		if _, err := parseFlags(strings.Fields(args), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "--zero") {
 			t.Errorf("%s: %v, want an error naming --zero", args, err)
 		}
+	}
+}
+
+// TestZeroCheckpointResume launches this trainer under the real ddprun on 2 ranks: a run
+// checkpoints after 3 of its 6 steps at one --zero stage and is resumed (--resume) to 6 at
+// another (2 → 1, 2 → 0, 0 → 2, 1 → 2); each prints the params_crc32 of the uninterrupted
+// --zero 0 run, so the shards' AdamW state went through the file whole. So do the runs
+// that change the world size with the samples per step: 2 ranks at --zero 2 resumed by 1
+// rank with --accum_steps 2 at --zero 1, and the reverse (at 2 ranks, or 2 micro-batches,
+// the sums are the same bits). 1 rank with --accum_steps 1 is refused, naming the setting.
+func TestZeroCheckpointResume(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun")
+	}
+	ddprun := shardsLauncher(t)
+	const args = "--num_layers 1 --hidden_size 64 --warmup_steps 1 --lr 1e-3 --bucket_cap_mb 0.05 --first_bucket_cap_mb 0.01 --log_every 0 --checkpoint_every 100"
+	run := func(n int, extra string) (string, string) {
+		t.Helper()
+		last, stdout, stderr, err := launchRanks(t, ddprun, n, args+" "+extra)
+		if err != nil {
+			t.Fatalf("%s: %v\n%s\n%s", extra, err, stdout, stderr)
+		}
+		for r := range n {
+			if last[fmt.Sprint("rank", r)] != last["rank0"] || !regexp.MustCompile(`^params_crc32=`).MatchString(last["rank0"]) {
+				t.Fatalf("%s: last lines %q", extra, last)
+			}
+		}
+		return last["rank0"], stdout
+	}
+	want, _ := run(2, "--bench_steps 5 --zero 0")
+	short, _ := run(2, "--bench_steps 2 --zero 0")
+	if short == want {
+		t.Fatalf("3 and 6 steps end with the same %s", want)
+	}
+	for _, c := range [][2]int{{2, 1}, {2, 0}, {0, 2}, {1, 2}} {
+		dir := filepath.Join(t.TempDir(), "ckpt")
+		run(2, fmt.Sprintf("--bench_steps 2 --zero %d --checkpoint_dir %s", c[0], dir))
+		got, stdout := run(2, fmt.Sprintf("--bench_steps 5 --zero %d --checkpoint_dir %s --resume", c[1], dir))
+		if !strings.Contains(stdout, "start_step=3") {
+			t.Fatalf("--zero %d → %d: did not resume at step 3:\n%s", c[0], c[1], stdout)
+		}
+		if got != want {
+			t.Errorf("--zero %d for 3 steps, resumed at --zero %d to 6: %s, uninterrupted --zero 0: %s", c[0], c[1], got, want)
+		}
+	}
+	for _, c := range [][2]string{
+		{"2 --zero 2", "1 --zero 1 --accum_steps 2"},
+		{"1 --zero 1 --accum_steps 2", "2 --zero 2"},
+	} {
+		first, then := strings.SplitN(c[0], " ", 2), strings.SplitN(c[1], " ", 2)
+		n0, n1 := int(first[0][0]-'0'), int(then[0][0]-'0')
+		dir := filepath.Join(t.TempDir(), "ckpt")
+		run(n0, "--bench_steps 2 --checkpoint_dir "+dir+" "+first[1])
+		if got, _ := run(n1, "--bench_steps 5 --resume --checkpoint_dir "+dir+" "+then[1]); got != want {
+			t.Errorf("%d rank(s) %s for 3 steps, resumed by %d rank(s) %s to 6: %s, uninterrupted: %s", n0, first[1], n1, then[1], got, want)
+		}
+	}
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	run(2, "--bench_steps 2 --zero 2 --checkpoint_dir "+dir)
+	_, stdout, stderr, err := launchRanks(t, ddprun, 1, args+" --bench_steps 5 --zero 1 --resume --checkpoint_dir "+dir)
+	if err == nil || !strings.Contains(stdout+stderr, "world size × --accum_steps") {
+		t.Errorf("resume at 1 rank of a 2-rank checkpoint: %v, want a refusal naming world size × --accum_steps\n%s\n%s", err, stdout, stderr)
 	}
 }
