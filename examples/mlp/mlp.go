@@ -14,7 +14,8 @@ const (
 	nParams
 )
 
-const inputs = 4
+// sineInputs is the input width of the default task, --task sine.
+const sineInputs = 4
 
 // paramNames are the parameters' names, in registration order.
 var paramNames = [nParams]string{"w1", "b1", "w2", "b2"}
@@ -22,6 +23,7 @@ var paramNames = [nParams]string{"w1", "b1", "w2", "b2"}
 // mlp is x → tanh(W1·x + b1) → W2·h + b2, with the buffers of one micro-batch.
 type mlp struct {
 	hidden int
+	in     int // the input width: W1 is hidden×in
 	names  [nParams]string
 	params [nParams][]float32 // the weights
 	grads  [nParams][]float32 // the step's gradients (with ddp, where Finalize leaves them)
@@ -30,15 +32,15 @@ type mlp struct {
 	dy     []float32          // ∂loss/∂output per sample
 }
 
-func newMLP(hidden int, seed uint64) *mlp {
-	m := &mlp{hidden: hidden, names: paramNames}
-	sizes := [nParams]int{hidden * inputs, hidden, hidden, 1}
+func newMLP(hidden, in int, seed uint64) *mlp {
+	m := &mlp{hidden: hidden, in: in, names: paramNames}
+	sizes := [nParams]int{hidden * in, hidden, hidden, 1}
 	rng := rand.New(rand.NewPCG(seed, 1))
 	for i, n := range sizes {
 		m.params[i], m.grads[i], m.micro[i] = make([]float32, n), make([]float32, n), make([]float32, n)
 	}
 	for k := range m.params[w1] {
-		m.params[w1][k] = float32(rng.NormFloat64() / math.Sqrt(inputs))
+		m.params[w1][k] = float32(rng.NormFloat64() / math.Sqrt(float64(in)))
 	}
 	for k := range m.params[w2] {
 		m.params[w2][k] = float32(rng.NormFloat64() / math.Sqrt(float64(hidden)))
@@ -51,7 +53,7 @@ func newMLP(hidden int, seed uint64) *mlp {
 // soon as parameter i's gradient is complete (layer 2's first) and returns scale × the mean
 // loss.
 func (m *mlp) forwardBackward(xs, ys []float32, scale float32, ready func(i int)) float32 {
-	n, hid := len(ys), m.hidden
+	n, hid, inputs := len(ys), m.hidden, m.in
 	if len(m.h) < n*hid {
 		m.h, m.dy = make([]float32, n*hid), make([]float32, n)
 	}
@@ -121,12 +123,12 @@ func (m *mlp) flat() []float32 {
 	return out
 }
 
-// samples fills xs and ys with the n samples of the run from index first on: each depends
-// on (seed, its index) only.
-func samples(seed uint64, first, n int, xs, ys []float32) {
+// sineSamples fills xs and ys with the n samples of --task sine from index first on: each
+// depends on (seed, its index) only.
+func sineSamples(seed uint64, first, n int, xs, ys []float32) {
 	for s := range n {
 		rng := rand.New(rand.NewPCG(seed, uint64(first+s)))
-		x := xs[s*inputs : (s+1)*inputs]
+		x := xs[s*sineInputs : (s+1)*sineInputs]
 		for k := range x {
 			x[k] = float32(2*rng.Float64() - 1)
 		}
