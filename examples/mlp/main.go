@@ -139,6 +139,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.DurationVar(&f.stepTime, "step_time", 0, "each step takes at least this long (a paced loop, to watch or test a job whose nodes leave and join; 0: as fast as it goes)")
 	taskName := fs.String("task", taskSine, "sine (y = sin(2x₀) + x₁·x₂ − x₃/2, 4 inputs) or teacher (a fixed random tanh network of --inputs inputs and 16 hidden units)")
 	inputs := fs.Int("inputs", 0, "with --task teacher: the input width, W1 is --hidden_size × --inputs (0: 32)")
+	outputs := fs.Int("outputs", 1, "with --task teacher: the output width, W2 is --outputs × --hidden_size (a matrix above 1)")
 	perRank := fs.String("steps_per_rank", "", "comma-separated steps of each rank (uneven data, e.g. 0,3,5): a rank whose steps are done joins (ddp.Options.UnevenInputs) until every rank's are; instead of --steps")
 	if err := fs.Parse(args); err != nil {
 		return f, err
@@ -147,7 +148,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--comm_hook: %w", err)
 	}
 	var err error
-	if f.task, err = newTask(*taskName, *inputs); err != nil {
+	if f.task, err = newTask(*taskName, *inputs, *outputs); err != nil {
 		return f, err
 	}
 	set := map[string]bool{}
@@ -274,7 +275,7 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 // train is the training loop: with pg, one rank of data-parallel training; with a nil pg,
 // one process on its own.
 func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Writer) (*mlp, error) {
-	m := newMLP(f.hidden, f.task.in, f.seed)
+	m := newMLP(f.hidden, f.task.in, f.task.out, f.seed)
 	rank, world := 0, 1
 	var d *ddp.DDP
 	var opts ddp.Options
@@ -289,6 +290,9 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			params[i] = ddp.Param{Name: m.names[i], Data: m.params[i], Grad: m.grads[i]}
 		}
 		params[w1].Shape = []int{f.hidden, m.in} // a matrix, for --comm_hook powersgd
+		if m.out > 1 {
+			params[w2].Shape = m.shapes()[w2] // with --outputs, one too
+		}
 		f.psgd.Seed = f.seed
 		hook, err := ddp.CommHookNamed(f.commHook, f.psgd)
 		if err != nil {
@@ -331,7 +335,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			m.grads[i][k] += g
 		}
 	}
-	xs, ys := make([]float32, f.batch*m.in), make([]float32, f.batch)
+	xs, ys := make([]float32, f.batch*m.in), make([]float32, f.batch*m.out)
 	for ; step < f.steps; step++ {
 		paced := time.Now()
 		if d == nil {
@@ -412,7 +416,7 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 		lo, hi = d.LocalShards()
 	}
 	losses, all := make([]float32, hi-lo), make([]float32, L) // per shard: its mean loss
-	xs, ys := make([]float32, f.micro*m.in), make([]float32, f.micro)
+	xs, ys := make([]float32, f.micro*m.in), make([]float32, f.micro*m.out)
 	first := false // alone: the step's first shard is copied, the next ones added
 	rank, step := 0, start
 	if pg != nil {
