@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
@@ -17,7 +19,15 @@ import (
 	"gonum.org/v1/plot/vg/vgsvg"
 )
 
-// hookColor gives each hook one colour in every panel.
+// hookStyle gives each hook one colour in every panel, PowerSGD's by rank; a variant
+// with another start (powersgd-rR-startK) is dashed in its rank's colour.
+func hookStyle(h string) (color.Color, []vg.Length) {
+	if base, _, ok := strings.Cut(h, "-start"); ok {
+		return hookColor(base), []vg.Length{vg.Points(5), vg.Points(2)}
+	}
+	return hookColor(h), nil
+}
+
 func hookColor(h string) color.Color {
 	switch h {
 	case "none":
@@ -32,6 +42,8 @@ func hookColor(h string) color.Color {
 		return color.RGBA{R: 0xff, G: 0x7f, B: 0x0e, A: 255}
 	case "powersgd-r4":
 		return color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 255}
+	case "powersgd-r8":
+		return color.RGBA{R: 0x8c, G: 0x56, B: 0x4b, A: 255}
 	}
 	return color.RGBA{R: 0x94, G: 0x67, B: 0xbd, A: 255}
 }
@@ -60,6 +72,7 @@ func plots(groups []*group, tg map[string]float64, out string) error {
 			p.X.Label.Text = "step"
 			p.Y.Label.Text = "loss (trailing mean)"
 			p.Y.Scale, p.Y.Tick.Marker = plot.LogScale{}, plot.LogTicks{Prec: -1}
+			p.X.Tick.Marker = plainTicks{}
 			steps := 0
 			for _, g := range groups {
 				if g.task != task || g.system != s {
@@ -79,7 +92,8 @@ func plots(groups []*group, tg map[string]float64, out string) error {
 				if err != nil {
 					return err
 				}
-				l.Color, l.Width = hookColor(g.hook), vg.Points(1.2)
+				l.Color, l.Dashes = hookStyle(g.hook)
+				l.Width = vg.Points(1.2)
 				p.Add(l)
 				p.Legend.Add(g.hook, l)
 			}
@@ -122,4 +136,18 @@ func writeTo(path string, wt io.WriterTo) error {
 		return err
 	}
 	return f.Close()
+}
+
+// plainTicks are gonum's default ticks labelled as the shortest number ("250", not
+// "250.00").
+type plainTicks struct{}
+
+func (plainTicks) Ticks(lo, hi float64) []plot.Tick {
+	t := plot.DefaultTicks{}.Ticks(lo, hi)
+	for i := range t {
+		if t[i].Label != "" {
+			t[i].Label = strconv.FormatFloat(t[i].Value, 'g', -1, 64)
+		}
+	}
+	return t
 }
