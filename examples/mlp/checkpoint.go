@@ -45,7 +45,7 @@ func restoreCkpt(ctx context.Context, f flags, pg procgroup.ProcessGroup, m *mlp
 	if err != nil {
 		return nil, 0, err
 	}
-	shapes := [nParams][]int{{m.hidden, inputs}, {m.hidden}, {m.hidden}, {1}}
+	shapes := m.shapes()
 	for i, p := range m.params {
 		c.Float32(m.names[i], p, shapes[i]...)
 	}

@@ -7,6 +7,18 @@
 // The model is x (4) → Linear(4, hidden) → tanh → Linear(hidden, 1), with the mean squared
 // error against y = sin(2x₀) + x₁·x₂ − x₃/2, on inputs drawn uniformly from [−1, 1]⁴.
 //
+// --task teacher --inputs N --outputs K (default 32 and 1) is a teacher-student task
+// instead: the targets are a fixed random network's, y = V·tanh(A·x + c) with 16 hidden
+// units (the same teacher for every --seed), on inputs drawn from N(0, 1)^N; the student
+// has K outputs (W2 is K × --hidden_size, b2 K) and the loss is half the squared error
+// summed over them. Its W1 (--hidden_size × N) is wide enough for --comm_hook powersgd to
+// compress it at ranks 1, 2 and 4 (at the default task's 4 inputs it is not, above rank
+// 1), and so is W2 at K = 16. With one output, W1's gradient is close to rank 1 (every
+// sample's is the same vector W2 scaled by tanh's slopes, times x), so rank 1 loses
+// little; with 16 it is not. scripts/convergence.sh runs it to a target loss:
+//
+//	ddprun --nproc_per_node 2 ./examples/mlp -- --task teacher --inputs 32 --outputs 16 --lr 0.05 --comm_hook powersgd --powersgd_rank 2
+//
 // # Usage
 //
 //	ddprun --nproc_per_node 2 ./examples/mlp                        # 2 ranks, batch 16 each

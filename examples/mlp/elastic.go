@@ -32,10 +32,10 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 		return fmt.Errorf("--global_batch_size %d / --micro_batch_size %d: %w", f.global, f.micro, err)
 	}
 	defer job.Close()
-	m := newMLP(f.hidden, f.seed)
+	m := newMLP(f.hidden, f.task.in, f.task.out, f.seed)
 	var next int64 // the data position, in global samples
 	st := job.State()
-	shapes := [nParams][]int{{m.hidden, inputs}, {m.hidden}, {m.hidden}, {1}}
+	shapes := m.shapes()
 	for i, p := range m.params {
 		st.Float32(m.names[i], p, shapes[i]...)
 	}
@@ -61,7 +61,11 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 		for i := range params {
 			params[i] = ddp.Param{Name: m.names[i], Data: m.params[i], Grad: m.grads[i]}
 		}
-		params[w1].Shape = []int{f.hidden, inputs}
+		params[w1].Shape = []int{f.hidden, m.in}
+		if m.out > 1 {
+			params[w2].Shape = m.shapes()[w2]
+		}
+		f.psgd.Seed = f.seed
 		hook, err := ddp.CommHookNamed(f.commHook, f.psgd) // a hook serves one DDP: one per epoch
 		if err != nil {
 			return err

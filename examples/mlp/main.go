@@ -50,7 +50,8 @@ type flags struct {
 	stepTime      time.Duration       // --step_time: the least time a step takes (0: none)
 	optimizer     string              // --optimizer: sgd, momentum or adamw
 	momentum      float64
-	zero          int // --zero: ddp.Options.Zero
+	zero          int  // --zero: ddp.Options.Zero
+	task          task // --task and --inputs (task.go)
 }
 
 // injection is --inject_nan RANK:STEP:PARAM: rank RANK's gradient of parameter PARAM (an
@@ -137,6 +138,9 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.psgd.StartIter, "powersgd_start_iter", 0, "with --comm_hook powersgd: steps all-reduced uncompressed first (PyTorch's start_powerSGD_iter)")
 	fs.Float64Var(&f.psgd.MinCompressionRate, "powersgd_min_compression_rate", 2, "with --comm_hook powersgd: a matrix is compressed only if that saves this factor (PyTorch's min_compression_rate)")
 	fs.DurationVar(&f.stepTime, "step_time", 0, "each step takes at least this long (a paced loop, to watch or test a job whose nodes leave and join; 0: as fast as it goes)")
+	taskName := fs.String("task", taskSine, "sine (y = sin(2x₀) + x₁·x₂ − x₃/2, 4 inputs) or teacher (a fixed random tanh network of --inputs inputs and 16 hidden units)")
+	inputs := fs.Int("inputs", 0, "with --task teacher: the input width, W1 is --hidden_size × --inputs (0: 32)")
+	outputs := fs.Int("outputs", 1, "with --task teacher: the output width, W2 is --outputs × --hidden_size (a matrix above 1)")
 	perRank := fs.String("steps_per_rank", "", "comma-separated steps of each rank (uneven data, e.g. 0,3,5): a rank whose steps are done joins (ddp.Options.UnevenInputs) until every rank's are; instead of --steps")
 	if err := fs.Parse(args); err != nil {
 		return f, err
@@ -147,6 +151,10 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	if f.commHook == "auto" && (f.checkpointDir != "" || f.global > 0 || f.micro > 0) {
 		// its PowerSGD states are not saved or handed over yet: a resume would drop them
 		return f, errors.New("--comm_hook auto takes neither --checkpoint_dir nor --global_batch_size (an elastic job) yet: its state would not survive a resume or a change; use --comm_hook powersgd, whose state does")
+	}
+	var err error
+	if f.task, err = newTask(*taskName, *inputs, *outputs); err != nil {
+		return f, err
 	}
 	set := map[string]bool{}
 	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
@@ -272,7 +280,7 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 // train is the training loop: with pg, one rank of data-parallel training; with a nil pg,
 // one process on its own.
 func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Writer) (*mlp, error) {
-	m := newMLP(f.hidden, f.seed)
+	m := newMLP(f.hidden, f.task.in, f.task.out, f.seed)
 	rank, world := 0, 1
 	var d *ddp.DDP
 	var opts ddp.Options
@@ -286,7 +294,10 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 		for i := range params {
 			params[i] = ddp.Param{Name: m.names[i], Data: m.params[i], Grad: m.grads[i]}
 		}
-		params[w1].Shape = []int{f.hidden, inputs} // a matrix, for --comm_hook powersgd
+		params[w1].Shape = []int{f.hidden, m.in} // a matrix, for --comm_hook powersgd
+		if m.out > 1 {
+			params[w2].Shape = m.shapes()[w2] // with --outputs, one too
+		}
 		f.psgd.Seed = f.seed
 		hook, err := ddp.CommHookNamed(f.commHook, f.psgd)
 		if err != nil {
@@ -329,7 +340,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 			m.grads[i][k] += g
 		}
 	}
-	xs, ys := make([]float32, f.batch*inputs), make([]float32, f.batch)
+	xs, ys := make([]float32, f.batch*m.in), make([]float32, f.batch*m.out)
 	for ; step < f.steps; step++ {
 		paced := time.Now()
 		if d == nil {
@@ -347,7 +358,7 @@ func train(ctx context.Context, f flags, pg procgroup.ProcessGroup, stdout io.Wr
 				d.BeginBackward(mode)
 			}
 			first := int(next) + (micro*world+rank)*f.batch
-			samples(f.seed, first, f.batch, xs, ys)
+			f.task.samples(f.seed, first, f.batch, xs, ys)
 			// The DDP sums the micro-batches' gradients: scaling by 1/accum is ours.
 			loss += m.forwardBackward(xs, ys, 1/float32(f.accum), ready)
 		}
@@ -420,7 +431,7 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 		scale = float32(hookshards.Scale(d, lo, hi))
 	}
 	losses, all := make([]float32, hi-lo), make([]float32, L) // per shard: its mean loss
-	xs, ys := make([]float32, f.micro*inputs), make([]float32, f.micro)
+	xs, ys := make([]float32, f.micro*m.in), make([]float32, f.micro*m.out)
 	first := false // alone: the step's first shard is copied, the next ones added
 	rank, step := 0, start
 	if pg != nil {
@@ -440,7 +451,7 @@ func trainShards(ctx context.Context, f flags, pg procgroup.ProcessGroup, d *ddp
 		}
 	}
 	shard := func(s int) error {
-		samples(f.seed, int(*next)+s*f.micro, f.micro, xs, ys)
+		f.task.samples(f.seed, int(*next)+s*f.micro, f.micro, xs, ys)
 		losses[s-lo] = m.forwardBackward(xs, ys, scale, ready) / scale // the shard's own mean
 		return nil
 	}

@@ -70,7 +70,7 @@ func TestZeroUnderDDPRun(t *testing.T) {
 		t.Skip("builds ddprun")
 	}
 	ddprun := buildDDPRun(t)
-	start := newMLP(64, 1).flat()
+	start := newMLP(64, sineInputs, 1, 1).flat()
 	for _, n := range []int{2, 4} {
 		plain, plainCRC, plainBytes := zeroRun(t, ddprun, n, 0, "")
 		if d := maxDiff(t, start, plain); d < 1e-3 {
