@@ -65,7 +65,6 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 		if m.out > 1 {
 			params[w2].Shape = m.shapes()[w2]
 		}
-		f.psgd.Seed = f.seed
 		hook, err := ddp.CommHookNamed(f.commHook, f.psgd) // a hook serves one DDP: one per epoch
 		if err != nil {
 			return err
