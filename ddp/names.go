@@ -100,7 +100,7 @@ const CommHookNames = "none, fp16, bf16, powersgd, auto"
 
 // CommHookNamed returns the CommHook a trainer's --comm_hook flag names: "none" (or "":
 // AllReduceHook), "fp16", "bf16", "powersgd" (PowerSGDHook with ps; rank 1 where ps.Rank
-// is 0), or "auto" (AutoHook with ps's settings, choosing among the ranks 1, 2 and 4, or
+// is 0), or "auto" (AutoHook with ps's settings, choosing between the ranks 2 and 4, or
 // only ps.Rank where it is set). Another name is an error wrapping ErrInvalidArgument
 // that lists the names.
 func CommHookNamed(name string, ps PowerSGDOptions) (CommHook, error) {

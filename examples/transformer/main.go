@@ -166,7 +166,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	perRank := fs.String("steps_per_rank", "", "comma-separated steps of each rank, the first --warmup_steps untimed (uneven data, e.g. 3,5): a rank whose steps are done joins (ddp.Options.UnevenInputs) until every rank's are; instead of --bench_steps. With --no_ddp, one process runs every rank's micro-batches of each step, as the ranks would with Join")
 	straggle := fs.String("straggle_ms", "", "R:MS: rank R sleeps MS milliseconds per step before backward (a straggler on purpose, for the straggler report)")
 	fs.StringVar(&f.commHook, "comm_hook", "none", "DDP communication hook: "+ddp.CommHookNames)
-	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 0, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank; 0: 1); with auto: the only rank it may choose (0: 1, 2 or 4)")
+	fs.IntVar(&f.psgd.Rank, "powersgd_rank", 0, "with --comm_hook powersgd: the rank of each matrix's approximation (PyTorch's matrix_approximation_rank; 0: 1); with auto: the only rank it may choose (0: 2 or 4)")
 	fs.IntVar(&f.psgd.StartIter, "powersgd_start_iter", 0, "with --comm_hook powersgd: steps all-reduced uncompressed first (PyTorch's start_powerSGD_iter)")
 	fs.Float64Var(&f.psgd.MinCompressionRate, "powersgd_min_compression_rate", 2, "with --comm_hook powersgd: a matrix is compressed only if that saves this factor (PyTorch's min_compression_rate)")
 	if err := fs.Parse(args); err != nil {
