@@ -32,9 +32,9 @@ func TestCommHookMismatch(t *testing.T) {
 	}, {
 		hooks: []func() CommHook{
 			func() CommHook { h, _ := CommHookNamed("auto", PowerSGDOptions{}); return h },
-			func() CommHook { h, _ := CommHookNamed("auto", PowerSGDOptions{Rank: 2}); return h },
+			func() CommHook { h, _ := CommHookNamed("auto", PowerSGDOptions{Rank: 4}); return h },
 		},
-		msg: "ddp: ranks disagree on the model: Options.CommHook is auto(powersgd ranks [1 2 4], min_compression_rate 2, start_iter 0, seed 0) on rank 0 but auto(powersgd ranks [2], min_compression_rate 2, start_iter 0, seed 0) on rank 1",
+		msg: "ddp: ranks disagree on the model: Options.CommHook is auto(powersgd ranks [2 4], min_compression_rate 2, start_iter 0, seed 0) on rank 0 but auto(powersgd ranks [4], min_compression_rate 2, start_iter 0, seed 0) on rank 1",
 	}, {
 		hooks: []func() CommHook{FP16CompressHook, FP16CompressHook, func() CommHook { return PowerSGDHook(PowerSGDOptions{Rank: 1, StartIter: 10}) }},
 		msg:   "ddp: ranks disagree on the model: Options.CommHook is fp16 on rank 0 but powersgd(rank 1, min_compression_rate 2, start_iter 10, seed 0) on rank 2",
