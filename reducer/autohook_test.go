@@ -164,7 +164,7 @@ func TestAutoHookMixed(t *testing.T) {
 	none, bf := sim.Hook{Kind: "none"}, sim.Hook{Kind: "bf16"}
 	for _, force := range [][]sim.Hook{{r1, r2}, {r2, r1}, {bf, r2}, {r1, none}, {none, r4}} {
 		auto := runHook(t, func() CommHook {
-			h := AutoHook(AutoHookOptions{}).(*autoHook)
+			h := AutoHook(AutoHookOptions{Ranks: []int{1, 2, 4}}).(*autoHook) // 1 is not a default
 			h.force = force
 			return h
 		}, opts, 0, 0, steps, 14)
