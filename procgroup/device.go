@@ -150,3 +150,36 @@ func FindWork[T any](w Work) (T, bool) {
 // FindDevice is Find[Device]: the group's device operations, or false for a host-only
 // backend (gloo, pgtest).
 func FindDevice(pg ProcessGroup) (Device, bool) { return Find[Device](pg) }
+
+// DeviceBLAS is the optional interface of a Device group with the dense linear algebra of
+// PowerSGD on device buckets (reducer's PowerSGDHook; backends/nccl implements it with
+// cuBLAS and a kernel of its own). Find it with Find[DeviceBLAS]. As with Device, the
+// operations that take a Stream are enqueued on it and return at once.
+type DeviceBLAS interface {
+	Device
+	// GemmAsync enqueues C = alpha·op(A)·op(B) + beta·C on s, for float32 buffers in
+	// column-major order, exactly as cuBLAS's cublasSgemm: op(A) is m×k (A itself, or the
+	// transpose of the k×m matrix A holds when transA), op(B) is k×n, C is m×n; lda, ldb
+	// and ldc are the leading dimensions (the distance in elements between two columns,
+	// at least the stored matrix's rows). With beta 0, C is not read.
+	GemmAsync(s Stream, transA, transB bool, m, n, k int, alpha float32, a DeviceBuffer, lda int, b DeviceBuffer, ldb int, beta float32, c DeviceBuffer, ldc int) error
+	// OrthonormalizeAsync enqueues on s the orthonormalisation, in place, of the cols
+	// columns of the float32 matrix a (rows×cols, column-major, leading dimension rows) by
+	// modified Gram-Schmidt in float64 arithmetic, each element rounded to float32 when
+	// stored: for each column c in order, its projections on the columns before it are
+	// subtracted, one at a time, twice over (the second pass removes what float32 storage
+	// left of them), and it is divided by its norm. A column left with no length of its own
+	// (a norm at most 1e-5 of its norm before the projections, zero or not finite) is
+	// replaced, at try t (0 to 2), by rows SplitMix64 draws uniform in [−1, 1) (the 53 high
+	// bits of each output, over 2⁵², minus 1) from the state seed ^ (c+1 + t<<32), and
+	// orthonormalised again; after the third replacement a column still degenerate is set
+	// to zero. Every dot product sums its terms in index order from 0, with no fused
+	// multiply-add, so the result is the same bits on every device and rank.
+	OrthonormalizeAsync(s Stream, a DeviceBuffer, rows, cols int, seed uint64) error
+	// CopyIn copies the host slice src into dst (same element type and length) on
+	// dst.Stream and blocks the host until it is done; CopyOut copies src into the host
+	// slice dst after the work queued on src.Stream, and blocks likewise. For set-up and
+	// checkpoints, never inside a training step.
+	CopyIn(dst DeviceBuffer, src any) error
+	CopyOut(dst any, src DeviceBuffer) error
+}

@@ -13,8 +13,9 @@ func devView(b procgroup.DeviceBuffer, loc bucket.Loc) procgroup.DeviceBuffer {
 	return b.Slice(loc.Offset, loc.Offset+loc.Len)
 }
 
-// freeDevice releases every device bucket (Close), and the device scratch of the comm
-// hooks (BucketView.Scratch holding a procgroup.DeviceBuffer).
+// freeDevice releases every device bucket (Close), the device scratch of the comm hooks
+// (BucketView.Scratch holding a procgroup.DeviceBuffer, or a deviceScratch) and the
+// hook's own device state (DeviceStateHook).
 func (r *Reducer) freeDevice() {
 	if r.dev == nil {
 		return
@@ -24,11 +25,34 @@ func (r *Reducer) freeDevice() {
 	}
 	r.retired = nil
 	for b := range r.slots {
-		if d, ok := r.slots[b].view.Scratch.(procgroup.DeviceBuffer); ok {
-			_ = r.dev.FreeDevice(d)
+		if ds := scratchDevice(r.slots[b].view.Scratch); ds != nil {
+			for _, d := range ds {
+				_ = r.dev.FreeDevice(d)
+			}
 			r.slots[b].view.Scratch = nil
 		}
 	}
+	if r.hookDev != nil {
+		r.hookDev.ReleaseDevice()
+	}
+}
+
+// deviceScratch is a BucketView.Scratch of this package's hooks that holds device
+// buffers of its own (PowerSGD's device message): the reducer treats them as it treats a
+// procgroup.DeviceBuffer in Scratch.
+type deviceScratch interface {
+	deviceBuffers() []procgroup.DeviceBuffer
+}
+
+// scratchDevice returns the device buffers a BucketView.Scratch holds (nil if none).
+func scratchDevice(s any) []procgroup.DeviceBuffer {
+	switch s := s.(type) {
+	case procgroup.DeviceBuffer:
+		return []procgroup.DeviceBuffer{s}
+	case deviceScratch:
+		return s.deviceBuffers()
+	}
+	return nil
 }
 
 // GradViewDevice is GradView with Options.Device: parameter i's slot in its device bucket,

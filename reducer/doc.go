@@ -54,7 +54,9 @@
 //     (Device.WaitWork) and enqueues the copies back into Param.Grad (none with
 //     GradientAsBucketView: GradViewDevice is the gradient); kernels the trainer queues on
 //     the stream afterwards (the optimizer) see the averaged gradients.
-//   - The fp16/bf16 compression hooks convert on the device, on the compute stream.
+//   - The fp16/bf16 compression hooks convert on the device, on the compute stream, and
+//     PowerSGD compresses there too, with the group's procgroup.DeviceBLAS (Note
+//     [PowerSGD on the device]); its state is uploaded once, at New.
 //
 // Since Finalize does not wait, a collective's failure is reported by the first
 // BeginBackward or Finalize after it, however many passes later (Note [Late failures]),

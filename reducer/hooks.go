@@ -74,9 +74,25 @@ type HookParam struct {
 type HookSetup struct {
 	// Params are the parameters, indexed as BucketView.Params indexes them.
 	Params []HookParam
-	// Device: the buckets live in device memory (Options.Device).
+	// Device: the buckets live in device memory (Options.Device); DeviceOps are then the
+	// group's device operations (found with procgroup.FindDevice, possibly also a
+	// procgroup.DeviceBLAS) and Stream is Options.Stream, on which the hook's device work
+	// goes. A hook may allocate device memory at Setup; if it implements
+	// DeviceStateHook, the reducer has it released at Close (or when New fails after
+	// Setup).
 	Device    bool
+	DeviceOps procgroup.Device
+	Stream    procgroup.Stream
 	WorldSize int
+}
+
+// DeviceStateHook is the optional interface of a ShapedHook that keeps device memory of
+// its own from Setup on (PowerSGDHook on device buckets). The reducer calls
+// ReleaseDevice once no queued work uses it any more: at Close, after the compute stream
+// has drained, or when New fails after Setup. It must be safe to call more than once.
+type DeviceStateHook interface {
+	ShapedHook
+	ReleaseDevice()
 }
 
 // ShapedHook is the optional interface of a CommHook that needs to know the parameters

@@ -97,9 +97,7 @@ func (r *Reducer) setLayout(lay *bucket.Layout) error {
 	}
 	if r.lay != nil {
 		for b := range r.slots {
-			if d, ok := r.slots[b].view.Scratch.(procgroup.DeviceBuffer); ok {
-				r.retired = append(r.retired, d)
-			}
+			r.retired = append(r.retired, scratchDevice(r.slots[b].view.Scratch)...)
 		}
 		for i, from := range r.lay.Where {
 			to, old, neu := lay.Where[i], &r.slots[r.lay.Where[i].Bucket], &slots[lay.Where[i].Bucket]

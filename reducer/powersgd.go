@@ -84,7 +84,8 @@ func PowerSGDHook(o PowerSGDOptions) CommHook {
 // all-reduce, launched when the bucket is ready, overlapped with backward as every bucket
 // is. Every parameter goes through the same synced steps, so a bucket's parameters agree
 // on the step's parity. The message buffers are allocated at a bucket's first launch;
-// after that a step allocates nothing.
+// after that a step allocates nothing. On device buckets the same steps run on the
+// device, in float32 (Note [PowerSGD on the device]).
 
 type powerSGD struct {
 	o     PowerSGDOptions
@@ -92,14 +93,21 @@ type powerSGD struct {
 	mats  []*psgdMat // by parameter; nil: reduced as it is
 	lens  []int      // by parameter: its length in elements
 	steps []int      // by parameter: the synced steps it has been through
+	// With device buckets (Note [PowerSGD on the device]): the group's device operations
+	// and the compute stream, on which all the hook's device work goes.
+	dev    procgroup.DeviceBLAS
+	stream procgroup.Stream
 }
 
-// psgdMat is one compressed parameter's state.
+// psgdMat is one compressed parameter's state. On the host path p, q and e are the state;
+// on the device path it is de, dp and dq, and p, q and e are the copies a checkpoint reads
+// and writes (e allocated at the first).
 type psgdMat struct {
 	index, n, m, r int
 	p, q           []float64 // n×r and m×r, column-major (column c of P is p[c·n:(c+1)·n])
 	e              any       // []float32 or []float64, n×m row-major: the error feedback
-	acc            []float64 // m×r, column-major: a Q step's sums
+	acc            []float64 // m×r, column-major: a Q step's sums (host path)
+	de, dp, dq     procgroup.DeviceBuffer
 }
 
 func (h *powerSGD) Describe() string {
@@ -118,8 +126,13 @@ func (h *powerSGD) Setup(s HookSetup) error {
 		return fmt.Errorf("MinCompressionRate %v, want at least 1 (and finite)", h.o.MinCompressionRate)
 	case h.o.StartIter < 0:
 		return fmt.Errorf("StartIter %d, want 0 or more", h.o.StartIter)
-	case s.Device:
-		return errors.New("device buckets (Options.Device) are not supported yet: use a host bucket or another hook")
+	}
+	if s.Device {
+		blas, ok := s.DeviceOps.(procgroup.DeviceBLAS)
+		if !ok {
+			return fmt.Errorf("device buckets (Options.Device) need device linear algebra (procgroup.DeviceBLAS: cuBLAS GEMM and orthonormalisation, as the nccl backend offers), which %T lacks: use host buckets or another hook", s.DeviceOps)
+		}
+		h.dev, h.stream = blas, s.Stream
 	}
 	h.mats = make([]*psgdMat, len(s.Params))
 	h.lens = make([]int, len(s.Params))
@@ -137,12 +150,15 @@ func (h *powerSGD) Setup(s HookSetup) error {
 		if len(p.Shape) < 2 || float64(n+m)*float64(r)*h.o.MinCompressionRate >= float64(n)*float64(m) {
 			continue // 1-D, or too small to gain: reduced as it is
 		}
-		mt := &psgdMat{index: i, n: n, m: m, r: r, p: make([]float64, n*r), q: make([]float64, m*r), acc: make([]float64, m*r)}
-		switch p.DType {
-		case procgroup.Float32:
-			mt.e = make([]float32, n*m)
-		case procgroup.Float64:
-			mt.e = make([]float64, n*m)
+		mt := &psgdMat{index: i, n: n, m: m, r: r, p: make([]float64, n*r), q: make([]float64, m*r)}
+		switch {
+		case h.dev != nil && p.DType != procgroup.Float32:
+			return fmt.Errorf("parameter %d (%s): element type %v; on device buckets PowerSGD compresses float32 matrices only (cuBLAS SGEMM)", i, p.Name, p.DType)
+		case h.dev != nil: // the state is on the device: setupDevice
+		case p.DType == procgroup.Float32:
+			mt.e, mt.acc = make([]float32, n*m), make([]float64, m*r)
+		case p.DType == procgroup.Float64:
+			mt.e, mt.acc = make([]float64, n*m), make([]float64, m*r)
 		default:
 			return fmt.Errorf("parameter %d (%s): element type %v, want float32 or float64", i, p.Name, p.DType)
 		}
@@ -151,6 +167,12 @@ func (h *powerSGD) Setup(s HookSetup) error {
 			mt.q[k] = g.uniform()
 		}
 		h.mats[i] = mt
+	}
+	if h.dev != nil {
+		if err := h.setupDevice(); err != nil {
+			h.ReleaseDevice()
+			return err
+		}
 	}
 	h.ready = true
 	return nil
@@ -189,6 +211,9 @@ func (h *powerSGD) AppendBinary(b []byte) ([]byte, error) {
 	if !h.ready {
 		return nil, errors.New("reducer: PowerSGD hook: no state before New")
 	}
+	if err := h.download(); err != nil {
+		return nil, err
+	}
 	b = append(b, psgdMagic...)
 	b = binary.LittleEndian.AppendUint64(b, uint64(h.o.Rank))
 	b = binary.LittleEndian.AppendUint64(b, uint64(len(h.mats)))
@@ -225,6 +250,7 @@ func (h *powerSGD) UnmarshalBinary(data []byte) error {
 	if !h.ready {
 		return errors.New("reducer: PowerSGD hook: restore its state after New")
 	}
+	h.hostCopies()
 	for pass := 0; pass < 2; pass++ { // check, then copy
 		d := data
 		bad := func(format string, a ...any) error {
@@ -306,7 +332,7 @@ func (h *powerSGD) UnmarshalBinary(data []byte) error {
 			return bad("%d bytes after the last parameter", len(d))
 		}
 	}
-	return nil
+	return h.upload()
 }
 
 // UnmarshalResized restores this hook, rank of world, from the states (MarshalBinary's)
@@ -374,7 +400,7 @@ func (h *powerSGD) UnmarshalResized(saved [][]byte, rank, world int) error {
 			}
 		}
 	}
-	return nil
+	return h.upload()
 }
 
 // factors copies h's steps and factors (not its errors), for differs.
@@ -421,6 +447,8 @@ func (h *powerSGD) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *Buc
 	}
 	var msg any
 	switch buf := b.Buffer.(type) {
+	case procgroup.DeviceBuffer:
+		return h.launchDevice(ctx, pg, b, buf)
 	case []float32:
 		msg = psgdCompress(h, b, buf)
 	case []float64:
@@ -436,6 +464,10 @@ func (h *powerSGD) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *Buc
 
 func (h *powerSGD) Finish(b *BucketView) error {
 	switch buf := b.Buffer.(type) {
+	case procgroup.DeviceBuffer:
+		if err := h.finishDevice(b, buf); err != nil {
+			return err
+		}
 	case []float32:
 		psgdFinish(h, b, buf)
 	case []float64:

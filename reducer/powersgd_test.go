@@ -112,34 +112,8 @@ func psgdSize(shape []int) int {
 func runPSGD(t *testing.T, tc psgdCase) psgdRun {
 	t.Helper()
 	ctx := testCtx(t)
-	rng := rand.New(rand.NewPCG(7, uint64(len(tc.name))))
 	np := len(tc.shapes)
-	passes := tc.steps
-	if tc.accum {
-		passes += tc.steps / 2
-	}
-	// grads[rank][pass][param]
-	grads := make([][][][]float64, tc.ranks)
-	for w := range grads {
-		grads[w] = make([][][]float64, passes)
-		for s := range grads[w] {
-			grads[w][s] = make([][]float64, np)
-			for p, sh := range tc.shapes {
-				if !tc.random && s > 0 {
-					grads[w][s][p] = grads[w][0][p]
-					continue
-				}
-				g := make([]float64, psgdSize(sh))
-				for k := range g {
-					g[k] = rng.NormFloat64()
-					if tc.dtype == procgroup.Float32 {
-						g[k] = float64(float32(g[k]))
-					}
-				}
-				grads[w][s][p] = g
-			}
-		}
-	}
+	grads := psgdGrads(tc)
 	run := psgdRun{out: make([][][][]float64, tc.ranks), in: make([][][][]float64, tc.ranks), hooks: make([]*powerSGD, tc.ranks)}
 	c := pgtest.NewCluster(tc.ranks)
 	defer c.Close()
@@ -236,6 +210,38 @@ func runPSGD(t *testing.T, tc psgdCase) psgdRun {
 	run.issued = c.Issued(0)
 	run.layouts = layouts
 	return run
+}
+
+// psgdGrads draws tc's gradients, grads[rank][pass][param] (a pass: a synced step, or a
+// NoSync pass before one), from tc.name.
+func psgdGrads(tc psgdCase) [][][][]float64 {
+	rng := rand.New(rand.NewPCG(7, uint64(len(tc.name))))
+	passes := tc.steps
+	if tc.accum {
+		passes += tc.steps / 2
+	}
+	grads := make([][][][]float64, tc.ranks)
+	for w := range grads {
+		grads[w] = make([][][]float64, passes)
+		for s := range grads[w] {
+			grads[w][s] = make([][]float64, len(tc.shapes))
+			for p, sh := range tc.shapes {
+				if !tc.random && s > 0 {
+					grads[w][s][p] = grads[w][0][p]
+					continue
+				}
+				g := make([]float64, psgdSize(sh))
+				for k := range g {
+					g[k] = rng.NormFloat64()
+					if tc.dtype == procgroup.Float32 {
+						g[k] = float64(float32(g[k]))
+					}
+				}
+				grads[w][s][p] = g
+			}
+		}
+	}
+	return grads
 }
 
 // reference replays run's inputs through refPSGD, starting from the hooks' initial Q
@@ -663,15 +669,23 @@ func TestPowerSGDBadInput(t *testing.T) {
 	if _, err := New(c.Group(0), p(), Options{CommHook: h}); err == nil || !strings.Contains(err.Error(), "give each DDP its own hook") {
 		t.Errorf("second Reducer: %v", err)
 	}
-	err = PowerSGDHook(PowerSGDOptions{Rank: 1}).(ShapedHook).Setup(HookSetup{Device: true})
-	if err == nil || !strings.Contains(err.Error(), "device buckets") {
-		t.Errorf("device: %v", err)
+	// Device buckets need device linear algebra: refused without it (a group whose
+	// Device is no DeviceBLAS, or none).
+	for _, ops := range []procgroup.Device{nil, deviceOnly{}} {
+		err = PowerSGDHook(PowerSGDOptions{Rank: 1}).(ShapedHook).Setup(HookSetup{Device: true, DeviceOps: ops})
+		if err == nil || !strings.Contains(err.Error(), "need device linear algebra (procgroup.DeviceBLAS") {
+			t.Errorf("device without BLAS (%T): %v", ops, err)
+		}
 	}
 	want := "powersgd(rank 2, min_compression_rate 2, start_iter 0, seed 7)"
 	if got := DescribeHook(PowerSGDHook(PowerSGDOptions{Rank: 2, Seed: 7})); got != want {
 		t.Errorf("DescribeHook: %q, want %q", got, want)
 	}
 }
+
+// deviceOnly is a procgroup.Device without procgroup.DeviceBLAS (its methods are never
+// called).
+type deviceOnly struct{ procgroup.Device }
 
 // psgdNopGroup is a ProcessGroup whose AllReduce completes at once, leaving the buffer as it
 // is (the sum over one rank), without allocating.

@@ -58,6 +58,7 @@ type slot struct {
 type Reducer struct {
 	pg      procgroup.ProcessGroup
 	dev     procgroup.Device          // with Options.Device
+	hookDev DeviceStateHook           // the comm hook, if it keeps device state (released at Close)
 	alloc   procgroup.BufferAllocator // host buckets from the group, when it offers them
 	opts    Options
 	log     *zap.Logger
@@ -143,9 +144,18 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	if err := checkOverlap(r.params); err != nil {
 		return nil, err
 	}
-	if err := setupHook(opts, r.params, pg.Size()); err != nil {
+	if err := setupHook(opts, r.params, pg.Size(), r.dev); err != nil {
 		return nil, err
 	}
+	if opts.Shards == 0 { // setupHook called Setup
+		r.hookDev, _ = opts.CommHook.(DeviceStateHook)
+	}
+	created := false
+	defer func() {
+		if !created && r.hookDev != nil {
+			r.hookDev.ReleaseDevice()
+		}
+	}()
 	r.firstCap, r.capBytes = mib(opts.FirstBucketCapMB), mib(opts.BucketCapMB)
 	rebuilds := 1
 	ah, _ := opts.CommHook.(*autoHook)
@@ -191,11 +201,12 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	}
 	r.log.Info("reducer: buckets assigned", zap.Int("rank", pg.Rank()), zap.Int("params", len(params)),
 		zap.Int("buckets", len(buckets)), zap.Float64("bucket_cap_mb", opts.BucketCapMB), zap.Float64("first_bucket_cap_mb", opts.FirstBucketCapMB))
+	created = true
 	return r, nil
 }
 
 // setupHook checks the parameters' shapes and gives them to a ShapedHook.
-func setupHook(opts Options, params []Param, world int) error {
+func setupHook(opts Options, params []Param, world int, dev procgroup.Device) error {
 	h, ok := opts.CommHook.(ShapedHook)
 	if !ok || opts.Shards > 0 {
 		return nil
@@ -218,7 +229,11 @@ func setupHook(opts Options, params []Param, world int) error {
 		}
 		hp[i] = HookParam{Name: p.Name, DType: p.DType, Shape: shape}
 	}
-	if err := h.Setup(HookSetup{Params: hp, Device: opts.Device, WorldSize: world}); err != nil {
+	setup := HookSetup{Params: hp, Device: opts.Device, WorldSize: world}
+	if opts.Device {
+		setup.DeviceOps, setup.Stream = dev, opts.Stream
+	}
+	if err := h.Setup(setup); err != nil {
 		return fmt.Errorf("%w: CommHook %s: %w", ErrInvalidArgument, DescribeHook(h), err)
 	}
 	return nil

@@ -20,9 +20,18 @@ import (
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
 
-// TestMain builds the fake CUDA driver and NCCL of the device tests (device_test.go) and
-// points the nccl backend at them, then runs the tests with goleak.
+// gpuMode: GODDP_GPU=1 runs the device tests against the libraries the environment names
+// (a real GPU, at world size 1: scripts/gpu_check.sh runs TestPowerSGDDevice so);
+// otherwise TestMain builds the fakes.
+var gpuMode = os.Getenv("GODDP_GPU") == "1"
+
+// TestMain builds the fake CUDA driver, NCCL and cuBLAS of the device tests
+// (device_test.go) and points the nccl backend at them, then runs the tests with goleak.
 func TestMain(m *testing.M) {
+	if gpuMode {
+		goleak.VerifyTestMain(m)
+		return
+	}
 	dir, err := os.MkdirTemp("", "goddp-reducer-fakes-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -2,14 +2,16 @@
 # gpu_check.sh: the one-call GPU check of backends/nccl.
 #
 #   scripts/gpu_check.sh build [OUT]   on a machine with Go: builds into OUT (default
-#                                      .cache/gpu_check) the backend's test binary, allreduce-perf,
-#                                      the GPU trainer examples/gpumlp, scripts/gpu_torch.py and a
-#                                      copy of this script.
+#                                      .cache/gpu_check) the backend's and the reducer's test
+#                                      binaries, allreduce-perf, the GPU trainer examples/gpumlp,
+#                                      scripts/gpu_torch.py and a copy of this script.
 #   OUT/gpu_check.sh run [OUT]         on the GPU machine (CUDA driver, PyTorch with the
 #                                      nvidia-nccl-cu13 wheel, no Go): finds libnccl.so.2 and
 #                                      libcublas, runs the GPU tests at world size 1 (results,
-#                                      stream/event ordering and its event timeline, the device
-#                                      allreduce-perf table) beside torch.distributed.all_reduce,
+#                                      stream/event ordering and its event timeline, cuBLAS GEMM
+#                                      and the orthonormalisation kernel, the device
+#                                      allreduce-perf table), PowerSGD on device buckets against
+#                                      the host path, beside torch.distributed.all_reduce,
 #                                      allreduce-perf, then gpumlp's ms/step beside PyTorch DDP
 #                                      on NCCL with the same model.
 #   scripts/gpu_check.sh selftest      build, compile the fake libcuda/libnccl/libcublas of the
@@ -29,11 +31,12 @@ build() {
 	mkdir -p "$out"
 	cd "$root"
 	go test -c -o "$out/nccl.test" ./backends/nccl/
+	go test -c -o "$out/reducer.test" ./reducer/
 	go build -o "$out/allreduce-perf" ./cmd/allreduce-perf
 	go build -o "$out/gpumlp" ./examples/gpumlp
 	cp "$root/scripts/gpu_check.sh" "$out/gpu_check.sh"
 	cp "$root/scripts/gpu_torch.py" "$out/gpu_torch.py"
-	echo "built into $out: nccl.test allreduce-perf gpumlp gpu_torch.py gpu_check.sh"
+	echo "built into $out: nccl.test reducer.test allreduce-perf gpumlp gpu_torch.py gpu_check.sh"
 	echo "copy $out to the GPU machine and run: ./gpu_check.sh run ."
 }
 
@@ -114,10 +117,16 @@ run() {
 	fi
 	echo "== libcuda.so.1: ${GODDP_CUDA_LIB:-$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 /{print $NF; exit}')}"
 	command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-	echo "== backend tests at world size 1 (results, stream/event ordering, device allreduce-perf table)"
-	(cd "$dir" && timeout 300 ./nccl.test -test.v -test.count=1 \
-		-test.run 'TestRegistered|TestLibraryMissing|TestDeviceAllReduce|TestStreamOrder|TestGPUStreamWaitTimeline|TestGPUPerfTable') |
+	local cublas
+	cublas=$(find_cublas)
+	echo "== backend tests at world size 1 (results, stream/event ordering, cuBLAS GEMM and orthonormalisation, device allreduce-perf table)"
+	(cd "$dir" && GODDP_CUBLAS_LIB=$cublas timeout 300 ./nccl.test -test.v -test.count=1 \
+		-test.run 'TestRegistered|TestLibraryMissing|TestDeviceAllReduce|TestStreamOrder|TestGPUStreamWaitTimeline|TestGPUGemm|TestGPUOrthonormalize|TestGPUPerfTable') |
 		tee "$dir/nccl_test.log"
+	echo "== PowerSGD on device buckets at world size 1, against the host path and a float64 reference"
+	(cd "$dir" && GODDP_CUBLAS_LIB=$cublas timeout 300 ./reducer.test -test.v -test.count=1 -test.run 'TestPowerSGDDevice$') |
+		tee "$dir/reducer_test.log" | grep -E '^(---|ok|FAIL|PASS)|largest difference'
+	grep -q '^--- PASS: TestPowerSGDDevice ' "$dir/reducer_test.log"
 	echo "== the comm stream waiting on the compute stream, from event timestamps (TestGPUStreamWaitTimeline)"
 	grep 'timeline (ms' "$dir/nccl_test.log" | sed 's/^ *//'
 	if torch_cuda; then
@@ -128,8 +137,7 @@ run() {
 	fi
 	echo "== allreduce-perf --backend nccl --nproc 1 (host buffers staged through pinned memory)"
 	timeout 180 "$dir/allreduce-perf" --backend nccl --nproc 1 -b 4K -e 64M -f 4 -n 10 -w 3
-	local cublas mlp="--in 64 --hidden 256 --out 16 --batch 64 --steps 20 --bench_steps 50"
-	cublas=$(find_cublas)
+	local mlp="--in 64 --hidden 256 --out 16 --batch 64 --steps 20 --bench_steps 50"
 	echo "== GPU trainer examples/gpumlp at world size 1 (cuBLAS: first found of $cublas)"
 	(cd "$dir" && RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=${GPU_CHECK_PORT:-29531} \
 		GODDP_CUBLAS_LIB=$cublas timeout 180 ./gpumlp $mlp 2>/dev/null) | grep -E 'ms/step|final loss'

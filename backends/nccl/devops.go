@@ -15,8 +15,9 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
-// kernelsPTX holds the kernels of ScaleAsync and ConvertAsync (kernels/kernels.ll, compiled
-// to PTX by kernels/gen.sh). The driver JIT-compiles it when the first one is needed.
+// kernelsPTX holds the kernels of ScaleAsync, ConvertAsync and OrthonormalizeAsync
+// (kernels/kernels.ll, compiled to PTX by kernels/gen.sh). The driver JIT-compiles it when
+// the first one is needed.
 //
 //go:embed kernels/kernels.ptx
 var kernelsPTX string
@@ -31,10 +32,11 @@ const (
 	kF16ToF32
 	kF32ToBF16
 	kBF16ToF32
+	kOrth
 	nKernels
 )
 
-var kernelNames = [nKernels]string{"goddp_scale_f32", "goddp_scale_f64", "goddp_f32_to_f16", "goddp_f16_to_f32", "goddp_f32_to_bf16", "goddp_bf16_to_f32"}
+var kernelNames = [nKernels]string{"goddp_scale_f32", "goddp_scale_f64", "goddp_f32_to_f16", "goddp_f16_to_f32", "goddp_f32_to_bf16", "goddp_bf16_to_f32", "goddp_orth_f32"}
 
 // kernelsLocked loads the module once. g.devMu is held.
 func (g *Group) kernelsLocked() error {

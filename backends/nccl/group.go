@@ -110,6 +110,11 @@ type Group struct {
 	moduleErr error
 	fns       [nKernels]C.goddp_CUfunction
 
+	blasMu  sync.Mutex // guards the cuBLAS handle (blas.go: Note [cuBLAS handle])
+	blasLib *C.goddp_blas
+	blasH   C.goddp_cublasHandle_t
+	blasErr error
+
 	kick     chan struct{} // size 1: a work was issued or the state changed
 	stop     chan struct{} // closed when the group is aborted
 	loopDone chan struct{} // closed when the watchdog has released everything and exited
@@ -252,6 +257,7 @@ func (g *Group) releaseDevice() {
 	allEv, allSt := g.allEv, g.allSt
 	g.allEv, g.events, g.allSt, g.pool = nil, nil, nil, nil
 	g.mu.Unlock()
+	g.releaseBLAS()
 	_ = g.onDevice(func() error {
 		l := g.lib.p
 		for _, ev := range allEv {

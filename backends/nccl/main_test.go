@@ -38,6 +38,7 @@ func TestMain(m *testing.M) {
 			}
 			os.Setenv(EnvCUDALib, filepath.Join(dir, "libcuda.so.1"))
 			os.Setenv(EnvNCCLLib, filepath.Join(dir, "libnccl.so.2"))
+			os.Setenv(EnvCUBLASLib, filepath.Join(dir, "libcublas.so"))
 		}
 		code := m.Run()
 		if !gpuMode {
@@ -60,18 +61,20 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// buildFakes compiles testdata/fake into dir: libcuda.so.1 and libnccl.so.2 (which finds
-// the fake driver by its soname, through its rpath).
+// buildFakes compiles testdata/fake into dir: libcuda.so.1, libnccl.so.2 and libcublas.so
+// (which find the fake driver by its soname, through their rpath).
 func buildFakes(dir string) error {
 	cc := os.Getenv("CC")
 	if cc == "" {
 		cc = "gcc"
 	}
 	for _, args := range [][]string{
-		{"-shared", "-fPIC", "-O1", "-o", filepath.Join(dir, "libcuda.so.1"), "-Wl,-soname,libcuda.so.1",
-			"testdata/fake/fakecuda.c", "-lpthread"},
+		{"-shared", "-fPIC", "-O1", "-ffp-contract=off", "-o", filepath.Join(dir, "libcuda.so.1"), "-Wl,-soname,libcuda.so.1",
+			"testdata/fake/fakecuda.c", "-lpthread", "-lm"},
 		{"-shared", "-fPIC", "-O1", "-o", filepath.Join(dir, "libnccl.so.2"), "-Wl,-soname,libnccl.so.2",
 			"testdata/fake/fakenccl.c", "-L" + dir, "-l:libcuda.so.1", "-Wl,-rpath," + dir, "-lpthread", "-lm"},
+		{"-shared", "-fPIC", "-O1", "-ffp-contract=off", "-o", filepath.Join(dir, "libcublas.so"), "-Wl,-soname,libcublas.so",
+			"testdata/fake/fakecublas.c", "-L" + dir, "-l:libcuda.so.1", "-Wl,-rpath," + dir},
 	} {
 		out, err := exec.Command(cc, args...).CombinedOutput()
 		if err != nil {

@@ -449,6 +449,79 @@ goddp_CUresult goddp_event_elapsed(goddp_lib *l, goddp_CUcontext ctx, float *ms,
 	RUN(l, ctx, l->cuEventElapsedTime(ms, (goddp_CUevent)a, (goddp_CUevent)b));
 }
 
+goddp_blas *goddp_blas_load(const char *paths, char *err, size_t errlen) {
+	goddp_blas *b = calloc(1, sizeof *b);
+	char *list = strdup(paths), *save = NULL;
+	if (!b || !list) {
+		snprintf(err, errlen, "out of memory");
+		free(b);
+		free(list);
+		return NULL;
+	}
+	err[0] = 0;
+	for (char *p = strtok_r(list, ":", &save); p && !b->handle; p = strtok_r(NULL, ":", &save)) {
+		b->handle = dlopen(p, RTLD_NOW | RTLD_LOCAL);
+		if (!b->handle) {
+			const char *e = dlerror();
+			size_t used = strlen(err);
+			snprintf(err + used, errlen - used, "%s%s", used ? "; " : "", e ? e : p);
+		}
+	}
+	free(list);
+	if (!b->handle) {
+		free(b);
+		return NULL;
+	}
+#define BLAS_SYM(field)                                                             \
+	do {                                                                        \
+		*(void **)(&b->field) = dlsym(b->handle, #field);                   \
+		if (!b->field) {                                                    \
+			snprintf(err, errlen, "symbol %s not found", #field);       \
+			dlclose(b->handle);                                         \
+			free(b);                                                    \
+			return NULL;                                                \
+		}                                                                   \
+	} while (0)
+	BLAS_SYM(cublasCreate_v2);
+	BLAS_SYM(cublasDestroy_v2);
+	BLAS_SYM(cublasSetStream_v2);
+	BLAS_SYM(cublasSgemm_v2);
+#undef BLAS_SYM
+	return b;
+}
+
+goddp_CUresult goddp_blas_create(goddp_lib *l, goddp_CUcontext ctx, goddp_blas *b, goddp_cublasHandle_t *h, goddp_cublasStatus_t *st) {
+	ENTER(l, ctx);
+	*st = b->cublasCreate_v2(h);
+	LEAVE(l, ctx);
+	return 0;
+}
+
+goddp_CUresult goddp_blas_destroy(goddp_lib *l, goddp_CUcontext ctx, goddp_blas *b, goddp_cublasHandle_t h, goddp_cublasStatus_t *st) {
+	ENTER(l, ctx);
+	*st = b->cublasDestroy_v2(h);
+	LEAVE(l, ctx);
+	return 0;
+}
+
+goddp_CUresult goddp_blas_sgemm(goddp_lib *l, goddp_CUcontext ctx, goddp_blas *b, goddp_cublasHandle_t h, uintptr_t s, int ta, int tb,
+				int m, int n, int k, float alpha, goddp_CUdeviceptr a, int lda, goddp_CUdeviceptr bm, int ldb, float beta,
+				goddp_CUdeviceptr c, int ldc, goddp_cublasStatus_t *st) {
+	ENTER(l, ctx);
+	*st = b->cublasSetStream_v2(h, (goddp_CUstream)s);
+	if (*st == 0)
+		*st = b->cublasSgemm_v2(h, ta, tb, m, n, k, &alpha, (const float *)(uintptr_t)a, lda, (const float *)(uintptr_t)bm, ldb, &beta,
+					(float *)(uintptr_t)c, ldc);
+	LEAVE(l, ctx);
+	return 0;
+}
+
+goddp_CUresult goddp_launch_orth(goddp_lib *l, goddp_CUcontext ctx, goddp_CUfunction f, uintptr_t s, goddp_CUdeviceptr a,
+				 unsigned long long rows, unsigned int cols, unsigned long long seed) {
+	void *params[] = {&a, &rows, &cols, &seed};
+	RUN(l, ctx, l->cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, (goddp_CUstream)s, params, NULL));
+}
+
 long long goddp_fake_knob(goddp_lib *l, const char *name, long long value) {
 	long long (*f)(const char *, long long) = NULL;
 	*(void **)(&f) = dlsym(l->nccl_handle, "fake_knob");

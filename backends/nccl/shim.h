@@ -191,6 +191,37 @@ goddp_CUresult goddp_module_unload(goddp_lib *l, goddp_CUcontext ctx, goddp_CUmo
 goddp_CUresult goddp_event_create_timed(goddp_lib *l, goddp_CUcontext ctx, goddp_CUevent *ev, int timing);
 goddp_CUresult goddp_event_elapsed(goddp_lib *l, goddp_CUcontext ctx, float *ms, uintptr_t a, uintptr_t b);
 
+// ---- cuBLAS (cublas_api.h), loaded on first use by GemmAsync (blas.go) ----
+typedef int goddp_cublasStatus_t; // 0 CUBLAS_STATUS_SUCCESS
+typedef void *goddp_cublasHandle_t;
+
+typedef struct goddp_blas {
+	void *handle;
+	goddp_cublasStatus_t (*cublasCreate_v2)(goddp_cublasHandle_t *);
+	goddp_cublasStatus_t (*cublasDestroy_v2)(goddp_cublasHandle_t);
+	goddp_cublasStatus_t (*cublasSetStream_v2)(goddp_cublasHandle_t, goddp_CUstream);
+	// column-major; transa/transb: 0 CUBLAS_OP_N, 1 CUBLAS_OP_T
+	goddp_cublasStatus_t (*cublasSgemm_v2)(goddp_cublasHandle_t, int, int, int, int, int, const float *, const float *, int,
+					       const float *, int, const float *, float *, int);
+} goddp_blas;
+
+// goddp_blas_load opens the first of the colon-separated paths that loads and resolves
+// cuBLAS's symbols; NULL (and why, in err) if none does.
+goddp_blas *goddp_blas_load(const char *paths, char *err, size_t errlen);
+// The cuBLAS calls, each with ctx current for its duration: the return value is a CUresult
+// of the context switch (0 if none failed), *st the cuBLAS status.
+goddp_CUresult goddp_blas_create(goddp_lib *l, goddp_CUcontext ctx, goddp_blas *b, goddp_cublasHandle_t *h, goddp_cublasStatus_t *st);
+goddp_CUresult goddp_blas_destroy(goddp_lib *l, goddp_CUcontext ctx, goddp_blas *b, goddp_cublasHandle_t h, goddp_cublasStatus_t *st);
+// goddp_blas_sgemm sets h's stream to s, then enqueues the SGEMM on it (host pointer mode:
+// alpha and beta are read during the call).
+goddp_CUresult goddp_blas_sgemm(goddp_lib *l, goddp_CUcontext ctx, goddp_blas *b, goddp_cublasHandle_t h, uintptr_t s, int ta, int tb,
+				int m, int n, int k, float alpha, goddp_CUdeviceptr a, int lda, goddp_CUdeviceptr bm, int ldb, float beta,
+				goddp_CUdeviceptr c, int ldc, goddp_cublasStatus_t *st);
+// goddp_launch_orth launches the single-thread kernel goddp_orth_f32 (one block of one
+// thread) on a rows×cols column-major matrix.
+goddp_CUresult goddp_launch_orth(goddp_lib *l, goddp_CUcontext ctx, goddp_CUfunction f, uintptr_t s, goddp_CUdeviceptr a,
+				 unsigned long long rows, unsigned int cols, unsigned long long seed);
+
 // goddp_fake_knob calls fake_knob(name, value) in either library, if it exports it (the
 // fake libraries of the tests do; the real ones do not: then it returns -1).
 long long goddp_fake_knob(goddp_lib *l, const char *name, long long value);

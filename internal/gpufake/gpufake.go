@@ -71,7 +71,7 @@ func Build(dir string) (Libs, error) {
 	src := Source()
 	l := Libs{CUDA: filepath.Join(dir, "libcuda.so.1"), NCCL: filepath.Join(dir, "libnccl.so.2"), CUBLAS: filepath.Join(dir, "libcublas.so")}
 	for _, args := range [][]string{
-		{"-shared", "-fPIC", "-O1", "-ffp-contract=off", "-o", l.CUDA, "-Wl,-soname,libcuda.so.1", filepath.Join(src, "fakecuda.c"), "-lpthread"},
+		{"-shared", "-fPIC", "-O1", "-ffp-contract=off", "-o", l.CUDA, "-Wl,-soname,libcuda.so.1", filepath.Join(src, "fakecuda.c"), "-lpthread", "-lm"},
 		{"-shared", "-fPIC", "-O1", "-o", l.NCCL, "-Wl,-soname,libnccl.so.2", filepath.Join(src, "fakenccl.c"),
 			"-L" + dir, "-l:libcuda.so.1", "-Wl,-rpath," + dir, "-lpthread", "-lm"},
 		{"-shared", "-fPIC", "-O1", "-ffp-contract=off", "-o", l.CUBLAS, "-Wl,-soname,libcublas.so", filepath.Join(src, "fakecublas.c"),

@@ -1,5 +1,5 @@
-// fakecublas.c: a fake cuBLAS (libcublas.so) for the tests of examples/gpumlp: the four
-// entry points the example uses. cublasSgemm_v2 is a column-major SGEMM on "device"
+// fakecublas.c: a fake cuBLAS (libcublas.so) for the tests of examples/gpumlp and of
+// backends/nccl's GemmAsync (PowerSGD on device buckets): the four entry points they use. cublasSgemm_v2 is a column-major SGEMM on "device"
 // memory (host memory in the fake driver), run in stream order on the handle's stream
 // through the fake driver's queue. Scalars are read from host pointers at call time
 // (CUBLAS_POINTER_MODE_HOST, the default), as cuBLAS does.

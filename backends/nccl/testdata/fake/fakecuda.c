@@ -804,6 +804,49 @@ static void k_colsum(unsigned char args[][8], unsigned long long threads) {
 	}
 }
 
+// goddp_orth_f32 (backends/nccl/kernels): modified Gram-Schmidt of a rows×cols
+// column-major float32 matrix in float64 arithmetic, one thread; the same operations in
+// the same order as the PTX (procgroup.DeviceBLAS.OrthonormalizeAsync).
+static double orth_dot(const float *x, const float *y, unsigned long long n) {
+	double s = 0;
+	for (unsigned long long i = 0; i < n; i++) s += (double)x[i] * (double)y[i];
+	return s;
+}
+static void k_orth_f32(unsigned char args[][8], unsigned long long threads) {
+	float *a = PTR(float, 0);
+	unsigned long long rows = ARG(unsigned long long, 1), seed = ARG(unsigned long long, 3);
+	unsigned int cols = ARG(unsigned int, 2);
+	(void)threads;
+	for (unsigned int c = 0; c < cols; c++) {
+		float *col = a + (unsigned long long)c * rows;
+		for (unsigned long long t = 0;; t++) {
+			double before = __builtin_sqrt(orth_dot(col, col, rows));
+			for (int pass = 0; pass < 2; pass++)
+				for (unsigned int k = 0; k < c; k++) {
+					const float *prev = a + (unsigned long long)k * rows;
+					double d = orth_dot(col, prev, rows);
+					for (unsigned long long i = 0; i < rows; i++) col[i] = (float)((double)col[i] - d * (double)prev[i]);
+				}
+			double norm = __builtin_sqrt(orth_dot(col, col, rows));
+			int good = norm > 1e-5 * before && norm > 0 && norm < __builtin_inf();
+			if (good || t == 3) {
+				double inv = good ? 1 / norm : 0;
+				for (unsigned long long i = 0; i < rows; i++) col[i] = (float)((double)col[i] * inv);
+				break;
+			}
+			uint64_t g = seed ^ ((uint64_t)c + 1 + (t << 32));
+			for (unsigned long long i = 0; i < rows; i++) {
+				g += 0x9e3779b97f4a7c15ULL;
+				uint64_t z = g;
+				z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+				z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+				z ^= z >> 31;
+				col[i] = (float)((double)(z >> 11) * 0x1p-52 - 1);
+			}
+		}
+	}
+}
+
 static const kernel kernels[] = {
 	{"goddp_scale_f32", 5, {8, 8, 8, 4, 4}, k_scale_f32},
 	{"goddp_scale_f64", 5, {8, 8, 8, 8, 4}, k_scale_f64},
@@ -811,6 +854,7 @@ static const kernel kernels[] = {
 	{"goddp_f16_to_f32", 3, {8, 8, 8}, k_f16_to_f32},
 	{"goddp_f32_to_bf16", 3, {8, 8, 8}, k_f32_to_bf16},
 	{"goddp_bf16_to_f32", 3, {8, 8, 8}, k_bf16_to_f32},
+	{"goddp_orth_f32", 4, {8, 8, 4, 8}, k_orth_f32},
 	{"gpumlp_add_bias", 4, {8, 8, 8, 8}, k_add_bias},
 	{"gpumlp_relu", 2, {8, 8}, k_relu},
 	{"gpumlp_relu_bwd", 3, {8, 8, 8}, k_relu_bwd},
