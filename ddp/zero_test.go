@@ -59,6 +59,12 @@ type zeroSnap struct {
 // the parameters, flattened in index order, itself.
 func zeroRun(t *testing.T, n, zero int, opt string, steps int, from *zeroSnap) zeroSnap {
 	t.Helper()
+	return zeroRunWith(t, n, zero, false, opt, steps, from)
+}
+
+// zeroRunWith is zeroRun with Options.ZeroOverlap set to overlap.
+func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int, from *zeroSnap) zeroSnap {
+	t.Helper()
 	outs := make([]zeroSnap, n)
 	body := func(rank int, pg procgroup.ProcessGroup) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -79,7 +85,7 @@ func zeroRun(t *testing.T, n, zero int, opt string, steps int, from *zeroSnap) z
 		o := Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst}
 		var flat optim.Optimizer // stage 0's
 		if zero > 0 {
-			o.Zero, o.Optimizer = zero, zeroOpts[opt]
+			o.Zero, o.Optimizer, o.ZeroOverlap = zero, zeroOpts[opt], overlap
 		} else {
 			var err error
 			if flat, err = zeroOpts[opt](total); err != nil {
