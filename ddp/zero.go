@@ -68,6 +68,7 @@ type zeroState struct {
 	inner   reducer.CommHook           // the reduction the overlap's issuer launches
 	run     *overlapRun                // the overlapped pass not yet collected by Step; guarded by mu
 	cur     atomic.Pointer[overlapRun] // the same, for the hook
+	passes  int                        // the overlapped passes started; guarded by mu
 	segs    []zeroSeg
 	shardP  []float32   // this rank's blocks of the parameters, bucket by bucket (blk each)
 	shardG  []float32   // and of the averaged gradients

@@ -135,6 +135,7 @@ func (d *DDP) startOverlapLocked() {
 	run := &overlapRun{d: d, inner: z.inner, ctx: ctx, stop: cancel, reqs: make(chan zeroReq, len(z.segs)),
 		backward: make(chan struct{}), done: make(chan struct{})}
 	z.run = run
+	z.passes++
 	z.cur.Store(run)
 	go run.issue()
 }

@@ -161,6 +161,16 @@ func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int,
 			out.params = append(out.params, p.Data.([]float32))
 		}
 		if zero > 0 {
+			d.mu.Lock()
+			passes := d.zero.passes
+			d.mu.Unlock()
+			want := 0
+			if overlap && n > 1 {
+				want = steps - 1 // all but the one before the first Step
+			}
+			if passes != want {
+				return fmt.Errorf("%d overlapped passes in %d steps, want %d", passes, steps, want)
+			}
 			if err := d.GatherOptimizerState(ctx, out.state); err != nil {
 				return err
 			}
