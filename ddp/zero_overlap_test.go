@@ -391,3 +391,68 @@ func f0State(n int) optim.State {
 	}
 	return st
 }
+
+// TestZeroOverlapGlooPeerDies: on gloo over loopback, a rank whose peer aborts its group
+// before an overlapped step's backward gets an error from Finalize and from Step, well
+// before its ctx ends, and its issuer goroutine exits.
+func TestZeroOverlapGlooPeerDies(t *testing.T) {
+	var run *overlapRun
+	var ferr, serr error
+	var took time.Duration
+	err := glooWorld(2, func(rank int, pg procgroup.ProcessGroup) error {
+		params := make([]Param, len(zeroLens))
+		for p, l := range zeroLens {
+			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 1, ZeroOverlap: true, Optimizer: zeroOpts["adamw"]})
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		for s := range 3 {
+			if rank == 1 && s == 2 {
+				pg.Abort(errors.New("rank 1 dies"))
+				return nil
+			}
+			t0 := time.Now()
+			d.BeginBackward(Sync)
+			if s == 2 {
+				d.mu.Lock()
+				run = d.zero.run
+				d.mu.Unlock()
+			}
+			for p := range params {
+				_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+			}
+			fe := d.Finalize(ctx)
+			se := d.Step(ctx)
+			if s < 2 && (fe != nil || se != nil) {
+				return fmt.Errorf("step %d: Finalize %v, Step %v", s, fe, se)
+			}
+			if rank == 0 {
+				ferr, serr, took = fe, se, time.Since(t0)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Logf("the world's own error (after the abort): %v", err)
+	}
+	if ferr == nil || serr == nil || errors.Is(ferr, context.DeadlineExceeded) {
+		t.Fatalf("Finalize: %v; Step: %v; want errors from the lost peer, not the deadline", ferr, serr)
+	}
+	if took > 15*time.Second {
+		t.Errorf("the failed step took %v", took)
+	}
+	if run == nil {
+		t.Fatal("no overlapped pass was started")
+	}
+	select {
+	case <-run.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the issuer goroutine did not exit")
+	}
+	t.Logf("Finalize: %v (after %v)", ferr, took)
+}
