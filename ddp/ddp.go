@@ -133,6 +133,17 @@ type Options struct {
 	// Shards, UnevenInputs or GradientAsBucketView (and at stage 2 without a CommHook),
 	// and must be the same on every rank. 0 (the default): plain DDP, the trainer steps.
 	Zero int
+	// ZeroOverlap (with Zero) steps each bucket's shard as soon as its reduction
+	// completes and issues its all-gather then, during the rest of backward, instead of
+	// all in Step (Note [ZeRO overlap] in zero_overlap.go): the all-gathers queue on the
+	// link behind the reductions. The result is the bits of Step without it. It changes
+	// what the trainer may do in a step: Param.Data is written from Finalize until Step
+	// returns, so the trainer must not read it then (nor in AfterSync), nor write it
+	// between BeginBackward and Step; Step must follow every synced Finalize; and since
+	// the step is taken before the check for non-finite gradients, a *NonFiniteError from
+	// Finalize fails the DDP. At stage 1 it takes the default all-reduce only. It must be
+	// the same on every rank.
+	ZeroOverlap bool
 	// Optimizer makes the optimizer of this rank's shard, for n elements, with Zero (for
 	// instance optim.NewAdamW with the trainer's options). It must work element by element
 	// (package optim).
@@ -394,6 +405,9 @@ func (d *DDP) BeginBackward(mode SyncMode) {
 		d.failLocked(err)
 		return
 	}
+	if z := d.zero; mode == Sync && z != nil && z.overlap && z.opts != nil {
+		d.startOverlapLocked() // Note [ZeRO overlap]
+	}
 	if mode == Sync && d.opts.UnevenInputs {
 		// Before any bucket of the pass can launch: Note [Join].
 		if err := d.join.launch(d.pg, 1, 0); err != nil {
@@ -419,6 +433,10 @@ func (d *DDP) mayBeginLocked(what string) bool {
 		return false
 	case phaseStepping:
 		d.failLocked(fmt.Errorf("%s during Step: %w", what, ErrPhase))
+		return false
+	}
+	if d.zero != nil && d.zero.run != nil {
+		d.failLocked(fmt.Errorf("%s before Step: with Options.ZeroOverlap every synced Finalize must be followed by Step, which collects its step's all-gathers: %w", what, ErrPhase))
 		return false
 	}
 	if d.zero != nil {
@@ -541,7 +559,14 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	}
 	synced := d.phase == phaseSync
 	d.phase = phaseFinalizing
+	var run *overlapRun // the pass's overlapped step (Note [ZeRO overlap])
+	if synced && d.zero != nil {
+		run = d.zero.run
+	}
 	d.mu.Unlock()
+	if run != nil {
+		run.backwardOver() // backward is over: Param.Data may be written
+	}
 
 	var active int
 	var err error
@@ -558,9 +583,13 @@ func (d *DDP) Finalize(ctx context.Context) error {
 		d.rescale(float64(d.pg.Size()) / float64(active))
 	}
 
+	if nf := (*NonFiniteError)(nil); run != nil && errors.As(err, &nf) {
+		err = fmt.Errorf("%w (with Options.ZeroOverlap the step was taken before the check: the DDP fails)", err)
+	}
+
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if nf := (*NonFiniteError)(nil); errors.As(err, &nf) && d.phase == phaseFinalizing {
+	if nf := (*NonFiniteError)(nil); run == nil && errors.As(err, &nf) && d.phase == phaseFinalizing {
 		// Every rank has the same error after the same collectives: the DDP stays usable,
 		// and AfterSync does not run (the gradients must not reach the optimizer).
 		d.phase = phaseIdle
@@ -751,8 +780,25 @@ func (d *DDP) Close() {
 	if d.phase == phaseStepping { // and for its all-gathers
 		d.pg.Abort(fmt.Errorf("ddp: rank %d: closed during Step", d.pg.Rank()))
 	}
+	var run *overlapRun
+	if d.zero != nil {
+		run = d.zero.run
+	}
+	if run != nil { // an overlapped step not collected by Step: Note [ZeRO overlap]
+		select {
+		case <-run.done:
+		default: // its peers wait for its collectives
+			d.pg.Abort(fmt.Errorf("ddp: rank %d: closed during an overlapped ZeRO step", d.pg.Rank()))
+		}
+		run.halt()
+	}
 	d.phase = phaseClosed
 	_ = d.r.Close() // always nil: it only releases
+	if run != nil {
+		<-run.done // bounded: the abort
+		d.zero.run = nil
+		d.zero.cur.Store(nil)
+	}
 }
 
 // Fail ends the DDP with err, as a failed step does (see DDP): the process group is aborted
@@ -788,5 +834,8 @@ func (d *DDP) failLocked(err error) error {
 	d.failed.Store(true)
 	d.log.Error("ddp: step failed; aborting the process group", zap.Int("rank", d.pg.Rank()), zap.Error(err))
 	d.pg.Abort(err)
+	if d.zero != nil && d.zero.run != nil {
+		d.zero.run.halt() // Step or Close waits for it
+	}
 	return err
 }

@@ -172,6 +172,12 @@
 // elements, and SetOptimizerState (after Restore) takes this rank's shard from them, at
 // any world size or stage.
 //
+// With Options.ZeroOverlap (Note [ZeRO overlap]) each bucket's shard is stepped as soon as
+// its reduction completes and its all-gather issued then, while backward goes on; Step
+// waits for the last of them. The loop is the same and so are the bits, but the trainer
+// must not read Param.Data between Finalize and Step's return, and must call Step after
+// every synced Finalize.
+//
 // # Shards (the same bits at every world size)
 //
 // With Options.Shards = L the global batch is fixed, not the per-rank batch: each step's

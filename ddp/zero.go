@@ -47,16 +47,28 @@ import (
 // another order than the all-reduce's chunks do, and the results differ by float32
 // rounding (examples/mlp's test states the bound it checks).
 //
-// The all-gather is not overlapped with the next forward: Step returns once the parameters
-// are in place. Checkpoints see the whole state, as one optimizer over every parameter in
-// index order would hold it: GatherOptimizerState all-gathers it, SetOptimizerState takes
-// this rank's blocks from it, at any world size.
+// Without Options.ZeroOverlap, Step steps the whole shard and then issues the
+// all-gathers, after backward, with nothing to overlap them; with it (Note [ZeRO overlap]
+// in zero_overlap.go) each bucket's block is stepped, and its all-gather issued, as soon as
+// its reduction completes, in a fixed order on one goroutine, so the all-gathers queue on
+// the link behind the reductions during the rest of backward, with the bits of Step
+// without it. Either way the all-gather is not overlapped with the next forward: Step
+// returns once the parameters are in place. Checkpoints see the whole state, as one
+// optimizer over every parameter in index order would hold it: GatherOptimizerState
+// all-gathers it, SetOptimizerState takes this rank's blocks from it, at any world size.
 
 // zeroState is the DDP's state with Options.Zero.
 type zeroState struct {
 	stage   int
 	factory optim.Factory
-	opt     optim.Optimizer
+	// opts are the shard's optimizers: one over the whole shard, or with overlap one per
+	// bucket's block (Note [ZeRO overlap]); nil before the first Step.
+	opts    []optim.Optimizer
+	overlap bool                       // Options.ZeroOverlap, with more than one rank
+	inner   reducer.CommHook           // the reduction the overlap's issuer launches
+	run     *overlapRun                // the overlapped pass not yet collected by Step; guarded by mu
+	cur     atomic.Pointer[overlapRun] // the same, for the hook
+	passes  int                        // the overlapped passes started; guarded by mu
 	segs    []zeroSeg
 	shardP  []float32   // this rank's blocks of the parameters, bucket by bucket (blk each)
 	shardG  []float32   // and of the averaged gradients
@@ -82,6 +94,9 @@ type zeroSeg struct {
 func checkZero(o *Options) error {
 	switch {
 	case o.Zero == 0:
+		if o.ZeroOverlap {
+			return fmt.Errorf("%w: Options.ZeroOverlap without Options.Zero: set Zero 1 or 2", ErrInvalidArgument)
+		}
 		if o.Optimizer != nil {
 			return fmt.Errorf("%w: Options.Optimizer without Options.Zero: step the optimizer yourself, or set Zero 1 or 2", ErrInvalidArgument)
 		}
@@ -107,6 +122,8 @@ func checkZero(o *Options) error {
 		with = "AutoHook (its measured passes rebuild the buckets, which would move the shards)"
 	case o.Zero == 2 && o.CommHook != nil && o.CommHook != reducer.AllReduceHook():
 		with = "a CommHook at stage 2 (the buckets are reduce-scattered instead)"
+	case o.ZeroOverlap && o.CommHook != nil && o.CommHook != reducer.AllReduceHook():
+		with = "Options.ZeroOverlap and a CommHook (the overlapped step reads the bucket before the hook's Finish)"
 	}
 	if with != "" {
 		return fmt.Errorf("%w: Options.Zero %d cannot be combined with %s", ErrInvalidArgument, o.Zero, with)
@@ -152,6 +169,9 @@ func zeroLine(o *Options) string {
 	if o.Zero == 0 {
 		return ""
 	}
+	if o.ZeroOverlap {
+		return fmt.Sprintf(" (Options.Zero %d, ZeroOverlap)", o.Zero)
+	}
 	return fmt.Sprintf(" (Options.Zero %d)", o.Zero)
 }
 
@@ -172,6 +192,13 @@ func newZero(o *Options, params []Param, rank, size int, ro *reducer.Options) (*
 		ro.CommHook = reduceScatterHook{rank: rank, size: size, rebuilt: &z.rebuilt}
 		ro.PadBuckets = size
 	}
+	if o.ZeroOverlap && size > 1 { // Note [ZeRO overlap]
+		z.overlap, z.inner = true, ro.CommHook
+		if z.inner == nil {
+			z.inner = reducer.AllReduceHook()
+		}
+		ro.CommHook = overlapHook{inner: z.inner, z: z}
+	}
 	return z, nil
 }
 
@@ -186,20 +213,77 @@ func (z *zeroState) layout(buckets []bucket.Bucket, rank, size int) error {
 		total += blk
 	}
 	z.shardP, z.shardG = make([]float32, total), make([]float32, total)
-	opt, err := z.factory(total)
-	if err != nil {
-		return fmt.Errorf("%w: Options.Optimizer(%d): %w", ErrInvalidArgument, total, err)
+	lens := []int{total}
+	if z.overlap { // one optimizer per bucket's block: Note [ZeRO overlap]
+		lens = lens[:0]
+		for b := range z.segs {
+			lens = append(lens, z.segs[b].blk)
+		}
 	}
-	if opt == nil || opt.Len() != total {
-		return fmt.Errorf("%w: Options.Optimizer(%d) returned an optimizer of %d elements", ErrInvalidArgument, total, lenOf(opt))
+	opts := make([]optim.Optimizer, len(lens))
+	for k, n := range lens {
+		opt, err := z.factory(n)
+		if err != nil {
+			return fmt.Errorf("%w: Options.Optimizer(%d): %w", ErrInvalidArgument, n, err)
+		}
+		if opt == nil || opt.Len() != n {
+			return fmt.Errorf("%w: Options.Optimizer(%d) returned an optimizer of %d elements", ErrInvalidArgument, n, lenOf(opt))
+		}
+		opts[k] = opt
 	}
-	z.opt = opt
+	z.opts = opts
 	if z.pending != nil {
 		err := z.setState(*z.pending)
 		z.pending = nil
 		return err
 	}
 	return nil
+}
+
+// optFor returns the optimizer of bucket b's block and the shard offset of its element 0.
+func (z *zeroState) optFor(b int) (optim.Optimizer, int) {
+	if len(z.opts) == 1 {
+		return z.opts[0], 0
+	}
+	return z.opts[b], z.segs[b].off
+}
+
+// stepSeg steps bucket b's block of the shard with its own optimizer (overlap only).
+func (z *zeroState) stepSeg(b int) error {
+	seg := &z.segs[b]
+	if err := z.opts[b].Step(z.shardP[seg.off:seg.off+seg.blk], z.shardG[seg.off:seg.off+seg.blk]); err != nil {
+		return fmt.Errorf("zero: optimizer step of bucket %d's block: %w", b, err)
+	}
+	return nil
+}
+
+// stepAll steps the whole shard.
+func (z *zeroState) stepAll() error {
+	if len(z.opts) == 1 {
+		if err := z.opts[0].Step(z.shardP, z.shardG); err != nil {
+			return fmt.Errorf("zero: optimizer step: %w", err)
+		}
+		return nil
+	}
+	for b := range z.segs {
+		if err := z.stepSeg(b); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// stateVector returns the shard's state vector k, flattened over the shard (a copy with
+// one optimizer per block).
+func (z *zeroState) stateVector(k int) []float32 {
+	if len(z.opts) == 1 {
+		return z.opts[0].State().Vectors[k].Data
+	}
+	flat := make([]float32, len(z.shardP))
+	for b := range z.segs {
+		copy(flat[z.segs[b].off:], z.opts[b].State().Vectors[k].Data)
+	}
+	return flat
 }
 
 func lenOf(o optim.Optimizer) int {
@@ -231,8 +315,16 @@ func (d *DDP) Step(ctx context.Context) error {
 	d.mu.Lock()
 	switch {
 	case d.phase == phaseFailed:
-		defer d.mu.Unlock()
-		return d.err
+		err, run := d.err, (*overlapRun)(nil)
+		if d.zero != nil {
+			run, d.zero.run = d.zero.run, nil
+		}
+		d.mu.Unlock()
+		if run != nil { // the failure stopped it: wait for it to exit
+			<-run.done
+			d.zero.cur.Store(nil)
+		}
+		return err
 	case d.phase == phaseClosed:
 		d.mu.Unlock()
 		return ErrClosed
@@ -245,12 +337,22 @@ func (d *DDP) Step(ctx context.Context) error {
 	}
 	d.zero.ready = false
 	d.phase = phaseStepping
+	run := d.zero.run
 	d.mu.Unlock()
 
-	err := d.zeroStep(ctx) // without d.mu: Stats, Err and Close stay responsive
+	var err error // without d.mu: Stats, Err and Close stay responsive
+	if run != nil {
+		err = d.waitOverlap(ctx, run) // the step was taken during backward: Note [ZeRO overlap]
+	} else {
+		err = d.zeroStep(ctx)
+	}
 
 	d.mu.Lock()
 	defer d.mu.Unlock()
+	if run != nil && d.zero.run == run {
+		d.zero.run = nil
+		d.zero.cur.Store(nil)
+	}
 	if err := d.settleLocked(err); err != nil {
 		return err
 	}
@@ -260,7 +362,7 @@ func (d *DDP) Step(ctx context.Context) error {
 
 func (d *DDP) zeroStep(ctx context.Context) error {
 	z := d.zero
-	if z.opt == nil {
+	if z.opts == nil {
 		if err := z.layout(d.r.Buckets(), d.pg.Rank(), d.pg.Size()); err != nil {
 			return err
 		}
@@ -275,8 +377,8 @@ func (d *DDP) zeroStep(ctx context.Context) error {
 			})
 		}
 	}
-	if err := z.opt.Step(z.shardP, z.shardG); err != nil {
-		return fmt.Errorf("zero: optimizer step: %w", err)
+	if err := z.stepAll(); err != nil {
+		return err
 	}
 	if d.pg.Size() == 1 {
 		for b := range z.segs {
@@ -322,10 +424,14 @@ func (d *DDP) scatterParams(seg *zeroSeg, all []float32) {
 // OptimizerStateBytes is the size of this rank's optimizer state with Options.Zero (its
 // shard's vectors), 0 before the first Step or without Zero.
 func (d *DDP) OptimizerStateBytes() int64 {
-	if d.zero == nil || d.zero.opt == nil {
+	if d.zero == nil || d.zero.opts == nil {
 		return 0
 	}
-	return d.zero.opt.State().Bytes()
+	var n int64
+	for _, o := range d.zero.opts {
+		n += o.State().Bytes()
+	}
+	return n
 }
 
 // GatherOptimizerState fills full with the whole optimizer state, with Options.Zero: the
@@ -344,12 +450,12 @@ func (d *DDP) GatherOptimizerState(ctx context.Context, full optim.State) error 
 	case d.phase == phaseClosed:
 		d.mu.Unlock()
 		return ErrClosed
-	case d.zero == nil || d.zero.opt == nil || d.phase != phaseIdle:
+	case d.zero == nil || d.zero.opts == nil || d.phase != phaseIdle || d.zero.run != nil:
 		d.mu.Unlock()
 		return fmt.Errorf("%w: GatherOptimizerState needs Options.Zero, between steps, after the first Step", ErrPhase)
 	}
 	z := d.zero
-	own := z.opt.State()
+	own := z.opts[0].State()
 	if err := z.matches(full, own); err != nil {
 		d.mu.Unlock()
 		return err
@@ -360,14 +466,14 @@ func (d *DDP) GatherOptimizerState(ctx context.Context, full optim.State) error 
 	*full.Steps = *own.Steps
 	var err error
 	for k := 0; k < len(own.Vectors) && err == nil; k++ {
-		dst := full.Vectors[k].Data
+		dst, src := full.Vectors[k].Data, z.stateVector(k)
 		if d.pg.Size() == 1 {
 			for b := range z.segs {
-				z.unflatten(&z.segs[b], own.Vectors[k].Data[z.segs[b].off:], dst)
+				z.unflatten(&z.segs[b], src[z.segs[b].off:], dst)
 			}
 			continue
 		}
-		err = d.gatherEach(ctx, own.Vectors[k].Data, own.Vectors[k].Name, func(seg *zeroSeg, all []float32) {
+		err = d.gatherEach(ctx, src, own.Vectors[k].Name, func(seg *zeroSeg, all []float32) {
 			z.unflatten(seg, all, dst)
 		})
 	}
@@ -402,11 +508,11 @@ func (d *DDP) SetOptimizerState(full optim.State) error {
 		return d.err
 	case d.phase == phaseClosed:
 		return ErrClosed
-	case d.zero == nil || d.phase != phaseIdle:
+	case d.zero == nil || d.phase != phaseIdle || d.zero.run != nil:
 		return fmt.Errorf("%w: SetOptimizerState needs Options.Zero, between steps", ErrPhase)
 	}
 	z := d.zero
-	if z.opt == nil {
+	if z.opts == nil {
 		if full.Steps == nil {
 			return fmt.Errorf("%w: SetOptimizerState: nil Steps", ErrInvalidArgument)
 		}
@@ -421,20 +527,23 @@ func (d *DDP) SetOptimizerState(full optim.State) error {
 	return z.setState(full)
 }
 
-// setState copies this rank's blocks of full into the optimizer's state.
+// setState copies this rank's blocks of full into the optimizers' state.
 func (z *zeroState) setState(full optim.State) error {
-	own := z.opt.State()
-	if err := z.matches(full, own); err != nil {
+	if err := z.matches(full, z.opts[0].State()); err != nil {
 		return err
 	}
-	*own.Steps = *full.Steps
-	for k, v := range own.Vectors {
+	for _, o := range z.opts {
+		*o.State().Steps = *full.Steps
+	}
+	for k := range full.Vectors {
 		src := full.Vectors[k].Data
 		for b := range z.segs {
 			seg := &z.segs[b]
+			opt, base := z.optFor(b)
+			v := opt.State().Vectors[k].Data
 			for j, i := range seg.bk.Params {
 				seg.owned(seg.bk.Offsets[j], z.lens[i], func(e, s, l int) {
-					copy(v.Data[s:s+l], src[z.starts[i]+e:][:l])
+					copy(v[s-base:s-base+l], src[z.starts[i]+e:][:l])
 				})
 			}
 		}

@@ -59,6 +59,12 @@ type zeroSnap struct {
 // the parameters, flattened in index order, itself.
 func zeroRun(t *testing.T, n, zero int, opt string, steps int, from *zeroSnap) zeroSnap {
 	t.Helper()
+	return zeroRunWith(t, n, zero, false, opt, steps, from)
+}
+
+// zeroRunWith is zeroRun with Options.ZeroOverlap set to overlap.
+func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int, from *zeroSnap) zeroSnap {
+	t.Helper()
 	outs := make([]zeroSnap, n)
 	body := func(rank int, pg procgroup.ProcessGroup) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -79,7 +85,7 @@ func zeroRun(t *testing.T, n, zero int, opt string, steps int, from *zeroSnap) z
 		o := Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst}
 		var flat optim.Optimizer // stage 0's
 		if zero > 0 {
-			o.Zero, o.Optimizer = zero, zeroOpts[opt]
+			o.Zero, o.Optimizer, o.ZeroOverlap = zero, zeroOpts[opt], overlap
 		} else {
 			var err error
 			if flat, err = zeroOpts[opt](total); err != nil {
@@ -155,6 +161,16 @@ func zeroRun(t *testing.T, n, zero int, opt string, steps int, from *zeroSnap) z
 			out.params = append(out.params, p.Data.([]float32))
 		}
 		if zero > 0 {
+			d.mu.Lock()
+			passes := d.zero.passes
+			d.mu.Unlock()
+			want := 0
+			if overlap && n > 1 {
+				want = steps - 1 // all but the one before the first Step
+			}
+			if passes != want {
+				return fmt.Errorf("%d overlapped passes in %d steps, want %d", passes, steps, want)
+			}
 			if err := d.GatherOptimizerState(ctx, out.state); err != nil {
 				return err
 			}

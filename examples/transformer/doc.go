@@ -94,6 +94,9 @@
 // its shard (SetOptimizerState): a checkpoint resumes at any --zero. Each rank then also
 // holds that whole state, twice the model's size, beside its shard (not counted in
 // optimizer_state_bytes).
+// --zero_overlap (ddp.Options.ZeroOverlap) steps each bucket's shard and issues its
+// all-gather as soon as the bucket's reduction completes, during backward, with the same
+// params_crc32; it takes no --inject_nan, since the step comes before the check.
 //
 // With --checkpoint_dir rank 0 saves the parameters, AdamW's state and the step (with the
 // seed, the data and dropout position) every --checkpoint_every steps and after the last

@@ -57,7 +57,8 @@ type flags struct {
 	dropout       float64
 	logEvery      int
 	checkpointDir string
-	zero          int // --zero: ddp.Options.Zero
+	zero          int  // --zero: ddp.Options.Zero
+	zeroOverlap   bool // --zero_overlap: ddp.Options.ZeroOverlap
 	ckptEvery     int
 	resume        bool
 	cpuProfile    string
@@ -153,6 +154,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.IntVar(&f.logEvery, "log_every", 5, "print the loss every N steps (0: never)")
 	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "directory for checkpoints (empty: none)")
 	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 AdamW's state sharded over the ranks, 2 gradients reduce-scattered too; a checkpoint holds the whole state and resumes at any stage")
+	fs.BoolVar(&f.zeroOverlap, "zero_overlap", false, "with --zero: step each bucket's shard and issue its all-gather as soon as its reduction completes, during backward, instead of after it (ddp.Options.ZeroOverlap: the same bits)")
 	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and at the end)")
 	fs.BoolVar(&f.resume, "resume", false, "resume from the checkpoint in --checkpoint_dir if there is one")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
@@ -217,6 +219,10 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, fmt.Errorf("--zero %d: want 0, 1 or 2", f.zero)
 	case f.zero > 0 && (f.noDDP || f.shards() > 0 || float64(f.bucketCapMB) == ddp.AutoBucketCap):
 		return f, errors.New("--zero 1 and 2 take neither --no_ddp, --global_batch_size nor --bucket_cap_mb auto")
+	case f.zeroOverlap && f.zero == 0:
+		return f, errors.New("--zero_overlap needs --zero 1 or 2")
+	case f.zeroOverlap && f.inject.on:
+		return f, errors.New("--zero_overlap takes no --inject_nan: the overlapped step is taken before the check for non-finite gradients")
 	}
 	f.straggleRank = -1
 	if *straggle != "" {
@@ -652,7 +658,7 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 	}
 	if t.f.zero > 0 { // the same AdamW as --zero 0's, bit for bit
 		lr := t.f.lr
-		opts.Zero = t.f.zero
+		opts.Zero, opts.ZeroOverlap = t.f.zero, t.f.zeroOverlap
 		opts.Optimizer = func(n int) (optim.Optimizer, error) {
 			return optim.NewAdamW(n, optim.AdamWOptions{LR: lr})
 		}

@@ -53,12 +53,48 @@ func TestZeroUnderDDPRun(t *testing.T) {
 }
 
 // TestZeroFlags: --zero out of range, or with what it cannot take yet, is refused naming
-// the flag.
+// the flag; so is --zero_overlap without --zero or with --inject_nan.
 func TestZeroFlags(t *testing.T) {
-	for _, args := range []string{"--zero 3", "--zero 2 --no_ddp", "--zero 1 --bucket_cap_mb auto"} {
+	for _, args := range []string{"--zero 3", "--zero 2 --no_ddp", "--zero 1 --bucket_cap_mb auto", "--zero_overlap", "--zero 2 --zero_overlap --inject_nan 0:1:0"} {
 		if _, err := parseFlags(strings.Fields(args), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "--zero") {
 			t.Errorf("%s: %v, want an error naming --zero", args, err)
 		}
+	}
+}
+
+// TestZeroOverlapUnderDDPRun launches this trainer under the real ddprun on 2 ranks with
+// --zero 1 and 2 and --zero_overlap (TestZeroUnderDDPRun's model: the rebuild moves the
+// buckets, dropout on): every rank ends with the params_crc32 of --zero 0, the bits of
+// --zero without the overlap. A --zero 2 --zero_overlap run checkpointed after 3 steps and
+// resumed with --zero_overlap to 6 ends with the uninterrupted run's params_crc32: the
+// per-bucket optimizers' state goes through the file whole.
+func TestZeroOverlapUnderDDPRun(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun")
+	}
+	ddprun := shardsLauncher(t)
+	const args = "--num_layers 1 --hidden_size 64 --warmup_steps 1 --lr 1e-3 --bucket_cap_mb 0.05 --first_bucket_cap_mb 0.01 --log_every 0 --checkpoint_every 100"
+	run := func(extra string) string {
+		t.Helper()
+		last, stdout, stderr, err := launchRanks(t, ddprun, 2, args+" "+extra)
+		if err != nil {
+			t.Fatalf("%s: %v\n%s\n%s", extra, err, stdout, stderr)
+		}
+		if last["rank1"] != last["rank0"] || !regexp.MustCompile(`^params_crc32=`).MatchString(last["rank0"]) {
+			t.Fatalf("%s: last lines %q", extra, last)
+		}
+		return last["rank0"]
+	}
+	want := run("--bench_steps 5 --zero 0")
+	for zero := 1; zero <= 2; zero++ {
+		if got := run(fmt.Sprintf("--bench_steps 5 --zero %d --zero_overlap", zero)); got != want {
+			t.Errorf("--zero %d --zero_overlap: %s, --zero 0: %s", zero, got, want)
+		}
+	}
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	run("--bench_steps 2 --zero 2 --zero_overlap --checkpoint_dir " + dir)
+	if got := run("--bench_steps 5 --zero 2 --zero_overlap --resume --checkpoint_dir " + dir); got != want {
+		t.Errorf("--zero 2 --zero_overlap for 3 steps, resumed to 6: %s, uninterrupted --zero 0: %s", got, want)
 	}
 }
 
