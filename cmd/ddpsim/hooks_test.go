@@ -31,10 +31,16 @@ func TestHookTable(t *testing.T) {
 	for range p.Params {
 		p.Compression.Shapes = append(p.Compression.Shapes, []int{512, 512})
 	}
+	p.World = 1
+	alone := writeJSON(t, dir, "alone.json", p)
+	if err := run([]string{"-profile", alone, "-caps", "25", "-gbit", "1"}, io.Discard, io.Discard); err == nil || !strings.Contains(err.Error(), "give -world") {
+		t.Errorf("-gbit on a one-rank profile without -world: %v", err)
+	}
+	p.World = 2
 	withCosts := writeJSON(t, dir, "c.json", p)
 	var out bytes.Buffer
-	if err := run([]string{"-profile", withCosts, "-caps", "25", "-hooks", "-world", "2", "-gbit", "1"}, &out, io.Discard); err != nil {
-		t.Fatal(err)
+	if err := run([]string{"-profile", withCosts, "-caps", "25", "-hooks", "-gbit", "1"}, &out, io.Discard); err != nil {
+		t.Fatal(err) // -world defaults to the profile's
 	}
 	for _, want := range []string{"| none |", "| bf16 |", "| fp16 |", "| powersgd(r=4) |", "| powersgd(r=1) |", "| auto: "} {
 		if !strings.Contains(out.String(), want) {

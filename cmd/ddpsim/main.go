@@ -9,7 +9,7 @@
 //	ddpsim -profile p.json -allreduce perf.jsonl                # allreduce-perf --json's curve
 //	ddpsim -profile p.json -trace trace.rank0.json              # a trace's grad-ready times
 //	ddpsim -profile p.json -trace one.json -overlap_trace many.json # and its slowdowns under overlap
-//	ddpsim -profile p.json -hooks -world 2 -gbit 1          # each comm hook, and auto's choice, at 1 Gbit/s
+//	ddpsim -profile p.json -hooks -gbit 1                   # each comm hook, and auto's choice, at 1 Gbit/s
 //	ddpsim -seed                                            # the seed article's cluster
 //
 // A profile is what a run with --bucket_cap_mb auto --auto_profile F measured on rank 0: the
@@ -86,7 +86,7 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	fs.Float64Var(&c.minGain, "min_gain", sim.DefaultMinGain, "auto's margin: its choice keeps the caps -first_cap_mb and 25 MB unless another layout is predicted at least this fraction faster (0: the least predicted)")
 	fs.StringVar(&c.measured, "measured", "", "a sweep's summary.csv (sweep-report) to compare with, point by point (system goddp)")
 	fs.StringVar(&c.layouts, "layouts", "", "with -measured: the sweep's layouts.csv (sweep-report; the caps that ran one layout, pooled), to compare the best predicted cap's layout with the best measured layout")
-	fs.IntVar(&c.world, "world", 0, "with -gbit: ranks of the all-reduce to model instead of the measured curve")
+	fs.IntVar(&c.world, "world", 0, "with -gbit: ranks of the all-reduce to model instead of the measured curve (0: the profile's world size)")
 	fs.StringVar(&c.algo, "algo", "ring", "with -gbit: ring or tree")
 	fs.DurationVar(&c.latency, "latency", 5*time.Microsecond, "with -gbit: latency of one hop")
 	fs.Float64Var(&c.gbit, "gbit", 0, "link bandwidth in Gbit/s each way: replaces the measured all-reduce curve with -algo over -world ranks")
@@ -140,8 +140,8 @@ func parse(args []string, stderr io.Writer) (config, error) {
 	if !(c.minGain >= 0 && c.minGain < 1) {
 		return c, fmt.Errorf("-min_gain %v: want a fraction in [0, 1)", c.minGain)
 	}
-	if c.gbit < 0 || (c.gbit > 0 && c.world < 2) {
-		return c, fmt.Errorf("-gbit %v needs -world of 2 or more (got %d)", c.gbit, c.world)
+	if c.gbit < 0 || c.world < 0 || c.world == 1 {
+		return c, fmt.Errorf("-gbit %v -world %d: want a bandwidth of 0 or more and a world of 2 or more (0: the profile's)", c.gbit, c.world)
 	}
 	if c.layouts != "" && c.measured == "" {
 		return c, errors.New("-layouts needs -measured")
@@ -203,8 +203,15 @@ func run(args []string, stdout, stderr io.Writer) error {
 		if c.algo == "tree" {
 			algo = sim.Tree
 		}
-		p.Comm = algo(c.world, c.latency.Seconds(), c.gbit*1e9/8)
-		p.World = c.world
+		world := c.world
+		if world == 0 {
+			world = p.World
+		}
+		if world < 2 {
+			return fmt.Errorf("-gbit %v: the profile's world size is %d: give -world, of 2 or more", c.gbit, p.World)
+		}
+		p.Comm = algo(world, c.latency.Seconds(), c.gbit*1e9/8)
+		p.World = world
 	}
 	var meas summary
 	if c.measured != "" {

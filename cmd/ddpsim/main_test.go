@@ -239,7 +239,7 @@ func TestBadInput(t *testing.T) {
 		"bad cap":       {"-profile", good, "-caps", "1,x"},
 		"huge cap":      {"-profile", good, "-caps", "1e300"},
 		"missing":       {"-profile", filepath.Join(dir, "none.json")},
-		"gbit no world": {"-profile", good, "-gbit", "100"},
+		"gbit world 1":  {"-profile", good, "-gbit", "100", "-world", "1"},
 		"algo":          {"-profile", good, "-gbit", "100", "-world", "4", "-algo", "star"},
 		"two models":    {"-profile", good + "," + other},
 		"not a summary": {"-profile", good, "-measured", good},
