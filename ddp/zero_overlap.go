@@ -224,9 +224,10 @@ func (run *overlapRun) steps(taken *[]zeroReq) error {
 			}
 		}
 	}
-	last := len(z.segs) - 1
-	if err := run.stepBucket(last, (*taken)[last]); err != nil {
-		return err
+	if last := len(z.segs) - 1; last >= 0 { // none without parameters
+		if err := run.stepBucket(last, (*taken)[last]); err != nil {
+			return err
+		}
 	}
 	select {
 	case <-run.backward:

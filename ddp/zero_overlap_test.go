@@ -456,3 +456,35 @@ func TestZeroOverlapGlooPeerDies(t *testing.T) {
 	}
 	t.Logf("Finalize: %v (after %v)", ferr, took)
 }
+
+// TestZeroOverlapNoParams: a DDP without parameters has no buckets; its overlapped
+// passes issue nothing, and neither index the missing last bucket (which panicked
+// the issuer goroutine, and so the process) nor hang.
+func TestZeroOverlapNoParams(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	err := c.Each(func(r int, pg procgroup.ProcessGroup) error {
+		ctx := context.Background()
+		d, err := New(ctx, pg, nil, Options{Zero: 1, Optimizer: zeroOpts["adamw"], ZeroOverlap: true})
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		for s := range 3 {
+			d.BeginBackward(Sync)
+			if err := d.Finalize(ctx); err != nil {
+				return fmt.Errorf("step %d: Finalize: %w", s, err)
+			}
+			if err := d.Step(ctx); err != nil {
+				return fmt.Errorf("step %d: Step: %w", s, err)
+			}
+		}
+		if r == 0 && d.zero.passes != 2 {
+			return fmt.Errorf("%d overlapped passes, want 2", d.zero.passes)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
