@@ -488,3 +488,57 @@ func TestZeroOverlapNoParams(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestZeroOverlapGradsChanged: without Options.ZeroOverlap, Step steps on Param.Grad as
+// the trainer leaves it after Finalize (clipped or scaled, say); the overlapped step has
+// already taken the reduced gradients during backward, so a trainer that changes its
+// rank's blocks of Param.Grad between Finalize and Step gets an error from Step, not
+// silently other bits.
+func TestZeroOverlapGradsChanged(t *testing.T) {
+	for zero := 1; zero <= 2; zero++ {
+		c := pgtest.NewCluster(2)
+		errs := make([]error, 2)
+		_ = c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx := context.Background()
+			params := make([]Param, len(zeroLens))
+			for p, l := range zeroLens {
+				params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+			}
+			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: zero, ZeroOverlap: true,
+				Optimizer: zeroOpts["momentum"]})
+			if err != nil {
+				errs[rank] = err
+				return nil
+			}
+			defer d.Close()
+			for s := range 3 {
+				d.BeginBackward(Sync)
+				for p := range params {
+					_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+				}
+				if err := d.Finalize(ctx); err != nil {
+					errs[rank] = fmt.Errorf("step %d: Finalize: %w", s, err)
+					return nil
+				}
+				if s == 2 { // the trainer clips: every gradient halved
+					for _, p := range params {
+						for k, g := range p.Grad.([]float32) {
+							p.Grad.([]float32)[k] = g / 2
+						}
+					}
+				}
+				if err := d.Step(ctx); err != nil {
+					errs[rank] = fmt.Errorf("step %d: Step: %w", s, err)
+					return nil
+				}
+			}
+			return nil
+		})
+		c.Close()
+		for rank, err := range errs {
+			if err == nil || !strings.Contains(err.Error(), "step 2: Step") || !strings.Contains(err.Error(), "changed after Finalize") {
+				t.Errorf("zero %d rank %d: %v, want Step 2 to fail on the changed Param.Grad", zero, rank, err)
+			}
+		}
+	}
+}
