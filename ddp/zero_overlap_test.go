@@ -542,3 +542,68 @@ func TestZeroOverlapGradsChanged(t *testing.T) {
 		}
 	}
 }
+
+// TestZeroOverlapUnusedNoSync: on pgtest at 2 ranks, with FindUnusedParameters (each rank
+// leaving its own parameters unused, pass by pass) and a NoSync pass before each synced
+// one, Options.ZeroOverlap gives the bits of the same stage without it.
+func TestZeroOverlapUnusedNoSync(t *testing.T) {
+	run := func(zero int, overlap bool) [][][]float32 {
+		out := make([][][]float32, 2)
+		c := pgtest.NewCluster(2)
+		defer c.Close()
+		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx := context.Background()
+			params := make([]Param, len(zeroLens))
+			for p, l := range zeroLens {
+				w := make([]float32, l)
+				for k := range w {
+					w[k] = 0.5
+				}
+				params[p] = Param{Name: fmt.Sprint("w", p), Data: w, Grad: make([]float32, l)}
+			}
+			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: zero, ZeroOverlap: overlap,
+				Optimizer: zeroOpts["adamw"], FindUnusedParameters: true})
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			for s := range 6 {
+				for a := range 2 {
+					mode := Accumulate
+					if a == 1 {
+						mode = Sync
+					}
+					d.BeginBackward(mode)
+					for _, p := range rand.New(rand.NewPCG(uint64(rank), uint64(s*2+a))).Perm(len(params)) {
+						if (p+s+rank)%3 == 0 {
+							continue // unused this pass
+						}
+						if err := d.GradReady(p, zeroX(rank, s*2+a, p, zeroLens[p])); err != nil {
+							return err
+						}
+					}
+					if err := d.Finalize(ctx); err != nil {
+						return err
+					}
+				}
+				if err := d.Step(ctx); err != nil {
+					return err
+				}
+			}
+			for _, p := range params {
+				out[rank] = append(out[rank], append([]float32(nil), p.Data.([]float32)...))
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("zero %d overlap %v: %v", zero, overlap, err)
+		}
+		return out
+	}
+	for zero := 1; zero <= 2; zero++ {
+		a, b := run(zero, false), run(zero, true)
+		if fmt.Sprint(a) != fmt.Sprint(b) {
+			t.Errorf("zero %d: overlapped differs", zero)
+		}
+	}
+}
