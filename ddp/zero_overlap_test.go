@@ -607,3 +607,27 @@ func TestZeroOverlapUnusedNoSync(t *testing.T) {
 		}
 	}
 }
+
+// TestZeroOverlapResume: a checkpoint of non-overlapped ZeRO (GatherOptimizerState after
+// 3 steps), restored with SetOptimizerState into an overlapped run, continues with the
+// bits of the same restore without the overlap, at the same world size (and then the bits
+// of 6 steps without a break) and at another one: the per-bucket optimizers take their
+// blocks, and their step counts, from the whole state.
+func TestZeroOverlapResume(t *testing.T) {
+	for zero := 1; zero <= 2; zero++ {
+		for _, nn := range [][2]int{{2, 2}, {3, 2}, {2, 3}} {
+			from, to := nn[0], nn[1]
+			half := zeroRun(t, from, zero, "adamw", 3, nil)
+			step := zeroRun(t, to, zero, "adamw", 3, &half)
+			over := zeroRunWith(t, to, zero, true, "adamw", 3, &half)
+			if d := snapDiff(step, over); d != "" {
+				t.Errorf("zero %d, %d→%d ranks: resumed overlapped vs resumed Step: %s", zero, from, to, d)
+			}
+			if from == to {
+				if d := snapDiff(zeroRun(t, to, zero, "adamw", 6, nil), over); d != "" {
+					t.Errorf("zero %d, %d ranks: resumed overlapped vs uninterrupted: %s", zero, to, d)
+				}
+			}
+		}
+	}
+}
