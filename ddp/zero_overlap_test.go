@@ -631,3 +631,71 @@ func TestZeroOverlapResume(t *testing.T) {
 		}
 	}
 }
+
+// TestZeroOverlapClose: Close in the middle of an overlapped pass's backward (rank 0 has
+// handed over only some buckets) and between Finalize and Step returns, stops the issuer
+// before it returns, and Step then says ErrClosed.
+func TestZeroOverlapClose(t *testing.T) {
+	for _, when := range []string{"backward", "before step"} {
+		c := pgtest.NewCluster(2)
+		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx := context.Background()
+			params := make([]Param, len(zeroLens))
+			for p, l := range zeroLens {
+				params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+			}
+			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, ZeroOverlap: true,
+				Optimizer: zeroOpts["adamw"]})
+			if err != nil {
+				return err
+			}
+			for s := range 2 {
+				d.BeginBackward(Sync)
+				for p := range params {
+					if s == 1 && when == "backward" && p == 4 && rank == 0 {
+						break
+					}
+					_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+				}
+				if s == 1 && when == "backward" {
+					break
+				}
+				if err := d.Finalize(ctx); err != nil {
+					return err
+				}
+				if s == 1 {
+					break
+				}
+				if err := d.Step(ctx); err != nil {
+					return err
+				}
+			}
+			d.mu.Lock()
+			run := d.zero.run
+			d.mu.Unlock()
+			if run == nil {
+				return errors.New("no overlapped pass to close")
+			}
+			ch := make(chan struct{})
+			go func() { d.Close(); close(ch) }()
+			select {
+			case <-ch:
+			case <-time.After(10 * time.Second):
+				return errors.New("Close hangs")
+			}
+			select {
+			case <-run.done:
+			default:
+				return errors.New("the issuer outlives Close")
+			}
+			if err := d.Step(ctx); err != ErrClosed {
+				return fmt.Errorf("Step after Close: %v", err)
+			}
+			return nil
+		})
+		c.Close()
+		if err != nil {
+			t.Errorf("%s: %v", when, err)
+		}
+	}
+}
