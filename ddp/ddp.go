@@ -139,7 +139,10 @@ type Options struct {
 	// link behind the reductions. The result is the bits of Step without it. It changes
 	// what the trainer may do in a step: Param.Data is written from Finalize until Step
 	// returns, so the trainer must not read it then (nor in AfterSync), nor write it
-	// between BeginBackward and Step; Step must follow every synced Finalize; and since
+	// between BeginBackward and Step; the step takes the reduced gradients during
+	// backward, so the trainer must not change its Param.Grad between Finalize and Step
+	// (clip or scale them: Step fails if this rank's blocks changed; scale the loss
+	// instead); Step must follow every synced Finalize; and since
 	// the step is taken before the check for non-finite gradients, a *NonFiniteError from
 	// Finalize fails the DDP. At stage 1 it takes the default all-reduce only. It must be
 	// the same on every rank.

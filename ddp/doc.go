@@ -175,8 +175,9 @@
 // With Options.ZeroOverlap (Note [ZeRO overlap]) each bucket's shard is stepped as soon as
 // its reduction completes and its all-gather issued then, while backward goes on; Step
 // waits for the last of them. The loop is the same and so are the bits, but the trainer
-// must not read Param.Data between Finalize and Step's return, and must call Step after
-// every synced Finalize.
+// must not read Param.Data between Finalize and Step's return, nor change Param.Grad
+// then (the step has taken the reduced gradients: Step fails if they changed), and must
+// call Step after every synced Finalize.
 //
 // # Shards (the same bits at every world size)
 //

@@ -343,6 +343,9 @@ func (d *DDP) Step(ctx context.Context) error {
 	var err error // without d.mu: Stats, Err and Close stay responsive
 	if run != nil {
 		err = d.waitOverlap(ctx, run) // the step was taken during backward: Note [ZeRO overlap]
+		if err == nil {
+			err = d.checkStepGrads()
+		}
 	} else {
 		err = d.zeroStep(ctx)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"time"
 
@@ -46,9 +47,12 @@ import (
 // blk_b elements each, which an element-wise optimizer steps to the same bits as one over
 // the whole shard; checkpoints see the same gathered state) on the same blocks.
 //
-// Semantics that change, hence the option: Step must follow every synced Finalize (a
-// BeginBackward before it fails the DDP with ErrPhase); the step is taken before the
-// non-finite check, so a *NonFiniteError from Finalize fails the DDP instead of letting
+// Semantics that change, hence the option: the step takes the reduced buckets, not
+// Param.Grad, so a change the trainer makes to Param.Grad between Finalize and Step
+// (clipping, scaling) would be lost; Step compares this rank's blocks of it with what the
+// step took and fails the DDP if they differ (checkStepGrads). Step must follow every
+// synced Finalize (a BeginBackward before it fails the DDP with ErrPhase); the step is
+// taken before the non-finite check, so a *NonFiniteError from Finalize fails the DDP instead of letting
 // the trainer skip the step; Close between Finalize and Step aborts the group if the
 // all-gathers are still running. The first synced pass and any pass before the first Step
 // are not overlapped (the rebuild at the first one moves the shards, which the first Step
@@ -224,9 +228,10 @@ func (run *overlapRun) steps(taken *[]zeroReq) error {
 			}
 		}
 	}
-	last := len(z.segs) - 1
-	if err := run.stepBucket(last, (*taken)[last]); err != nil {
-		return err
+	if last := len(z.segs) - 1; last >= 0 { // none without parameters
+		if err := run.stepBucket(last, (*taken)[last]); err != nil {
+			return err
+		}
 	}
 	select {
 	case <-run.backward:
@@ -270,6 +275,32 @@ func (run *overlapRun) stepBucket(b int, r zeroReq) error {
 	}
 	seg.work = d.pg.AllGather(run.ctx, seg.all, z.shardP[seg.off:seg.off+seg.blk])
 	r.work.Complete(nil)
+	return nil
+}
+
+// checkStepGrads reports an error if this rank's blocks of Param.Grad are no longer the
+// reduced gradients the overlapped step took (the trainer changed them after Finalize, to
+// clip or scale them, say): without Options.ZeroOverlap Step would have stepped on the
+// changed ones, so the bits would differ. The issuer has exited.
+func (d *DDP) checkStepGrads() error {
+	z := d.zero
+	for b := range z.segs {
+		seg := &z.segs[b]
+		for j, i := range seg.bk.Params {
+			g, bad := d.params[i].Grad.([]float32), -1
+			seg.owned(seg.bk.Offsets[j], len(g), func(k, s, l int) {
+				for e := range l {
+					if bad < 0 && math.Float32bits(g[k+e]) != math.Float32bits(z.shardG[s+e]) {
+						bad = k + e
+					}
+				}
+			})
+			if bad >= 0 {
+				return fmt.Errorf("zero overlap: Step: parameter %d (%s): Param.Grad[%d] changed after Finalize, but the overlapped step had taken the reduced gradient during backward (change the gradients before their GradReady, or scale the loss, instead)",
+					i, d.params[i].Name, bad)
+			}
+		}
+	}
 	return nil
 }
 

@@ -456,3 +456,246 @@ func TestZeroOverlapGlooPeerDies(t *testing.T) {
 	}
 	t.Logf("Finalize: %v (after %v)", ferr, took)
 }
+
+// TestZeroOverlapNoParams: a DDP without parameters has no buckets; its overlapped
+// passes issue nothing, and neither index the missing last bucket (which panicked
+// the issuer goroutine, and so the process) nor hang.
+func TestZeroOverlapNoParams(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	err := c.Each(func(r int, pg procgroup.ProcessGroup) error {
+		ctx := context.Background()
+		d, err := New(ctx, pg, nil, Options{Zero: 1, Optimizer: zeroOpts["adamw"], ZeroOverlap: true})
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		for s := range 3 {
+			d.BeginBackward(Sync)
+			if err := d.Finalize(ctx); err != nil {
+				return fmt.Errorf("step %d: Finalize: %w", s, err)
+			}
+			if err := d.Step(ctx); err != nil {
+				return fmt.Errorf("step %d: Step: %w", s, err)
+			}
+		}
+		if r == 0 && d.zero.passes != 2 {
+			return fmt.Errorf("%d overlapped passes, want 2", d.zero.passes)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestZeroOverlapGradsChanged: without Options.ZeroOverlap, Step steps on Param.Grad as
+// the trainer leaves it after Finalize (clipped or scaled, say); the overlapped step has
+// already taken the reduced gradients during backward, so a trainer that changes its
+// rank's blocks of Param.Grad between Finalize and Step gets an error from Step, not
+// silently other bits.
+func TestZeroOverlapGradsChanged(t *testing.T) {
+	for zero := 1; zero <= 2; zero++ {
+		c := pgtest.NewCluster(2)
+		errs := make([]error, 2)
+		_ = c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx := context.Background()
+			params := make([]Param, len(zeroLens))
+			for p, l := range zeroLens {
+				params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+			}
+			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: zero, ZeroOverlap: true,
+				Optimizer: zeroOpts["momentum"]})
+			if err != nil {
+				errs[rank] = err
+				return nil
+			}
+			defer d.Close()
+			for s := range 3 {
+				d.BeginBackward(Sync)
+				for p := range params {
+					_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+				}
+				if err := d.Finalize(ctx); err != nil {
+					errs[rank] = fmt.Errorf("step %d: Finalize: %w", s, err)
+					return nil
+				}
+				if s == 2 { // the trainer clips: every gradient halved
+					for _, p := range params {
+						for k, g := range p.Grad.([]float32) {
+							p.Grad.([]float32)[k] = g / 2
+						}
+					}
+				}
+				if err := d.Step(ctx); err != nil {
+					errs[rank] = fmt.Errorf("step %d: Step: %w", s, err)
+					return nil
+				}
+			}
+			return nil
+		})
+		c.Close()
+		for rank, err := range errs {
+			if err == nil || !strings.Contains(err.Error(), "step 2: Step") || !strings.Contains(err.Error(), "changed after Finalize") {
+				t.Errorf("zero %d rank %d: %v, want Step 2 to fail on the changed Param.Grad", zero, rank, err)
+			}
+		}
+	}
+}
+
+// TestZeroOverlapUnusedNoSync: on pgtest at 2 ranks, with FindUnusedParameters (each rank
+// leaving its own parameters unused, pass by pass) and a NoSync pass before each synced
+// one, Options.ZeroOverlap gives the bits of the same stage without it.
+func TestZeroOverlapUnusedNoSync(t *testing.T) {
+	run := func(zero int, overlap bool) [][][]float32 {
+		out := make([][][]float32, 2)
+		c := pgtest.NewCluster(2)
+		defer c.Close()
+		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx := context.Background()
+			params := make([]Param, len(zeroLens))
+			for p, l := range zeroLens {
+				w := make([]float32, l)
+				for k := range w {
+					w[k] = 0.5
+				}
+				params[p] = Param{Name: fmt.Sprint("w", p), Data: w, Grad: make([]float32, l)}
+			}
+			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: zero, ZeroOverlap: overlap,
+				Optimizer: zeroOpts["adamw"], FindUnusedParameters: true})
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			for s := range 6 {
+				for a := range 2 {
+					mode := Accumulate
+					if a == 1 {
+						mode = Sync
+					}
+					d.BeginBackward(mode)
+					for _, p := range rand.New(rand.NewPCG(uint64(rank), uint64(s*2+a))).Perm(len(params)) {
+						if (p+s+rank)%3 == 0 {
+							continue // unused this pass
+						}
+						if err := d.GradReady(p, zeroX(rank, s*2+a, p, zeroLens[p])); err != nil {
+							return err
+						}
+					}
+					if err := d.Finalize(ctx); err != nil {
+						return err
+					}
+				}
+				if err := d.Step(ctx); err != nil {
+					return err
+				}
+			}
+			for _, p := range params {
+				out[rank] = append(out[rank], append([]float32(nil), p.Data.([]float32)...))
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("zero %d overlap %v: %v", zero, overlap, err)
+		}
+		return out
+	}
+	for zero := 1; zero <= 2; zero++ {
+		a, b := run(zero, false), run(zero, true)
+		if fmt.Sprint(a) != fmt.Sprint(b) {
+			t.Errorf("zero %d: overlapped differs", zero)
+		}
+	}
+}
+
+// TestZeroOverlapResume: a checkpoint of non-overlapped ZeRO (GatherOptimizerState after
+// 3 steps), restored with SetOptimizerState into an overlapped run, continues with the
+// bits of the same restore without the overlap, at the same world size (and then the bits
+// of 6 steps without a break) and at another one: the per-bucket optimizers take their
+// blocks, and their step counts, from the whole state.
+func TestZeroOverlapResume(t *testing.T) {
+	for zero := 1; zero <= 2; zero++ {
+		for _, nn := range [][2]int{{2, 2}, {3, 2}, {2, 3}} {
+			from, to := nn[0], nn[1]
+			half := zeroRun(t, from, zero, "adamw", 3, nil)
+			step := zeroRun(t, to, zero, "adamw", 3, &half)
+			over := zeroRunWith(t, to, zero, true, "adamw", 3, &half)
+			if d := snapDiff(step, over); d != "" {
+				t.Errorf("zero %d, %d→%d ranks: resumed overlapped vs resumed Step: %s", zero, from, to, d)
+			}
+			if from == to {
+				if d := snapDiff(zeroRun(t, to, zero, "adamw", 6, nil), over); d != "" {
+					t.Errorf("zero %d, %d ranks: resumed overlapped vs uninterrupted: %s", zero, to, d)
+				}
+			}
+		}
+	}
+}
+
+// TestZeroOverlapClose: Close in the middle of an overlapped pass's backward (rank 0 has
+// handed over only some buckets) and between Finalize and Step returns, stops the issuer
+// before it returns, and Step then says ErrClosed.
+func TestZeroOverlapClose(t *testing.T) {
+	for _, when := range []string{"backward", "before step"} {
+		c := pgtest.NewCluster(2)
+		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx := context.Background()
+			params := make([]Param, len(zeroLens))
+			for p, l := range zeroLens {
+				params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+			}
+			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, ZeroOverlap: true,
+				Optimizer: zeroOpts["adamw"]})
+			if err != nil {
+				return err
+			}
+			for s := range 2 {
+				d.BeginBackward(Sync)
+				for p := range params {
+					if s == 1 && when == "backward" && p == 4 && rank == 0 {
+						break
+					}
+					_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+				}
+				if s == 1 && when == "backward" {
+					break
+				}
+				if err := d.Finalize(ctx); err != nil {
+					return err
+				}
+				if s == 1 {
+					break
+				}
+				if err := d.Step(ctx); err != nil {
+					return err
+				}
+			}
+			d.mu.Lock()
+			run := d.zero.run
+			d.mu.Unlock()
+			if run == nil {
+				return errors.New("no overlapped pass to close")
+			}
+			ch := make(chan struct{})
+			go func() { d.Close(); close(ch) }()
+			select {
+			case <-ch:
+			case <-time.After(10 * time.Second):
+				return errors.New("Close hangs")
+			}
+			select {
+			case <-run.done:
+			default:
+				return errors.New("the issuer outlives Close")
+			}
+			if err := d.Step(ctx); err != ErrClosed {
+				return fmt.Errorf("Step after Close: %v", err)
+			}
+			return nil
+		})
+		c.Close()
+		if err != nil {
+			t.Errorf("%s: %v", when, err)
+		}
+	}
+}
