@@ -487,12 +487,9 @@ func (h *powerSGD) step(b *BucketView) int {
 	return h.steps[b.Params[0]]
 }
 
-// psgdScratch returns b's message, allocated at the layout's first launch.
-func psgdScratch[T float32 | float64](h *powerSGD, b *BucketView) *psgdBucket[T] {
-	if s, ok := b.Scratch.(*psgdBucket[T]); ok {
-		return s
-	}
-	even, odd := 0, 0
+// msgLens are the lengths of bucket b's message on an even step (P) and an odd one (Q):
+// its uncompressed parameters, then each compressed one's factor.
+func (h *powerSGD) msgLens(b *BucketView) (even, odd int) {
 	for _, i := range b.Params {
 		if mt := h.mats[i]; mt != nil {
 			even += mt.n * mt.r
@@ -502,6 +499,31 @@ func psgdScratch[T float32 | float64](h *powerSGD, b *BucketView) *psgdBucket[T]
 			odd += h.lens[i]
 		}
 	}
+	return even, odd
+}
+
+// eachPlain calls f for each uncompressed parameter of b, in the message's order, with
+// its offset in the bucket (at), its offset in the message (off) and its length; it
+// returns the uncompressed part's length, where the factors begin, or f's first error.
+func (h *powerSGD) eachPlain(b *BucketView, f func(at, off, n int) error) (int, error) {
+	off := 0
+	for k, i := range b.Params {
+		if h.mats[i] == nil {
+			if err := f(b.Offsets[k], off, h.lens[i]); err != nil {
+				return off, err
+			}
+			off += h.lens[i]
+		}
+	}
+	return off, nil
+}
+
+// psgdScratch returns b's message, allocated at the layout's first launch.
+func psgdScratch[T float32 | float64](h *powerSGD, b *BucketView) *psgdBucket[T] {
+	if s, ok := b.Scratch.(*psgdBucket[T]); ok {
+		return s
+	}
+	even, odd := h.msgLens(b)
 	s := &psgdBucket[T]{msg: make([]T, max(even, odd))}
 	s.even, s.odd = s.msg[:even], s.msg[:odd]
 	b.Scratch = s
@@ -522,13 +544,10 @@ func psgdCompress[T float32 | float64](h *powerSGD, b *BucketView, buf []T) any 
 	if even {
 		boxed = s.even
 	}
-	off := 0
-	for k, i := range b.Params { // the uncompressed elements first
-		if h.mats[i] == nil {
-			at := b.Offsets[k]
-			off += copy(msg[off:], buf[at:at+h.lens[i]])
-		}
-	}
+	off, _ := h.eachPlain(b, func(at, off, n int) error { // the uncompressed elements first
+		copy(msg[off:off+n], buf[at:at+n])
+		return nil
+	})
 	for k, i := range b.Params {
 		mt := h.mats[i]
 		if mt == nil {
@@ -560,13 +579,11 @@ func psgdFinish[T float32 | float64](h *powerSGD, b *BucketView, buf []T) {
 		return
 	}
 	even := (h.step(b)-h.o.StartIter)%2 == 0
-	msg, off := s.msg, 0
-	for k, i := range b.Params {
-		if h.mats[i] == nil {
-			at := b.Offsets[k]
-			off += copy(buf[at:at+h.lens[i]], msg[off:off+h.lens[i]])
-		}
-	}
+	msg := s.msg
+	off, _ := h.eachPlain(b, func(at, off, n int) error {
+		copy(buf[at:at+n], msg[off:off+n])
+		return nil
+	})
 	for k, i := range b.Params {
 		mt := h.mats[i]
 		if mt == nil {

@@ -205,16 +205,7 @@ func (h *powerSGD) devScratch(b *BucketView, buf procgroup.DeviceBuffer) (*psgdD
 	if s, ok := b.Scratch.(*psgdDevBucket); ok {
 		return s, nil
 	}
-	even, odd := 0, 0
-	for _, i := range b.Params {
-		if mt := h.mats[i]; mt != nil {
-			even += mt.n * mt.r
-			odd += mt.m * mt.r
-		} else {
-			even += h.lens[i]
-			odd += h.lens[i]
-		}
-	}
+	even, odd := h.msgLens(b)
 	d, err := b.Device.AllocDevice(buf.Type, max(even, odd))
 	if err != nil {
 		return nil, err
@@ -244,15 +235,11 @@ func (h *powerSGD) launchDevice(ctx context.Context, pg procgroup.ProcessGroup, 
 	}
 	even := (step-h.o.StartIter)%2 == 0
 	st, dev := b.Stream, h.dev
-	off := 0
-	for k, i := range b.Params { // the uncompressed elements first
-		if h.mats[i] == nil && h.lens[i] > 0 {
-			at := b.Offsets[k]
-			if err := dev.ScaleAsync(st, s.msg.Slice(off, off+h.lens[i]), buf.Slice(at, at+h.lens[i]), 1, false); err != nil {
-				return fail(err)
-			}
-			off += h.lens[i]
-		}
+	off, err := h.eachPlain(b, func(at, off, n int) error { // the uncompressed elements first
+		return copyDevice(dev, st, s.msg.Slice(off, off+n), buf.Slice(at, at+n))
+	})
+	if err != nil {
+		return fail(err)
 	}
 	for k, i := range b.Params {
 		mt := h.mats[i]
@@ -299,6 +286,14 @@ func (h *powerSGD) launchDevice(ctx context.Context, pg procgroup.ProcessGroup, 
 	return pg.AllReduce(ctx, s.odd, procgroup.Sum)
 }
 
+// copyDevice enqueues dst = src on st; an empty copy enqueues nothing.
+func copyDevice(dev procgroup.Device, st procgroup.Stream, dst, src procgroup.DeviceBuffer) error {
+	if src.Count == 0 {
+		return nil
+	}
+	return dev.ScaleAsync(st, dst, src, 1, false)
+}
+
 // finishDevice is Finish for a device bucket: it enqueues the result into the bucket.
 func (h *powerSGD) finishDevice(b *BucketView, buf procgroup.DeviceBuffer) error {
 	s, _ := b.Scratch.(*psgdDevBucket)
@@ -310,15 +305,11 @@ func (h *powerSGD) finishDevice(b *BucketView, buf procgroup.DeviceBuffer) error
 	}
 	even := (h.step(b)-h.o.StartIter)%2 == 0
 	st, dev := b.Stream, h.dev
-	off := 0
-	for k, i := range b.Params {
-		if h.mats[i] == nil && h.lens[i] > 0 {
-			at := b.Offsets[k]
-			if err := dev.ScaleAsync(st, buf.Slice(at, at+h.lens[i]), s.msg.Slice(off, off+h.lens[i]), 1, false); err != nil {
-				return fail(err)
-			}
-			off += h.lens[i]
-		}
+	off, err := h.eachPlain(b, func(at, off, n int) error {
+		return copyDevice(dev, st, buf.Slice(at, at+n), s.msg.Slice(off, off+n))
+	})
+	if err != nil {
+		return fail(err)
 	}
 	for k, i := range b.Params {
 		mt := h.mats[i]
