@@ -144,11 +144,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	if err := checkOverlap(r.params); err != nil {
 		return nil, err
 	}
-	if err := setupHook(opts, r.params, pg.Size(), r.dev); err != nil {
+	var err error
+	if r.hookDev, err = setupHook(opts, r.params, pg.Size(), r.dev); err != nil {
 		return nil, err
-	}
-	if opts.Shards == 0 { // setupHook called Setup
-		r.hookDev, _ = opts.CommHook.(DeviceStateHook)
 	}
 	created := false
 	defer func() {
@@ -205,11 +203,12 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	return r, nil
 }
 
-// setupHook checks the parameters' shapes and gives them to a ShapedHook.
-func setupHook(opts Options, params []Param, world int, dev procgroup.Device) error {
+// setupHook checks the parameters' shapes and gives them to a ShapedHook. It returns the
+// hook if it was set up and keeps device state, which the reducer must release.
+func setupHook(opts Options, params []Param, world int, dev procgroup.Device) (DeviceStateHook, error) {
 	h, ok := opts.CommHook.(ShapedHook)
 	if !ok || opts.Shards > 0 {
-		return nil
+		return nil, nil
 	}
 	hp := make([]HookParam, len(params))
 	for i, p := range params {
@@ -220,12 +219,12 @@ func setupHook(opts Options, params []Param, world int, dev procgroup.Device) er
 		size := 1
 		for _, d := range shape {
 			if d < 0 {
-				return fmt.Errorf("%w: parameter %d (%s): negative dimension in shape %v", ErrInvalidArgument, i, p.Name, shape)
+				return nil, fmt.Errorf("%w: parameter %d (%s): negative dimension in shape %v", ErrInvalidArgument, i, p.Name, shape)
 			}
 			size *= d
 		}
 		if size != p.Len {
-			return fmt.Errorf("%w: parameter %d (%s): shape %v holds %d elements but the parameter has %d", ErrInvalidArgument, i, p.Name, shape, size, p.Len)
+			return nil, fmt.Errorf("%w: parameter %d (%s): shape %v holds %d elements but the parameter has %d", ErrInvalidArgument, i, p.Name, shape, size, p.Len)
 		}
 		hp[i] = HookParam{Name: p.Name, DType: p.DType, Shape: shape}
 	}
@@ -234,9 +233,10 @@ func setupHook(opts Options, params []Param, world int, dev procgroup.Device) er
 		setup.DeviceOps, setup.Stream = dev, opts.Stream
 	}
 	if err := h.Setup(setup); err != nil {
-		return fmt.Errorf("%w: CommHook %s: %w", ErrInvalidArgument, DescribeHook(h), err)
+		return nil, fmt.Errorf("%w: CommHook %s: %w", ErrInvalidArgument, DescribeHook(h), err)
 	}
-	return nil
+	ds, _ := h.(DeviceStateHook)
+	return ds, nil
 }
 
 // Size returns the world size.
