@@ -69,10 +69,7 @@ func TestZeroOverlapOrder(t *testing.T) {
 		marks := make([][]mark, 2)
 		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 			ctx := context.Background()
-			params := make([]Param, len(zeroLens))
-			for p, l := range zeroLens {
-				params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
-			}
+			params := zeroParams()
 			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: zero, ZeroOverlap: true,
 				Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
 			if err != nil {
@@ -168,10 +165,7 @@ func (g *gatedPG) Abort(cause error) {
 // its ctx's error; in each the issuer goroutine exits, and nothing hangs.
 func TestZeroOverlapFailures(t *testing.T) {
 	newDDP := func(pg procgroup.ProcessGroup) (*DDP, []Param, error) {
-		params := make([]Param, len(zeroLens))
-		for p, l := range zeroLens {
-			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
-		}
+		params := zeroParams()
 		d, err := New(context.Background(), pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, ZeroOverlap: true,
 			Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
 		return d, params, err
@@ -338,10 +332,7 @@ func TestZeroOverlapRefusals(t *testing.T) {
 	c3 := pgtest.NewCluster(2)
 	defer c3.Close()
 	err := c3.Each(func(r int, pg procgroup.ProcessGroup) error {
-		params := make([]Param, len(zeroLens))
-		for p, l := range zeroLens {
-			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
-		}
+		params := zeroParams()
 		d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 1, ZeroOverlap: true, Optimizer: f})
 		if err != nil {
 			return err
@@ -400,10 +391,7 @@ func TestZeroOverlapGlooPeerDies(t *testing.T) {
 	var ferr, serr error
 	var took time.Duration
 	err := glooWorld(2, func(rank int, pg procgroup.ProcessGroup) error {
-		params := make([]Param, len(zeroLens))
-		for p, l := range zeroLens {
-			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
-		}
+		params := zeroParams()
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
 		d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 1, ZeroOverlap: true, Optimizer: zeroOpts["adamw"]})
@@ -500,10 +488,7 @@ func TestZeroOverlapGradsChanged(t *testing.T) {
 		errs := make([]error, 2)
 		_ = c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 			ctx := context.Background()
-			params := make([]Param, len(zeroLens))
-			for p, l := range zeroLens {
-				params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
-			}
+			params := zeroParams()
 			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: zero, ZeroOverlap: true,
 				Optimizer: zeroOpts["momentum"]})
 			if err != nil {
@@ -640,10 +625,7 @@ func TestZeroOverlapClose(t *testing.T) {
 		c := pgtest.NewCluster(2)
 		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 			ctx := context.Background()
-			params := make([]Param, len(zeroLens))
-			for p, l := range zeroLens {
-				params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
-			}
+			params := zeroParams()
 			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, ZeroOverlap: true,
 				Optimizer: zeroOpts["adamw"]})
 			if err != nil {

@@ -33,6 +33,15 @@ var zeroOpts = map[string]optim.Factory{
 	"momentum": func(n int) (optim.Optimizer, error) { return optim.NewSGD(n, optim.SGDOptions{LR: 0.1, Momentum: 0.9}) },
 }
 
+// zeroParams are fresh zero parameters of the lengths zeroLens, named w0, w1, ….
+func zeroParams() []Param {
+	params := make([]Param, len(zeroLens))
+	for p, l := range zeroLens {
+		params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
+	}
+	return params
+}
+
 // zeroX is rank r's data x for parameter p in step s (a global step count, so that a
 // resumed run sees the same data).
 func zeroX(r, s, p, n int) []float32 {
@@ -409,10 +418,7 @@ func TestZeroStepAllocs(t *testing.T) {
 	defer c.Close()
 	ctx := context.Background()
 	allocs := func(o Options) float64 {
-		params := make([]Param, len(zeroLens))
-		for p, l := range zeroLens {
-			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
-		}
+		params := zeroParams()
 		d, err := New(ctx, c.Group(0), params, o)
 		if err != nil {
 			t.Fatal(err)
@@ -471,10 +477,7 @@ func TestZeroStage2ReduceScatters(t *testing.T) {
 	var before, after map[procgroup.CollectiveOp]int
 	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 		ctx := context.Background()
-		params := make([]Param, len(zeroLens))
-		for p, l := range zeroLens {
-			params[p] = Param{Name: fmt.Sprint("w", p), Data: make([]float32, l), Grad: make([]float32, l)}
-		}
+		params := zeroParams()
 		d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
 		if err != nil {
 			return err
