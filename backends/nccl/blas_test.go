@@ -38,14 +38,7 @@ func randVec(rng *rand.Rand, n int) []float32 {
 // transposes, leading dimensions larger than the rows, beta 0 (C not read: it starts as
 // NaN) and beta ≠ 0, within 1e-5·(1+Σ|terms|) (float32 products of k terms).
 func TestGPUGemm(t *testing.T) {
-	gs := startGroups(t, 1, 0)
-	g := gs[0]
-	defer g.Close()
-	s, err := g.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.DestroyStream(s)
+	g, s := streamGroup(t)
 	rng := rand.New(rand.NewPCG(4, 6))
 	for _, tc := range []struct {
 		m, n, k, pad int
@@ -189,14 +182,7 @@ func orthRef(a []float32, rows, cols int, seed uint64) {
 // and on degenerate ones (a zero column, a repeated column, all zeros), whose columns it
 // replaces; the result's columns are orthonormal within 1e-5.
 func TestGPUOrthonormalize(t *testing.T) {
-	gs := startGroups(t, 1, 0)
-	g := gs[0]
-	defer g.Close()
-	s, err := g.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.DestroyStream(s)
+	g, s := streamGroup(t)
 	rng := rand.New(rand.NewPCG(5, 8))
 	for _, tc := range []struct {
 		name       string

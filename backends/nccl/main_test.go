@@ -86,6 +86,19 @@ func buildFakes(dir string) error {
 
 var prefixN atomic.Int64
 
+// streamGroup is a one-rank group with a stream of its own, both closed when t ends.
+func streamGroup(t testing.TB) (*Group, Stream) {
+	t.Helper()
+	g := startGroups(t, 1, 0)[0]
+	t.Cleanup(func() { g.Close() })
+	s, err := g.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { g.DestroyStream(s) })
+	return g, s
+}
+
 // startGroups creates size ranks (rank r on fake device r) as goroutines of this process.
 // The caller closes them (or a cleanup aborts what is left).
 func startGroups(t testing.TB, size int, timeout time.Duration) []*Group {

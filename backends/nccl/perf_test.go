@@ -19,14 +19,7 @@ func TestGPUPerfTable(t *testing.T) {
 	if !gpuMode {
 		t.Skip("GODDP_GPU=1 only (scripts/gpu_check.sh)")
 	}
-	gs := startGroups(t, 1, 0)
-	g := gs[0]
-	defer g.Close()
-	s, err := g.NewStream()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.DestroyStream(s)
+	g, s := streamGroup(t)
 	maxBytes := 256 << 20
 	if os.Getenv("GODDP_GPU_PERF_MAX") != "" {
 		fmt.Sscan(os.Getenv("GODDP_GPU_PERF_MAX"), &maxBytes)
