@@ -115,3 +115,36 @@ func BenchmarkHookPath(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkPowerSGD measures the host PowerSGD hook's local work on one float32 matrix of
+// the transformer's MLP shape: an even step's and an odd step's compression and
+// reconstruction (no collective), per op. ns/elem is per gradient element and step.
+func BenchmarkPowerSGD(b *testing.B) {
+	const n, m = 2048, 512
+	for _, r := range []int{1, 2, 4} {
+		b.Run(fmt.Sprintf("%dx%d/rank=%d", n, m, r), func(b *testing.B) {
+			h := PowerSGDHook(PowerSGDOptions{Rank: r, MinCompressionRate: 1}).(*powerSGD)
+			if err := h.Setup(HookSetup{Params: []HookParam{{Name: "w", DType: procgroup.Float32, Shape: []int{n, m}}}, WorldSize: 1}); err != nil {
+				b.Fatal(err)
+			}
+			grad := make([]float32, n*m)
+			for k := range grad {
+				grad[k] = float32(k%13) - 6
+			}
+			buf := make([]float32, n*m)
+			v := &BucketView{DType: procgroup.Float32, Buffer: buf, Params: []int{0}, Offsets: []int{0}}
+			b.SetBytes(2 * n * m * 4)
+			b.ResetTimer()
+			for b.Loop() {
+				for range 2 { // an even step and an odd one
+					copy(buf, grad)
+					psgdCompress(h, v, buf)
+					if err := h.Finish(v); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(2*b.N*n*m), "ns/elem")
+		})
+	}
+}

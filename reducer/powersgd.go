@@ -555,15 +555,12 @@ func psgdCompress[T float32 | float64](h *powerSGD, b *BucketView, buf []T) any 
 		}
 		at := b.Offsets[k]
 		grad, e := buf[at:at+mt.n*mt.m], mt.e.([]T)
-		for j, g := range grad {
-			e[j] += g // M' = M + E
-		}
 		if even {
 			orthonormalize(mt.q, mt.m, mt.r, h.o.Seed, mt.index, step)
-			off += leftStep(mt, e, msg[off:off+mt.n*mt.r])
+			off += leftStep(mt, grad, e, msg[off:off+mt.n*mt.r])
 		} else {
 			orthonormalize(mt.p, mt.n, mt.r, h.o.Seed, mt.index, step)
-			off += rightStep(mt, e, msg[off:off+mt.m*mt.r])
+			off += rightStep(mt, grad, e, msg[off:off+mt.m*mt.r])
 		}
 	}
 	s.empty = off == 0
@@ -603,112 +600,7 @@ func psgdFinish[T float32 | float64](h *powerSGD, b *BucketView, buf []T) {
 			}
 			off += m * r
 		}
-		for i := 0; i < n; i++ {
-			row := out[i*m : i*m+m]
-			setScaled(row, mt.p[i], mt.q[:m])
-			for c := 1; c < r; c++ {
-				addScaled(row, mt.p[c*n+i], mt.q[c*m:c*m+m])
-			}
-		}
-	}
-}
-
-// leftStep is an even step's local part, with E holding M' and Q̂ in mt.q: out = M'·Q̂
-// (column-major, as P), then E = M' − out·Q̂ᵀ (with out as sent, rounded to T). It
-// returns len(out).
-func leftStep[T float32 | float64](mt *psgdMat, e, out []T) int {
-	n, m, r := mt.n, mt.m, mt.r
-	for i := 0; i < n; i++ {
-		row := e[i*m : i*m+m]
-		for c := 0; c < r; c++ {
-			out[c*n+i] = T(dot(row, mt.q[c*m:c*m+m]))
-		}
-		for c := 0; c < r; c++ {
-			subScaled(row, float64(out[c*n+i]), mt.q[c*m:c*m+m])
-		}
-	}
-	return n * r
-}
-
-// rightStep is an odd step's local part, with E holding M' and P̂ in mt.p: out = M'ᵀ·P̂
-// (column-major, as Q), then E = M' − P̂·outᵀ (with out as sent). It returns len(out).
-func rightStep[T float32 | float64](mt *psgdMat, e, out []T) int {
-	n, m, r := mt.n, mt.m, mt.r
-	acc := mt.acc
-	clear(acc)
-	for i := 0; i < n; i++ {
-		row := e[i*m : i*m+m]
-		for c := 0; c < r; c++ {
-			accumulate(acc[c*m:c*m+m], mt.p[c*n+i], row)
-		}
-	}
-	for j, v := range acc {
-		out[j] = T(v)
-	}
-	for i := 0; i < n; i++ {
-		row := e[i*m : i*m+m]
-		for c := 0; c < r; c++ {
-			subScaledT(row, mt.p[c*n+i], out[c*m:c*m+m])
-		}
-	}
-	return m * r
-}
-
-// The kernels: x and y of one length, sums in float64.
-
-func dot[T float32 | float64](x []T, y []float64) float64 {
-	y = y[:len(x)]
-	var s0, s1, s2, s3 float64
-	j := 0
-	for ; j+4 <= len(x); j += 4 {
-		s0 += float64(x[j]) * y[j]
-		s1 += float64(x[j+1]) * y[j+1]
-		s2 += float64(x[j+2]) * y[j+2]
-		s3 += float64(x[j+3]) * y[j+3]
-	}
-	for ; j < len(x); j++ {
-		s0 += float64(x[j]) * y[j]
-	}
-	return (s0 + s1) + (s2 + s3)
-}
-
-// subScaled: x −= a·y.
-func subScaled[T float32 | float64](x []T, a float64, y []float64) {
-	y = y[:len(x)]
-	for j := range x {
-		x[j] -= T(a * y[j])
-	}
-}
-
-// subScaledT: x −= a·y.
-func subScaledT[T float32 | float64](x []T, a float64, y []T) {
-	y = y[:len(x)]
-	for j := range x {
-		x[j] -= T(a * float64(y[j]))
-	}
-}
-
-// accumulate: s += a·x.
-func accumulate[T float32 | float64](s []float64, a float64, x []T) {
-	x = x[:len(s)]
-	for j := range s {
-		s[j] += a * float64(x[j])
-	}
-}
-
-// setScaled: x = a·y.
-func setScaled[T float32 | float64](x []T, a float64, y []float64) {
-	y = y[:len(x)]
-	for j := range x {
-		x[j] = T(a * y[j])
-	}
-}
-
-// addScaled: x += a·y.
-func addScaled[T float32 | float64](x []T, a float64, y []float64) {
-	y = y[:len(x)]
-	for j := range x {
-		x[j] += T(a * y[j])
+		reconstruct(out, mt.p, mt.q, n, m, r)
 	}
 }
 
@@ -724,7 +616,7 @@ func orthonormalize(a []float64, rows, r int, seed uint64, param, step int) {
 			before := math.Sqrt(dot(col, col))
 			for k := 0; k < c; k++ {
 				prev := a[k*rows : (k+1)*rows]
-				subScaled(col, dot(col, prev), prev)
+				axpy1(col, -dot(col, prev), prev)
 			}
 			norm := math.Sqrt(dot(col, col))
 			if good := norm > 1e-10*before && norm > 0 && !math.IsInf(norm, 0); good || try == 3 {

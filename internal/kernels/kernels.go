@@ -129,6 +129,20 @@ func Reduce(dt procgroup.DType, op procgroup.ReduceOp, dst, src []byte) {
 	}
 }
 
+// Add sets d[i] += s[i] for every element of d, as Reduce's sum does (the AVX2 loop where
+// there is one): for callers that hold typed slices. len(s) ≥ len(d).
+func Add[T float32 | float64](d, s []T) {
+	s = s[:len(d)]
+	k := 0
+	switch d := any(d).(type) {
+	case []float32:
+		k = addF32(d, any(s).([]float32))
+	case []float64:
+		k = addF64(d, any(s).([]float64))
+	}
+	reduceNum(procgroup.Sum, d[k:], s[k:])
+}
+
 // ReduceInto sets dst = a op b for every element, a's operand first: bit for bit what
 // Reduce(dt, op, a, b) followed by copy(dst, a) gives (NaN payloads included), which is
 // also how it works where no faster loop applies, so a may be overwritten. dst may alias
