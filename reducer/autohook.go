@@ -83,7 +83,8 @@ func IsAutoHook(h CommHook) bool {
 // and three measured steps chose bf16 there for a predicted 0.11 against 0.12 ms. Rank 0 broadcasts the
 // choice, every rank logs it with its prediction, and from the next step each bucket runs
 // its hook. A bucket's PowerSGD state starts there, with its StartIter counted from the
-// decision. The choice is not revisited.
+// decision. The choice is not revisited, and a checkpoint keeps it (Note [Auto hook
+// checkpoints]).
 //
 // On one host the shared-memory all-reduce moves a gigabyte in tens of milliseconds, less
 // than PowerSGD's products cost, so the model keeps the plain all-reduce; over a 1 Gbit/s
@@ -99,6 +100,11 @@ type autoHook struct {
 	comp   *sim.Compression  // this rank's measurements
 	force  []sim.Hook        // tests: rank 0's choice, instead of the model's
 	plan   *sim.HookPlan     // rank 0's choice, as this rank predicts it
+	// The decision's layout, for checkpoints: the agreed order and the caps.
+	order    []int
+	caps     [2]int64
+	restored *autoRestore // a checkpoint's decision, until the reducer adopts it
+	launched bool         // a bucket has been launched: too late to restore
 }
 
 func (h *autoHook) Describe() string {
@@ -148,6 +154,7 @@ func (h *autoHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *Buc
 	if !h.ready {
 		return procgroup.Completed(fmt.Errorf("%w: auto hook: bucket %d launched before Setup (the hook was not given to New)", ErrInvalidArgument, b.Index))
 	}
+	h.launched = true
 	return h.hookFor(b.Index).Launch(ctx, pg, b)
 }
 
@@ -230,9 +237,12 @@ func (h *autoHook) decide(ctx context.Context, r *Reducer, prof *sim.Profile, bs
 		}
 		choice[b] = x
 	}
-	if err := h.setChoice(choice, bs); err != nil {
+	psgd, err := h.setupPowerSGD(choice, bs)
+	if err != nil {
 		return err
 	}
+	h.choice, h.psgd = choice, psgd
+	h.order, h.caps = slices.Clone(r.auto.order), [2]int64{r.firstCap, r.capBytes}
 	if prof != nil {
 		h.plan = describe(prof, bs, choice)
 	}
@@ -257,10 +267,10 @@ func describe(prof *sim.Profile, bs []bucket.Bucket, choice []sim.Hook) *sim.Hoo
 	return &sim.HookPlan{Hooks: choice, Predicted: pred, None: none, Gain: 1 - pred.Step/none.Step}
 }
 
-// setChoice sets up the hooks chosen for the buckets: a PowerSGD state per rank chosen,
-// over the parameters of the buckets that chose it.
-func (h *autoHook) setChoice(choice []sim.Hook, bs []bucket.Bucket) error {
-	h.psgd = map[int]*powerSGD{}
+// setupPowerSGD sets up the PowerSGD hooks that choice needs for the buckets bs: a state
+// per rank chosen, over the parameters of the buckets that chose it.
+func (h *autoHook) setupPowerSGD(choice []sim.Hook, bs []bucket.Bucket) (map[int]*powerSGD, error) {
+	psgd := map[int]*powerSGD{}
 	for _, rank := range h.o.Ranks {
 		var mine bool
 		s := h.setup
@@ -286,12 +296,11 @@ func (h *autoHook) setChoice(choice []sim.Hook, bs []bucket.Bucket) error {
 		o.Rank = rank
 		p := PowerSGDHook(o).(*powerSGD)
 		if err := p.Setup(s); err != nil {
-			return fmt.Errorf("reducer: auto hook: PowerSGD at rank %d: %w", rank, err)
+			return nil, fmt.Errorf("reducer: auto hook: PowerSGD at rank %d: %w", rank, err)
 		}
-		h.psgd[rank] = p
+		psgd[rank] = p
 	}
-	h.choice = choice
-	return nil
+	return psgd, nil
 }
 
 func lenOf(shape []int) int {

@@ -16,12 +16,14 @@ import (
 )
 
 // hookRun is what runHook saw on each rank: the averaged gradients after each step, the
-// collectives issued, the final layout and the auto plan.
+// collectives issued, the final layout, the auto plan, and the hook's state at the end
+// (MarshalBinary's, where it has one).
 type hookRun struct {
 	out     [][][][]float32 // rank, step, param
 	issued  [][]pgtest.Record
 	buckets [][]bucket.Bucket
 	plans   []*AutoPlan
+	saved   [][]byte
 }
 
 // autoShapes: two matrices and a bias.
@@ -32,11 +34,19 @@ var autoShapes = [][]int{{64, 128}, {64}, {128, 64}}
 // "backward", over a link of link bytes per second (0: none), with the hook mk makes.
 func runHook(t *testing.T, mk func() CommHook, opts Options, link float64, sleep time.Duration, steps int, seed uint64) hookRun {
 	t.Helper()
+	return runHookFrom(t, mk, opts, link, sleep, 0, steps, seed, nil)
+}
+
+// runHookFrom is runHook for the steps [from, steps) of the same gradients, on new
+// Reducers, with restore (if not nil) given each rank's hook after New: the resumed half of
+// a run.
+func runHookFrom(t *testing.T, mk func() CommHook, opts Options, link float64, sleep time.Duration, from, steps int, seed uint64, restore func(rank int, h CommHook) error) hookRun {
+	t.Helper()
 	const n = 2
 	ctx := testCtx(t)
-	rng := rand.New(rand.NewPCG(seed, 5))
 	grads := make([][][][]float32, n) // rank, step, param
 	for w := range grads {
+		rng := rand.New(rand.NewPCG(seed, 5+uint64(w))) // a rank's steps, whatever their number
 		grads[w] = make([][][]float32, steps)
 		for s := range grads[w] {
 			for _, sh := range autoShapes {
@@ -51,7 +61,7 @@ func runHook(t *testing.T, mk func() CommHook, opts Options, link float64, sleep
 	c := pgtest.NewCluster(n)
 	defer c.Close()
 	c.SetLink(link)
-	run := hookRun{out: make([][][][]float32, n), issued: make([][]pgtest.Record, n), buckets: make([][]bucket.Bucket, n), plans: make([]*AutoPlan, n)}
+	run := hookRun{out: make([][][][]float32, n), issued: make([][]pgtest.Record, n), buckets: make([][]bucket.Bucket, n), plans: make([]*AutoPlan, n), saved: make([][]byte, n)}
 	errs := runRanks(n, func(rank int) error {
 		params := make([]Param, len(autoShapes))
 		for i, sh := range autoShapes {
@@ -64,7 +74,12 @@ func runHook(t *testing.T, mk func() CommHook, opts Options, link float64, sleep
 			return err
 		}
 		defer r.Close()
-		for s := range steps {
+		if restore != nil {
+			if err := restore(rank, o.CommHook); err != nil {
+				return err
+			}
+		}
+		for s := from; s < steps; s++ {
 			if err := r.BeginBackward(Sync); err != nil {
 				return err
 			}
@@ -85,6 +100,11 @@ func runHook(t *testing.T, mk func() CommHook, opts Options, link float64, sleep
 		}
 		run.buckets[rank] = slices.Clone(r.Buckets())
 		run.plans[rank] = r.AutoPlan()
+		if m, ok := o.CommHook.(interface{ MarshalBinary() ([]byte, error) }); ok {
+			if run.saved[rank], err = m.MarshalBinary(); err != nil {
+				return err
+			}
+		}
 		return nil
 	})
 	if err := errors.Join(errs...); err != nil {

@@ -104,6 +104,9 @@ type AutoPlan struct {
 	Measured time.Duration
 	// Fixed: the caps are the options' (an AutoHook with fixed caps: Note [Auto hook]).
 	Fixed bool
+	// Restored: an AutoHook's decision read back from a checkpoint (Note [Auto hook
+	// checkpoints]), with no measurements: only the caps, Buckets and Hooks.Hooks are set.
+	Restored bool
 	// Hooks is an AutoHook's choice by bucket, predicted with this rank's profile, whose
 	// Compression holds the hooks' costs this rank measured (nil without an AutoHook, or
 	// if they could not be priced).
@@ -111,6 +114,14 @@ type AutoPlan struct {
 }
 
 func (p *AutoPlan) String() string {
+	if p.Restored {
+		s := fmt.Sprintf("auto decision restored from a checkpoint: first cap %.3g MB, cap %.3g MB, %d buckets",
+			float64(p.FirstCapBytes)/(1<<20), float64(p.CapBytes)/(1<<20), p.Buckets)
+		if p.Hooks != nil {
+			s += "; hooks " + p.Hooks.Summary()
+		}
+		return s
+	}
 	s := fmt.Sprintf("auto bucket layout after %d synced steps: first cap %.3g MB, cap %.3g MB, %d buckets; predicted %.2f ms/step (default %.3g/%.3g MB: %.2f, %d buckets)",
 		p.DecidedAfter, float64(p.FirstCapBytes)/(1<<20), float64(p.CapBytes)/(1<<20), p.Buckets,
 		p.Predicted.Step*1e3, float64(p.DefaultFirstCapBytes)/(1<<20), float64(p.DefaultCapBytes)/(1<<20), p.Default.Step*1e3, p.Default.Buckets)

@@ -427,6 +427,9 @@ func (m *Machine) finishIfDone() []Action {
 	return append(m.out, Action{Kind: ActDone})
 }
 
+// SkipRebuilds drops the rebuilds still owed: the layout set now is final.
+func (m *Machine) SkipRebuilds() { m.rebuilds = 0 }
+
 // Order is the order for a rebuild: the parameters in the order they became ready in the
 // current (or last) backward, followed by those that did not, in reverse registration
 // order. The slice is the Machine's; it is valid until the next event.

@@ -252,22 +252,14 @@ func (h *powerSGD) UnmarshalBinary(data []byte) error {
 	}
 	h.hostCopies()
 	for pass := 0; pass < 2; pass++ { // check, then copy
-		d := data
 		bad := func(format string, a ...any) error {
 			return fmt.Errorf("reducer: PowerSGD hook: saved state: "+format, a...)
 		}
-		u64 := func() (uint64, bool) {
-			if len(d) < 8 {
-				return 0, false
-			}
-			v := binary.LittleEndian.Uint64(d)
-			d = d[8:]
-			return v, true
-		}
-		if len(d) < len(psgdMagic) || string(d[:len(psgdMagic)]) != psgdMagic {
+		if len(data) < len(psgdMagic) || string(data[:len(psgdMagic)]) != psgdMagic {
 			return bad("not a PowerSGD state (version 1)")
 		}
-		d = d[len(psgdMagic):]
+		rd := &savedReader{data[len(psgdMagic):]}
+		u64 := rd.u64
 		r, ok1 := u64()
 		np, ok2 := u64()
 		switch {
@@ -302,34 +294,34 @@ func (h *powerSGD) UnmarshalBinary(data []byte) error {
 				es = 4
 			}
 			need := 8*(mt.n+mt.m)*mt.r + es*mt.n*mt.m
-			if len(d) < need {
+			if len(rd.d) < need {
 				return bad("truncated at parameter %d", i)
 			}
 			if pass == 0 {
-				d = d[need:]
+				rd.d = rd.d[need:]
 				continue
 			}
 			h.steps[i] = int(step)
 			for _, f := range [][]float64{mt.p, mt.q} {
 				for k := range f {
-					f[k] = math.Float64frombits(binary.LittleEndian.Uint64(d))
-					d = d[8:]
+					f[k] = math.Float64frombits(binary.LittleEndian.Uint64(rd.d))
+					rd.d = rd.d[8:]
 				}
 			}
 			switch e := mt.e.(type) {
 			case []float32:
 				for k := range e {
-					e[k] = math.Float32frombits(binary.LittleEndian.Uint32(d[4*k:]))
+					e[k] = math.Float32frombits(binary.LittleEndian.Uint32(rd.d[4*k:]))
 				}
 			case []float64:
 				for k := range e {
-					e[k] = math.Float64frombits(binary.LittleEndian.Uint64(d[8*k:]))
+					e[k] = math.Float64frombits(binary.LittleEndian.Uint64(rd.d[8*k:]))
 				}
 			}
-			d = d[es*mt.n*mt.m:]
+			rd.d = rd.d[es*mt.n*mt.m:]
 		}
-		if len(d) != 0 {
-			return bad("%d bytes after the last parameter", len(d))
+		if len(rd.d) != 0 {
+			return bad("%d bytes after the last parameter", len(rd.d))
 		}
 	}
 	return h.upload()

@@ -296,6 +296,11 @@ func (r *Reducer) BeginBackward(mode Mode) error {
 
 // beginLocked is BeginBackward's work. r.mu must be held.
 func (r *Reducer) beginLocked(mode Mode) error {
+	if a := r.auto; a != nil && a.hook != nil && a.hook.restored != nil && !a.decided {
+		if err := a.adopt(r); err != nil { // Note [Auto hook checkpoints]
+			return r.failLocked(err)
+		}
+	}
 	if err := r.m.BeginBackward(mode); err != nil {
 		return r.afterMachineErr(err)
 	}

@@ -23,21 +23,7 @@ func TestPowerSGDCheckpointResume(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds ddprun")
 	}
-	ddprun := launchtest.DDPRun(t)
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	run := func(args string) (string, string, error) {
-		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, ddprun, append([]string{"--standalone", "--nproc_per_node", "2", exe, "--"}, strings.Fields(args)...)...)
-		cmd.Env = append(os.Environ(), asMainEnv+"=1")
-		var out, errOut bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &errOut
-		err := cmd.Run()
-		return out.String(), errOut.String(), err
-	}
+	run := twoRanks(t)
 	crcRE := regexp.MustCompile(`(?m)^\[rank(\d)\]: params_crc32=([0-9a-f]{8})$`)
 	crcs := func(what, args string) (got []string, stdout string) {
 		t.Helper()
@@ -72,5 +58,62 @@ func TestPowerSGDCheckpointResume(t *testing.T) {
 	stdout, stderr, err := run(strings.Replace(args, "--powersgd_rank 1", "--powersgd_rank 2", 1) + "10 --resume --checkpoint_dir " + dir)
 	if err == nil || !strings.Contains(stderr, msg) || crcRE.MatchString(stdout) {
 		t.Errorf("resumed with --powersgd_rank 2: ddprun %v, want a failure saying %q\nstdout:\n%s\nstderr:\n%s", err, msg, stdout, stderr)
+	}
+}
+
+// TestAutoHookCheckpointResume: under the real ddprun, 2 ranks with --comm_hook auto
+// decide after 3 synced steps, stop after 5, and resume to step 10: the resumed run takes
+// the decision from the checkpoint instead of measuring again (it says so), and every rank
+// ends with the uninterrupted run's params_crc32.
+func TestAutoHookCheckpointResume(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun")
+	}
+	launch := twoRanks(t)
+	run := func(what, args string) (crc, stdout string) {
+		t.Helper()
+		stdout, stderr, err := launch(args)
+		if err != nil {
+			t.Fatalf("%s: ddprun: %v\nstdout:\n%s\nstderr:\n%s", what, err, stdout, stderr)
+		}
+		m := regexp.MustCompile(`(?m)^\[rank(\d)\]: params_crc32=([0-9a-f]{8})$`).FindAllStringSubmatch(stdout, -1)
+		if len(m) != 2 || m[0][2] != m[1][2] {
+			t.Fatalf("%s: want one params_crc32 per rank, the same:\n%s", what, stdout)
+		}
+		return m[0][2], stdout
+	}
+	args := tinyDDPFlags + " --batch_size 2 --warmup_steps 0 --checkpoint_every 5 --comm_hook auto --bench_steps "
+	want, _ := run("uninterrupted", args+"10 --checkpoint_dir "+t.TempDir())
+	dir := t.TempDir()
+	_, first := run("the first 5 steps", args+"5 --checkpoint_dir "+dir)
+	if !strings.Contains(first, "auto hook after 3 synced steps") {
+		t.Fatalf("the first run did not decide:\n%s", first)
+	}
+	got, stdout := run("resumed", args+"10 --resume --checkpoint_dir "+dir)
+	if got != want {
+		t.Errorf("resumed at step 5: params_crc32=%s, the uninterrupted run %s", got, want)
+	}
+	if !strings.Contains(stdout, "auto decision restored from a checkpoint") || strings.Contains(stdout, "auto hook after 3 synced steps") {
+		t.Errorf("the resumed run did not take the saved decision:\n%s", stdout)
+	}
+}
+
+// twoRanks returns a launcher of this test binary, as the trainer, on 2 ranks under the
+// real ddprun (built once) with the given flags: its stdout, its stderr, and how it ended.
+func twoRanks(t *testing.T) func(args string) (string, string, error) {
+	ddprun := launchtest.DDPRun(t)
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return func(args string) (string, string, error) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, ddprun, append([]string{"--standalone", "--nproc_per_node", "2", exe, "--"}, strings.Fields(args)...)...)
+		cmd.Env = append(os.Environ(), asMainEnv+"=1")
+		var out, errOut bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &errOut
+		err := cmd.Run()
+		return out.String(), errOut.String(), err
 	}
 }
