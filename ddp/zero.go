@@ -37,7 +37,8 @@ import (
 // synced pass on: the first one's buckets are all-reduced, since the rebuild at its end
 // moves the buckets, and with them the blocks that Step then reads. The buckets are
 // padded with zeros to a multiple of n elements (reducer Options.PadBuckets) and a rank
-// receives the sum of its block only, half the all-reduce's bytes each way on a ring; Step
+// receives the sum of its block only, half the all-reduce's bytes each way on a ring (and
+// between hosts, with gloo's Note [Hierarchical blocks]); Step
 // then all-gathers the parameters, the other half. Finalize leaves the averaged gradient in
 // the rank's own blocks of Param.Grad only; the rest holds this rank's local gradient,
 // divided by n, and must not be used. The memory of the full local gradient (Param.Grad and

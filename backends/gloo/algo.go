@@ -148,6 +148,9 @@ func (g *group) run(o *op) error {
 		if g.useDirect(len(o.buf)) {
 			return g.directAllGather(o)
 		}
+		if g.useHier() {
+			return g.hierAllGather(o)
+		}
 		g.setBlocks(len(o.in))
 		if err := g.ringAllGather(uint32(o.seq), o.buf, false, &g.flat); err != nil {
 			return err
@@ -167,6 +170,9 @@ func (g *group) run(o *op) error {
 		}
 		if g.useDirect(len(o.in)) {
 			return g.directReduceScatter(o)
+		}
+		if g.useHier() {
+			return g.hierReduceScatter(o)
 		}
 		w := g.scratch(len(o.in))
 		copy(w, o.in)

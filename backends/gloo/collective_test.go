@@ -321,6 +321,26 @@ func TestHostPlacements(t *testing.T) {
 						t.Errorf("rank %d: a 1 MiB all-reduce ran %q, want %q", r, p, wantAlgo)
 					}
 				}
+				// Reduce-scatter and all-gather take Note [Hierarchical blocks]'s rings on
+				// the same placements, and the flat ring elsewhere ("" for it).
+				wantBlocks := ""
+				if wantAlgo == "hierarchical" {
+					wantBlocks = wantAlgo
+				}
+				n := len(hosts)
+				for _, k := range []string{"reduce-scatter", "all-gather"} {
+					each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+						if k == "reduce-scatter" {
+							return wait(g.ReduceScatter(ctx, make([]float32, 1<<16), make([]float32, n<<16), procgroup.Sum))
+						}
+						return wait(g.AllGather(ctx, make([]float32, n<<16), make([]float32, 1<<16)))
+					})
+					for r, g := range groups {
+						if p := g.(*group).lastPath; p != wantBlocks {
+							t.Errorf("rank %d: a %d KiB %s ran %q, want %q", r, n<<8, k, p, wantBlocks)
+						}
+					}
+				}
 			})
 		}
 	}

@@ -104,6 +104,7 @@ type group struct {
 	marks    []int    // ring: next.issued before each reduce-scatter step's sends
 	wideOp   op       // runWide's float32 twin of a 16-bit op
 	hierSum  op       // hierAllReduce's op with Avg as Sum
+	hierAt   []int    // by rank: its block's index in Note [Hierarchical blocks]'s order
 	// Note [Hierarchical pipeline]: the middle rings the worker queues for crossWorker,
 	// and their results, in order; nil unless hier.
 	crossJobs chan crossJob
