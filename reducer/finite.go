@@ -228,12 +228,12 @@ func scaleCheck[T float32 | float64](dst, src []T, inv T, add bool) (finite bool
 	if add {
 		for ; k+4 <= len(dst); k += 4 {
 			d, s := dst[k:k+4:k+4], src[k:k+4:k+4]
-			x0, x1, x2, x3 := d[0]+s[0]*inv, d[1]+s[1]*inv, d[2]+s[2]*inv, d[3]+s[3]*inv
+			x0, x1, x2, x3 := d[0]+T(s[0]*inv), d[1]+T(s[1]*inv), d[2]+T(s[2]*inv), d[3]+T(s[3]*inv) // T(): never fused (FMA)
 			d[0], d[1], d[2], d[3] = x0, x1, x2, x3
 			a0, a1, a2, a3 = a0+x0*0, a1+x1*0, a2+x2*0, a3+x3*0
 		}
 		for ; k < len(dst); k++ {
-			x := dst[k] + src[k]*inv
+			x := dst[k] + T(src[k]*inv)
 			dst[k] = x
 			a0 += x * 0
 		}

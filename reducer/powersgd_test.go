@@ -336,6 +336,10 @@ func TestPowerSGDMatchesReference(t *testing.T) {
 		{name: "f32 buckets", shapes: shapes, dtype: procgroup.Float32, opts: PowerSGDOptions{Rank: 2, Seed: 4}, capMB: 600.0 / (1 << 20), ranks: 3, steps: 9, accum: true, random: true},
 		{name: "one param a bucket", shapes: shapes, dtype: procgroup.Float64, opts: PowerSGDOptions{Rank: 1, Seed: 5, MinCompressionRate: 1}, capMB: 1.0 / (1 << 20), ranks: 2, steps: 6, random: true},
 		{name: "one bucket start iter", shapes: shapes, dtype: procgroup.Float64, opts: PowerSGDOptions{Rank: 3, Seed: 6, StartIter: 2, MinCompressionRate: 1}, ranks: 2, steps: 7, accum: true, random: true},
+		// Odd ranks on float32 rows: the AVX2 loops with a column paired with itself
+		// (Note [PowerSGD kernels]), on rows long enough for them (37 columns).
+		{name: "f32 rank 1", shapes: append(slices.Clone(shapes), []int{40, 37}), dtype: procgroup.Float32, opts: PowerSGDOptions{Rank: 1, Seed: 7, MinCompressionRate: 1}, ranks: 2, steps: 6, random: true},
+		{name: "f32 rank 3", shapes: append(slices.Clone(shapes), []int{40, 37}), dtype: procgroup.Float32, opts: PowerSGDOptions{Rank: 3, Seed: 8, MinCompressionRate: 1}, capMB: 2000.0 / (1 << 20), ranks: 3, steps: 7, accum: true, random: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			run := runPSGD(t, tc)

@@ -5,8 +5,10 @@
 //
 // On amd64 with AVX2, float32 rows run assembly loops (lowrank_amd64.s) for the longest
 // prefix that is a multiple of 8 elements. Their results are bit for bit those of the Go
-// loops here, whatever the CPU: the same products and sums, rounded the same way, in the
-// same order (a dot product keeps eight partial sums, one per element index modulo 8, as
+// loops here, whatever the CPU, NaN payloads aside (where both operands are NaN, which
+// one's payload survives depends on operand order, which neither Go nor the hardware fixes
+// for a commutative operation; a NaN stays a NaN): the same products and sums, rounded
+// the same way, in the same order (a dot product keeps eight partial sums, one per element index modulo 8, as
 // the vector loop does, and adds them up in one fixed order), with no fused multiply-add
 // (the explicit float64 conversions keep the compiler from fusing). The ranks of a job
 // must compute the same bits from the same all-reduced factors, whatever machines they

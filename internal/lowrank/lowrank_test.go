@@ -3,6 +3,7 @@ package lowrank
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 )
 
@@ -128,6 +129,68 @@ func TestAxpy2(t *testing.T) {
 				} else {
 					sameBits32(t, "Axpy2 (AVX2)", got, ref)
 					sameBits32(t, "Axpy2 float32 y (AVX2)", gots, refs)
+				}
+			})
+		}
+	}
+}
+
+// TestAxpy2Cancelling: where a1·y1 nearly cancels a0·y0, the float64 sum keeps bits that a
+// float32 rounding of each product, another order of the sums, or a fused multiply-add
+// would change: the assembly must give the Go loop's bits here too, for float64 and float32
+// factors.
+func TestAxpy2Cancelling(t *testing.T) {
+	g := rand.New(rand.NewPCG(9, 10))
+	const n = 64 + 5
+	for _, tiny := range []bool{false, true} {
+		x := make([]float32, n)
+		y0, y1 := randF64(g, n), make([]float64, n)
+		y0s, y1s := randF32(g, n), make([]float32, n)
+		for j := range x {
+			if tiny {
+				x[j] = float32(math.Ldexp(g.NormFloat64(), -60))
+			}
+			y1[j] = 3 * y0[j] * (1 + math.Ldexp(g.NormFloat64(), -40))
+			y1s[j] = 3 * y0s[j]
+		}
+		a0, a1 := 1.0+math.Ldexp(1, -40), -1.0/3
+		var ref, refs []float32
+		both(t, func(asm bool) {
+			got := append([]float32(nil), x...)
+			Axpy2(got, a0, y0, a1, y1)
+			gots := append([]float32(nil), x...)
+			Axpy2(gots, a0, y0s, a1, y1s)
+			if !asm {
+				ref, refs = got, gots
+				return
+			}
+			sameBits32(t, "Axpy2 cancelling (AVX2)", got, ref)
+			sameBits32(t, "Axpy2 cancelling, float32 y (AVX2)", gots, refs)
+		})
+	}
+}
+
+// TestNonFinite: a NaN or an infinity in a row or a factor comes out as NaN or infinity
+// from both loops alike (their payloads may differ: package doc).
+func TestNonFinite(t *testing.T) {
+	const n = 24
+	for _, bad := range []float64{math.NaN(), math.Inf(1)} {
+		for _, at := range []int{0, 9, n - 1} {
+			x, y := make([]float32, n), make([]float64, n)
+			for j := range x {
+				x[j], y[j] = 1, 1
+			}
+			x[at] = float32(bad)
+			both(t, func(asm bool) {
+				a, b := Dot2(x, y, y)
+				s := slices.Clone(y)
+				AxpyTo2(s, 1, s, 0, x)
+				z := slices.Clone(x)
+				Axpy2(z, 1, y, 1, y)
+				for what, v := range map[string]float64{"Dot2": a, "Dot2 second": b, "AxpyTo2": s[at], "Axpy2": float64(z[at])} {
+					if !math.IsNaN(v) && !math.IsInf(v, 0) {
+						t.Errorf("asm %v, %v at %d: %s gives %v", asm, bad, at, what, v)
+					}
 				}
 			})
 		}
