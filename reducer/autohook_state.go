@@ -22,7 +22,8 @@ import (
 // saved order and caps, and the hook takes the saved choice and PowerSGD states (adopt).
 // At the world size that saved it the run goes on bit for bit; at another the PowerSGD
 // errors are resized as PowerSGDHook's are, and the choice, made for the old world size,
-// stands. A checkpoint saved before the decision holds no decision, and the resumed job
+// stands: that is also how an elastic job's next membership takes it over (ddp/elastic's
+// Attach calls UnmarshalResized with the survivors' copies). A checkpoint saved before the decision holds no decision, and the resumed job
 // measures and decides as a new one does.
 
 // autoMagic starts AutoHook's saved state (version 1).

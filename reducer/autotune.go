@@ -115,7 +115,7 @@ type AutoPlan struct {
 
 func (p *AutoPlan) String() string {
 	if p.Restored {
-		s := fmt.Sprintf("auto decision restored from a checkpoint: first cap %.3g MB, cap %.3g MB, %d buckets",
+		s := fmt.Sprintf("auto decision restored from the saved state: first cap %.3g MB, cap %.3g MB, %d buckets",
 			float64(p.FirstCapBytes)/(1<<20), float64(p.CapBytes)/(1<<20), p.Buckets)
 		if p.Hooks != nil {
 			s += "; hooks " + p.Hooks.Summary()

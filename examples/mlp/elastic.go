@@ -83,9 +83,13 @@ func runElastic(ctx context.Context, f flags, stdout io.Writer) error {
 				fmt.Fprintf(stdout, "mlp: --comm_hook %s: its state restored from %d of the %d members' copies\n", f.commHook, kept, pg.Size())
 			}
 		}
-		return trainShards(ctx, f, pg, d, m, int(start), &next, stdout, func(step int) error {
+		err = trainShards(ctx, f, pg, d, m, int(start), &next, stdout, func(step int) error {
 			return job.Commit(ctx, int64(step+1))
 		})
+		if plan := d.AutoPlan(); err == nil && plan != nil && pg.Rank() == 0 { // --comm_hook auto
+			fmt.Fprintln(stdout, plan.String())
+		}
+		return err
 	})
 	if errors.Is(err, elastic.ErrFinished) {
 		fmt.Fprintln(stdout, "mlp: the job finished while this process waited to join it")

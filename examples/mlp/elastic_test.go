@@ -244,29 +244,8 @@ func TestElasticChaos(t *testing.T) {
 // for bit.
 func TestElasticPowerSGDLoseNode(t *testing.T) {
 	args := elasticArgs + " --comm_hook powersgd --powersgd_rank 1"
-	j := newElasticJob(t, "2:3", nil)
-	j.SetArgs(args)
-	a := j.Start("node a", "")
-	a.WaitFor(hostsStore, 30*time.Second)
-	b, c := j.Start("node b", ""), j.Start("node c", "")
-	launchtest.WaitAny(t, stepAtLeast(10), a, b, c)
-	c.Kill()
-	crcs := map[string]bool{}
+	a, b, c := loseThird(t, args)
 	restored := regexp.MustCompile(`(?m)^\[local0\]: mlp: --comm_hook powersgd: its state restored from (\d) of the (\d) members' copies$`)
-	for _, n := range []*launchtest.Node{a, b} {
-		n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*left: node .*; joined: none; world size 3 -> 2; resuming from step \d+`), time.Minute)
-		if err := n.Wait(2 * time.Minute); err != nil {
-			t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
-		}
-		m := crcLine.FindStringSubmatch(n.Output())
-		if m == nil {
-			t.Fatalf("%s printed no params_crc32:\n%s", n.Name, n.Output())
-		}
-		crcs[m[1]] = true
-	}
-	if len(crcs) != 1 {
-		t.Errorf("the survivors end with different parameters: %v\n%s\n%s", crcs, a.Output(), b.Output())
-	}
 	var said [][]string // rank 0's lines, on whichever node it was in each epoch
 	for _, n := range []*launchtest.Node{a, b, c} {
 		for _, m := range restored.FindAllStringSubmatch(n.Output(), -1) {
@@ -304,6 +283,49 @@ func TestElasticPowerSGDLoseNode(t *testing.T) {
 	if !(late < early/2) {
 		t.Errorf("the loss did not fall across the change: steps 0-4 %.5f, steps 30-39 %.5f: %v", early, late, losses)
 	}
+}
+
+// TestElasticAutoLoseNode: under --comm_hook auto, 3 nodes decide after 3 synced steps and
+// commit the decision with the state; when the third node is killed at step 10, the next
+// epoch's hooks take the decision over from the survivors' copies instead of measuring
+// again (its rank 0 says so at the end), and the survivors end with the same parameters.
+func TestElasticAutoLoseNode(t *testing.T) {
+	args := elasticArgs + " --comm_hook auto"
+	a, b, _ := loseThird(t, args)
+	// Rank 0 of the last epoch prints its plan: the decision taken over, not a new one.
+	out := a.Output() + b.Output()
+	if strings.Count(out, "auto decision restored from the saved state") != 1 || strings.Contains(out, "auto hook after 3 synced steps") {
+		t.Errorf("epoch 1 did not take the decision over:\n%s\n%s", a.Output(), b.Output())
+	}
+}
+
+// loseThird runs a job of 3 nodes of args, kills the third at step 10, and waits for the
+// two others to form epoch 1 without it and to end with the same params_crc32.
+func loseThird(t *testing.T, args string) (a, b, c *launchtest.Node) {
+	t.Helper()
+	j := newElasticJob(t, "2:3", nil)
+	j.SetArgs(args)
+	a = j.Start("node a", "")
+	a.WaitFor(hostsStore, 30*time.Second)
+	b, c = j.Start("node b", ""), j.Start("node c", "")
+	launchtest.WaitAny(t, stepAtLeast(10), a, b, c)
+	c.Kill()
+	crcs := map[string]bool{}
+	for _, n := range []*launchtest.Node{a, b} {
+		n.WaitFor(regexp.MustCompile(`elastic: epoch 1: .*left: node .*; joined: none; world size 3 -> 2; resuming from step \d+`), time.Minute)
+		if err := n.Wait(2 * time.Minute); err != nil {
+			t.Fatalf("%s: ddprun: %v\n%s", n.Name, err, n.Output())
+		}
+		m := crcLine.FindStringSubmatch(n.Output())
+		if m == nil {
+			t.Fatalf("%s printed no params_crc32:\n%s", n.Name, n.Output())
+		}
+		crcs[m[1]] = true
+	}
+	if len(crcs) != 1 {
+		t.Errorf("the survivors end with different parameters: %v\n%s\n%s", crcs, a.Output(), b.Output())
+	}
+	return a, b, c
 }
 
 // TestElasticPowerSGDOtherRank: a node whose --powersgd_rank differs from the job's is

@@ -148,11 +148,6 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	if _, err := ddp.CommHookNamed(f.commHook, f.psgd); err != nil {
 		return f, fmt.Errorf("--comm_hook: %w", err)
 	}
-	if f.commHook == "auto" && (f.global > 0 || f.micro > 0) {
-		// a checkpoint keeps its decision and PowerSGD states; an elastic job's next
-		// membership does not take them over yet
-		return f, errors.New("--comm_hook auto does not take --global_batch_size (an elastic job) yet: its decision and PowerSGD states would not pass to the next membership; use --comm_hook powersgd, whose state does")
-	}
 	var err error
 	if f.task, err = newTask(*taskName, *inputs, *outputs); err != nil {
 		return f, err

@@ -83,17 +83,7 @@ func TestElasticPowerSGDLoseNode(t *testing.T) {
 	}
 	args := strings.Replace(shardArgs, "--bench_steps 4", "--bench_steps 300", 1) + " --task copy --comm_hook powersgd --powersgd_rank 2"
 	a, b, c := loseThirdNode(t, exe, args)
-	crcs := map[string]bool{}
-	for _, n := range []*launchtest.Node{a, b} {
-		got := regexp.MustCompile(`\[local0\]: (params_crc32=[0-9a-f]{8})`).FindStringSubmatch(n.Output())
-		if got == nil {
-			t.Fatalf("%s printed no params_crc32:\n%s", n.Name, n.Output())
-		}
-		crcs[got[1]] = true
-	}
-	if len(crcs) != 1 {
-		t.Errorf("the survivors end with different parameters: %v", crcs)
-	}
+	survivorsAgree(t, a, b)
 	losses := map[int]float64{}
 	for _, n := range []*launchtest.Node{a, b, c} {
 		for _, m := range regexp.MustCompile(`(?m)^\[local0\]: step (\d+) loss ([0-9.e+-]+)`).FindAllStringSubmatch(n.Output(), -1) {
@@ -116,5 +106,42 @@ func TestElasticPowerSGDLoseNode(t *testing.T) {
 	t.Logf("mean loss: steps 0-19 %.4f, steps 280-299 %.4f", early, late)
 	if !(late < early) {
 		t.Errorf("the loss did not fall across the change: steps 0-19 %.4f, steps 280-299 %.4f", early, late)
+	}
+}
+
+// TestElasticAutoLoseNode: TestElasticLoseNode under --comm_hook auto: epoch 0 decides after
+// 3 synced steps and commits the decision with the state; after the SIGKILL the next
+// epoch's hooks take it over from the survivors' copies instead of measuring again (rank 0
+// prints the restored plan), and the survivors end agreeing, bit for bit.
+func TestElasticAutoLoseNode(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds ddprun and runs an elastic job")
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := strings.Replace(shardArgs, "--bench_steps 4", "--bench_steps 60", 1) + " --comm_hook auto"
+	a, b, _ := loseThirdNode(t, exe, args)
+	survivorsAgree(t, a, b)
+	out := a.Output() + b.Output()
+	if strings.Count(out, "auto decision restored from the saved state") != 1 || strings.Contains(out, "auto hook after 3 synced steps") {
+		t.Errorf("epoch 1 did not take the decision over:\n%s\n%s", a.Output(), b.Output())
+	}
+}
+
+// survivorsAgree checks that the nodes each printed one params_crc32, the same.
+func survivorsAgree(t *testing.T, nodes ...*launchtest.Node) {
+	t.Helper()
+	crcs := map[string]bool{}
+	for _, n := range nodes {
+		got := regexp.MustCompile(`\[local0\]: (params_crc32=[0-9a-f]{8})`).FindStringSubmatch(n.Output())
+		if got == nil {
+			t.Fatalf("%s printed no params_crc32:\n%s", n.Name, n.Output())
+		}
+		crcs[got[1]] = true
+	}
+	if len(crcs) != 1 {
+		t.Errorf("the survivors end with different parameters: %v", crcs)
 	}
 }

@@ -93,7 +93,7 @@ func TestAutoHookCheckpointResume(t *testing.T) {
 	if got != want {
 		t.Errorf("resumed at step 5: params_crc32=%s, the uninterrupted run %s", got, want)
 	}
-	if !strings.Contains(stdout, "auto decision restored from a checkpoint") || strings.Contains(stdout, "auto hook after 3 synced steps") {
+	if !strings.Contains(stdout, "auto decision restored from the saved state") || strings.Contains(stdout, "auto hook after 3 synced steps") {
 		t.Errorf("the resumed run did not take the saved decision:\n%s", stdout)
 	}
 }
