@@ -141,13 +141,19 @@ func TestStreamOrder(t *testing.T) {
 			gs := startGroups(t, n, 0)
 			gated := gs[0].lib.knob("tasks_run", 0) >= 0
 			const count = 12 << 12 // a multiple of every world size tested
-			ready := make(chan struct{})
-			started := make(chan Stream, n)
+			// Every rank queues its collectives (started), then every rank checks that they
+			// wait (checked), and only then does rank 0 open the gate, which the ranks share.
+			ready, allChecked := make(chan struct{}), make(chan struct{})
+			started, checked := make(chan Stream, n), make(chan struct{}, n)
 			go func() {
 				for range n {
 					<-started
 				}
 				close(ready)
+				for range n {
+					<-checked
+				}
+				close(allChecked)
 			}()
 			each(t, gs, func(r int, g *Group) error {
 				s, err := g.NewStream()
@@ -202,9 +208,12 @@ func TestStreamOrder(t *testing.T) {
 					<-ready
 					select {
 					case <-ag.Done():
+						checked <- struct{}{}
 						return fmt.Errorf("all-gather completed while its compute stream was blocked: %v", ag.Err())
 					default:
 					}
+					checked <- struct{}{}
+					<-allChecked
 					if r == 0 {
 						g.lib.knob("gate_open", 0)
 					}
