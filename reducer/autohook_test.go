@@ -211,10 +211,13 @@ func TestAutoHookMixed(t *testing.T) {
 
 // TestAutoHookFastLink: with no link to cross, the all-reduce is nearly free beside
 // backward, and AutoHook keeps the plain all-reduce: the averages are the plain ones, and
-// every all-reduce after the decision carries the whole bucket.
+// every all-reduce after the decision carries the whole bucket. Backward takes 20 ms a
+// gradient: with 5 ms, under the race detector on a busy machine, the last bucket's
+// exposed all-reduce (1.7 ms) was 6% of the step, and PowerSGD at rank 4, whose loops the
+// detector does not slow, was predicted past the 5% margin.
 func TestAutoHookFastLink(t *testing.T) {
 	const steps = 6
-	auto := runHook(t, func() CommHook { return AutoHook(AutoHookOptions{}) }, Options{}, 0, 5*time.Millisecond, steps, 12)
+	auto := runHook(t, func() CommHook { return AutoHook(AutoHookOptions{}) }, Options{}, 0, 20*time.Millisecond, steps, 12)
 	ref := runHook(t, AllReduceHook, Options{}, 0, 0, steps, 12)
 	total := 0
 	for _, sh := range autoShapes {
