@@ -226,16 +226,9 @@ func (h *autoHook) decide(ctx context.Context, r *Reducer, prof *sim.Profile, bs
 			return fmt.Errorf("reducer: auto hook: broadcast of rank 0's choice: %w", err)
 		}
 	}
-	choice := make([]sim.Hook, len(bs))
-	for b, c := range codes {
-		x, err := hookOfCode(c)
-		if err != nil {
-			return err
-		}
-		if x.Kind == "powersgd" && !slices.Contains(h.o.Ranks, x.Rank) {
-			return fmt.Errorf("reducer: auto hook: rank 0 chose PowerSGD at rank %d, not one of this rank's %v", x.Rank, h.o.Ranks)
-		}
-		choice[b] = x
+	choice, err := h.choiceOf(codes, "rank 0")
+	if err != nil {
+		return err
 	}
 	psgd, err := h.setupPowerSGD(choice, bs)
 	if err != nil {
@@ -265,6 +258,23 @@ func describe(prof *sim.Profile, bs []bucket.Bucket, choice []sim.Hook) *sim.Hoo
 		return nil
 	}
 	return &sim.HookPlan{Hooks: choice, Predicted: pred, None: none, Gain: 1 - pred.Step/none.Step}
+}
+
+// choiceOf decodes the buckets' hook codes that from (rank 0, or a saved state) chose,
+// refusing a PowerSGD rank this hook does not offer.
+func (h *autoHook) choiceOf(codes []int64, from string) ([]sim.Hook, error) {
+	choice := make([]sim.Hook, len(codes))
+	for b, c := range codes {
+		x, err := hookOfCode(c)
+		if err != nil {
+			return nil, err
+		}
+		if x.Kind == "powersgd" && !slices.Contains(h.o.Ranks, x.Rank) {
+			return nil, fmt.Errorf("reducer: auto hook: %s chose PowerSGD at rank %d, not one of this hook's %v", from, x.Rank, h.o.Ranks)
+		}
+		choice[b] = x
+	}
+	return choice, nil
 }
 
 // setupPowerSGD sets up the PowerSGD hooks that choice needs for the buckets bs: a state

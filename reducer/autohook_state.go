@@ -224,16 +224,9 @@ func (h *autoHook) restore(saved [][]byte, load func(*powerSGD, [][]byte) error)
 	if len(bs) != len(first.codes) {
 		return fmt.Errorf("reducer: auto hook: the saved order and caps make %d buckets, and the state has hooks for %d", len(bs), len(first.codes))
 	}
-	choice := make([]sim.Hook, len(bs))
-	for b, c := range first.codes {
-		x, err := hookOfCode(c)
-		if err != nil {
-			return err
-		}
-		if x.Kind == "powersgd" && !slices.Contains(h.o.Ranks, x.Rank) {
-			return fmt.Errorf("reducer: auto hook: the saved state chose PowerSGD at rank %d, not one of this hook's %v", x.Rank, h.o.Ranks)
-		}
-		choice[b] = x
+	choice, err := h.choiceOf(first.codes, "the saved state")
+	if err != nil {
+		return err
 	}
 	psgd, err := h.setupPowerSGD(choice, bs)
 	if err != nil {
