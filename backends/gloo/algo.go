@@ -40,7 +40,7 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 	case "rd":
 		return name, 5 * math.Ceil(math.Log2(n)) // per round: send, receive, combine
 	case "shm-ring":
-		if g.inPlaceOK() && g.ownsShared(b) {
+		if g.inPlaceOK() && (g.ownsShared(b) || g.isAdopted(b)) {
 			return "shm-inplace", 2
 		}
 		if g.cmaFor(procgroup.OpAllReduce, len(b)) { // Note [Single copy]
@@ -48,7 +48,7 @@ func (g *group) AllReduceAlgorithm(buf any) (name string, traffic float64) {
 		}
 	case "hierarchical":
 		L, H := float64(g.local.n), float64(g.cross.n)
-		if g.hostInPlaceOK() && g.ownsShared(b) { // Note [Host phases in place]
+		if g.hostInPlaceOK() && (g.ownsShared(b) || g.isAdopted(b)) { // Note [Host phases in place]
 			return "hierarchical-inplace", (L + 1 + 5*(H-1)/H + 2*(L-1)) / L
 		}
 		return name, (5*(L-1) + 5*(H-1)/H) / L
@@ -105,9 +105,9 @@ func (g *group) run(o *op) error {
 		case "direct":
 			return g.directAllReduce(o)
 		case "shm-ring":
-			return g.shmAllReduce(o)
+			return g.adopting(o, &o.buf, true, g.shmAllReduce)
 		case "hierarchical":
-			return g.hierAllReduce(o)
+			return g.adopting(o, &o.buf, true, g.hierAllReduce)
 		case "rd":
 			return g.rdAllReduce(o)
 		case "pair":
@@ -132,8 +132,10 @@ func (g *group) run(o *op) error {
 		if n == 1 || len(o.buf) == 0 {
 			return nil
 		}
-		if g.cmaFor(o.kind, len(o.buf)) {
-			return g.cmaBroadcast(o)
+		if g.peerReadFor(o.kind, len(o.buf)) {
+			if done, err := g.peerBroadcast(o); done {
+				return err
+			}
 		}
 		return g.broadcast(o)
 	case procgroup.OpAllGather:
@@ -142,8 +144,10 @@ func (g *group) run(o *op) error {
 		if n == 1 || len(o.in) == 0 {
 			return nil
 		}
-		if g.cmaFor(o.kind, len(o.buf)) {
-			return g.cmaAllGather(o)
+		if g.peerReadFor(o.kind, len(o.buf)) {
+			if done, err := g.peerAllGather(o); done {
+				return err
+			}
 		}
 		if g.useDirect(len(o.buf)) {
 			return g.directAllGather(o)
@@ -165,8 +169,10 @@ func (g *group) run(o *op) error {
 		if len(o.buf) == 0 {
 			return nil
 		}
-		if g.cmaFor(o.kind, len(o.in)) {
-			return g.cmaReduceScatter(o)
+		if g.peerReadFor(o.kind, len(o.in)) {
+			if done, err := g.peerReduceScatter(o); done {
+				return err
+			}
 		}
 		if g.useDirect(len(o.in)) {
 			return g.directReduceScatter(o)

@@ -71,12 +71,25 @@ var cmaMinBytes = [procgroup.OpBarrier + 1]int{
 
 // cmaFor reports whether a collective of this kind and size (the bytes that AllReduce and
 // Broadcast pass, that AllGather gathers and ReduceScatter reduces) takes Note [Single
-// copy]: the group agreed on it, the message is large enough, and above DirectMaxBytes
-// unless an algorithm is forced (Config.Algorithm "direct" never takes it). Every rank
-// decides alike.
+// copy]: the group agreed on it and peerSized. Every rank decides alike.
 func (g *group) cmaFor(kind procgroup.CollectiveOp, bytes int) bool {
+	return g.cma && g.peerSized(kind, bytes)
+}
+
+// peerReadFor reports whether a collective of this kind and size reads its peers'
+// buffers straight (Note [Single copy]): through process_vm_readv where the group agreed
+// on it, through the arena where the buffers are there or adopted (Note [Adopted
+// buffers]). Every rank decides alike; the posts then say whether every buffer can be
+// read (peerPost).
+func (g *group) peerReadFor(kind procgroup.CollectiveOp, bytes int) bool {
+	return (g.cma || g.inPlaceOK()) && g.peerSized(kind, bytes)
+}
+
+// peerSized reports whether a message is large enough for Note [Single copy] and above
+// DirectMaxBytes unless an algorithm is forced (Config.Algorithm "direct" never takes it).
+func (g *group) peerSized(kind procgroup.CollectiveOp, bytes int) bool {
 	switch {
-	case !g.cma || bytes < cmaMinBytes[kind] || g.cfg.Algorithm == AlgoDirect:
+	case bytes < cmaMinBytes[kind] || g.cfg.Algorithm == AlgoDirect:
 		return false
 	case g.cfg.Algorithm == AlgoAuto:
 		return bytes > g.cfg.DirectMaxBytes
@@ -214,7 +227,7 @@ func (g *group) cmaAllReduce(o *op) error {
 	}
 	for j := range n {
 		if j != r {
-			if err := g.vmRead(j, g.chunk(o.buf, j), g.offs[j]); err != nil {
+			if err := g.peerRead(j, g.chunk(o.buf, j), g.offs[j]); err != nil {
 				return err
 			}
 		}
@@ -224,8 +237,8 @@ func (g *group) cmaAllReduce(o *op) error {
 
 // cmaReduce makes dst o.rop, over every rank's posted buffer, of its bytes at..
 // (divided by the group's size for Avg), a block at a time: this rank's own bytes, own,
-// are copied in first unless own is dst, then each peer's are read into g.tmp and reduced
-// in, in rank order. It checks for an abort before each block (Note [Late ranks]).
+// are copied in first unless own is dst, then each peer's are reduced in, in rank order,
+// straight from the arena or read into g.tmp. It checks for an abort before each block (Note [Late ranks]).
 func (g *group) cmaReduce(o *op, dst, own []byte, at int) error {
 	blk := min(cmaBlock, len(g.tmp)) &^ 7
 	same := len(dst) > 0 && &dst[0] == &own[0]
@@ -243,7 +256,9 @@ func (g *group) cmaReduce(o *op, dst, own []byte, at int) error {
 				continue
 			}
 			src := g.tmp[:e-a]
-			if err := g.vmRead(j, src, at+a); err != nil {
+			if p := g.shm.peerBufs[j]; p != nil {
+				src = p[at+a : at+e] // in the arena: read in place
+			} else if err := g.vmRead(j, src, at+a); err != nil {
 				return err
 			}
 			kernels.Reduce(o.dt, o.rop, d, src)
@@ -255,25 +270,37 @@ func (g *group) cmaReduce(o *op, dst, own []byte, at int) error {
 	return nil
 }
 
-// cmaPost posts b for a collective of Note [Single copy] other than the all-reduce and
-// waits for every peer's post.
-func (g *group) cmaPost(o *op, b []byte) error {
-	g.lastPath = "shm-vm"
-	_, vm, err := g.postBuffer(o, b, true)
-	if err == nil && !vm {
-		// Every rank asks for it (g.cma is the group's); a peer that did not post it
-		// runs another collective or another version.
-		err = fmt.Errorf("%w: a peer did not post its buffer for process_vm_readv in %v #%d (ranks issued different collectives?)",
-			procgroup.ErrInvalidArgument, o.kind, o.seq)
+// peerPost posts b for a collective of Note [Single copy] other than the all-reduce and
+// waits for every peer's post. ok: every member's buffer can be read, from the arena
+// (its own, or adopted: Note [Adopted buffers]) or with process_vm_readv; every rank
+// finds the same, and without it all take their other path.
+func (g *group) peerPost(o *op, b []byte) (ok bool, err error) {
+	inPlace, vm, err := g.postBuffer(o, b, g.cma)
+	ok = err == nil && (inPlace || vm)
+	switch {
+	case ok && inPlace:
+		g.lastPath = "shm-arena"
+	case ok:
+		g.lastPath = "shm-vm"
 	}
-	return err
+	return ok, err
 }
 
-// cmaAllGather is Note [Single copy]'s AllGather; run has copied this rank's input into
-// its slot of o.buf.
-func (g *group) cmaAllGather(o *op) error {
-	if err := g.cmaPost(o, o.in); err != nil {
-		return err
+// adoptInput is adoptIn for an input of collective o: its adopted view, or b itself.
+func (g *group) adoptInput(o *op, b []byte) []byte {
+	if v, _, _ := g.adoptIn(b); v != nil {
+		return v
+	}
+	return b
+}
+
+// peerAllGather is Note [Single copy]'s AllGather; run has copied this rank's input into
+// its slot of o.buf. done is false when a peer's input cannot be read (peerPost): run
+// then takes its other path.
+func (g *group) peerAllGather(o *op) (done bool, err error) {
+	ok, err := g.peerPost(o, g.adoptInput(o, o.in))
+	if !ok {
+		return err != nil, err
 	}
 	l := len(o.in)
 	for j := range g.size {
@@ -281,40 +308,69 @@ func (g *group) cmaAllGather(o *op) error {
 			continue
 		}
 		if err := g.shmCheck(); err != nil {
-			return err
+			return true, err
 		}
-		if err := g.vmRead(j, o.buf[j*l:(j+1)*l], 0); err != nil {
-			return err
+		if err := g.peerRead(j, o.buf[j*l:(j+1)*l], 0); err != nil {
+			return true, err
 		}
 	}
-	return g.shmPhase(o.seq<<2 | 3)
+	return true, g.shmPhase(o.seq<<2 | 3)
 }
 
-// cmaReduceScatter is Note [Single copy]'s ReduceScatter: o.buf is the reduction of chunk
-// g.rank of every rank's input.
-func (g *group) cmaReduceScatter(o *op) error {
-	if err := g.cmaPost(o, o.in); err != nil {
-		return err
+// peerReduceScatter is Note [Single copy]'s ReduceScatter: o.buf is the reduction of
+// chunk g.rank of every rank's input. done as for peerAllGather.
+func (g *group) peerReduceScatter(o *op) (done bool, err error) {
+	in := g.adoptInput(o, o.in)
+	ok, err := g.peerPost(o, in)
+	if !ok {
+		return err != nil, err
 	}
 	l := len(o.buf)
-	if err := g.cmaReduce(o, o.buf, o.in[g.rank*l:(g.rank+1)*l], g.rank*l); err != nil {
-		return err
+	if err := g.cmaReduce(o, o.buf, in[g.rank*l:(g.rank+1)*l], g.rank*l); err != nil {
+		return true, err
 	}
-	return g.shmPhase(o.seq<<2 | 3)
+	return true, g.shmPhase(o.seq<<2 | 3)
 }
 
-// cmaBroadcast is Note [Single copy]'s Broadcast: every rank but the root reads the root's
-// buffer into its own.
-func (g *group) cmaBroadcast(o *op) error {
-	if err := g.cmaPost(o, o.buf); err != nil {
-		return err
+// peerBroadcast is Note [Single copy]'s Broadcast: every rank but the root reads the
+// root's buffer into its own. Only the root's buffer is read, so only it is adopted, and
+// done (as for peerAllGather) needs only it to be readable.
+func (g *group) peerBroadcast(o *op) (done bool, err error) {
+	m, b := g.shm, o.buf
+	if g.rank == o.root {
+		b = g.adoptInput(o, b)
+	}
+	_, vm, err := g.postBuffer(o, b, g.cma)
+	if err != nil {
+		return true, err
+	}
+	root := m.local[o.root]
+	_, mine := m.ownOffset(b)
+	rootArena := (root == m.me && mine) || (root != m.me && m.peerBufs[root] != nil)
+	if !rootArena && !vm {
+		return false, nil
+	}
+	g.lastPath = "shm-arena"
+	if !rootArena {
+		g.lastPath = "shm-vm"
 	}
 	if g.rank != o.root {
-		if err := g.vmRead(g.shm.local[o.root], o.buf, 0); err != nil {
-			return err
+		if err := g.peerRead(root, o.buf, 0); err != nil {
+			return true, err
 		}
 	}
-	return g.shmPhase(o.seq<<2 | 3)
+	return true, g.shmPhase(o.seq<<2 | 3)
+}
+
+// peerRead reads len(dst) bytes at offset off of peer j's (local index) posted buffer
+// into dst: a copy from the arena where the peer posted it there, process_vm_readv
+// otherwise.
+func (g *group) peerRead(j int, dst []byte, off int) error {
+	if p := g.shm.peerBufs[j]; p != nil {
+		copy(dst, p[off:off+len(dst)])
+		return nil
+	}
+	return g.vmRead(j, dst, off)
 }
 
 // vmRead reads len(dst) bytes at offset off of peer j's (local index) posted buffer into

@@ -42,7 +42,7 @@ func TestSingleCopyCollectives(t *testing.T) {
 				if refused {
 					refuseAt(t, size-1)
 				}
-				groups := startGroups(t, size, &Config{Transport: TransportUnix, Algorithm: AlgoRing})
+				groups := startGroups(t, size, &Config{Transport: TransportUnix, Algorithm: AlgoRing, AdoptBuffers: AdoptOff})
 				checkSingleCopy(t, groups, counts, !refused)
 			})
 		}
@@ -195,7 +195,7 @@ func copyInto(dst, src any, off int) {
 func TestSingleCopyRefusedLogsOnce(t *testing.T) {
 	refuseAt(t, 2)
 	core, logs := observer.New(zap.WarnLevel)
-	groups := startGroupsLogged(t, 3, &Config{Transport: TransportUnix}, zap.New(core))
+	groups := startGroupsLogged(t, 3, &Config{Transport: TransportUnix, AdoptBuffers: AdoptOff}, zap.New(core))
 	for range 3 {
 		each(t, groups, func(r int, g procgroup.ProcessGroup) error {
 			return wait(g.AllGather(ctx, make([]float32, 3<<18), make([]float32, 1<<18)))

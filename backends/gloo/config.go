@@ -32,6 +32,9 @@ const (
 
 	VMReadvAuto = "auto" // Note [Single copy] where every rank can read its peers
 	VMReadvOff  = "off"  // never process_vm_readv
+
+	AdoptAuto = "auto" // Note [Adopted buffers]: the user's buffers move into the arena at their second collective
+	AdoptOff  = "off"  // the user's buffers stay private
 )
 
 // Config holds the gloo backend's options; pass a *Config as procgroup.Options.Backend.
@@ -98,6 +101,12 @@ type Config struct {
 	// [Single copy]). Where any rank has "off" or cannot read its peers, the whole group
 	// runs without it. GODDP_GLOO_VMREADV (auto, off; 1 and 0 too) overrides it.
 	VMReadv string
+	// AdoptBuffers is "auto" (default) or "off": whether a rank of a host with a shared
+	// arena moves a buffer the user allocated into it, under the buffer's own addresses,
+	// once the buffer has been passed to a second collective (Note [Adopted buffers]), so
+	// that later collectives on it run in place. Each rank may differ: a rank without it
+	// sends its peers down their other paths. GODDP_GLOO_ADOPT overrides it.
+	AdoptBuffers string
 	// HostID identifies this host to the other ranks (default procgroup.HostIdentity: the
 	// boot id and the network namespace, never the hostname alone); ranks with the same
 	// HostID use Unix sockets and shared memory. Tests set it to simulate hosts.
@@ -146,6 +155,9 @@ func (c *Config) validate() error {
 		c.ShmSlots = 8
 	}
 	if err := enumSetting(&c.Tune, "GODDP_GLOO_TUNE", "tuning mode", TuneAuto, TuneOff); err != nil {
+		return err
+	}
+	if err := enumSetting(&c.AdoptBuffers, "GODDP_GLOO_ADOPT", "buffer adoption mode", AdoptAuto, AdoptOff); err != nil {
 		return err
 	}
 	switch v := os.Getenv("GODDP_GLOO_VMREADV"); v {

@@ -164,3 +164,11 @@ func vmOffAt(r, off int) string {
 	}
 	return ""
 }
+
+// adoptEverySize makes Note [Adopted buffers] adopt every buffer with a whole page, at
+// its first collective, until t's end; call it before starting the groups.
+func adoptEverySize(t testing.TB) {
+	savedMin, savedFirst := adoptMinBytes, adoptFirst
+	adoptMinBytes, adoptFirst = 1, true
+	t.Cleanup(func() { adoptMinBytes, adoptFirst = savedMin, savedFirst })
+}

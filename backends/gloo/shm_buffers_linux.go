@@ -219,12 +219,17 @@ var madvise = unix.Madvise
 // releaseArena ends the arena at Close: anonymous zero pages replace it, so that the
 // memfd and its pages go, while slices of buffers still handed out (a bucket, a gradient
 // view) read zeros instead of faulting. The address space stays reserved until the
-// process exits.
-func (m *shmRegion) releaseArena() {
+// process exits. Adopted buffers stay the user's (endAdoptions).
+func (m *shmRegion) releaseArena(aborted bool) {
 	m.heap.mu.Lock()
 	defer m.heap.mu.Unlock()
 	if m.arena == nil || m.heap.closed {
 		return
+	}
+	m.endAdoptions(aborted) // Note [Adopted buffers]: they outlive the group
+	if m.adopt.fd >= 0 {
+		unix.Close(m.adopt.fd)
+		m.adopt.fd = -1
 	}
 	m.heap.closed = true
 	if _, err := unix.MmapPtr(-1, 0, unsafe.Pointer(&m.arena[0]), uintptr(len(m.arena)),
@@ -340,6 +345,7 @@ func (g *group) postBuffer(o *op, b []byte, vmAsked bool) (inPlace, vm bool, err
 		}
 		if f&postArena == 0 {
 			inPlace = false
+			m.peerBufs[j] = nil
 			continue
 		}
 		if pOff > uint64(m.arenaLen) || pLen > uint64(m.arenaLen)-pOff {

@@ -141,7 +141,7 @@ func TestSharedBuffersMixed(t *testing.T) {
 	for _, mode := range []string{VMReadvAuto, VMReadvOff} {
 		t.Run(mode, func(t *testing.T) {
 			cmaEverySize(t)
-			groups := startGroups(t, size, &Config{Transport: TransportUnix, VMReadv: mode})
+			groups := startGroups(t, size, &Config{Transport: TransportUnix, VMReadv: mode, AdoptBuffers: AdoptOff})
 			xs := inputs(7, size, count, procgroup.Sum)
 			bufs := mixedBufs(t, groups, xs)
 			before := slotSegments(groups[0])
@@ -287,7 +287,7 @@ func TestVMReadvAllReduce(t *testing.T) {
 	counts := []int{1, 3, 100, 4099, 70000}
 	for size := 2; size <= 4; size++ {
 		t.Run(fmt.Sprintf("n%d", size), func(t *testing.T) {
-			cfg := Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2}
+			cfg := Config{Transport: TransportUnix, Algorithm: AlgoRing, ShmSlotSize: 4096, ShmSlots: 2, AdoptBuffers: AdoptOff}
 			groups := startGroups(t, size, &cfg)
 			seed := uint64(900)
 			for _, dt := range []procgroup.DType{procgroup.Float32, procgroup.Int64} {
@@ -674,7 +674,7 @@ func TestVMReadvPeerGone(t *testing.T) {
 		return pid
 	}
 	t.Cleanup(func() { vmPIDHook = nil }) // after the groups' cleanup below
-	groups := startGroupsTimeout(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, PollInterval: 50 * time.Millisecond}, 10*time.Second)
+	groups := startGroupsTimeout(t, 2, &Config{Transport: TransportUnix, Algorithm: AlgoRing, PollInterval: 50 * time.Millisecond, AdoptBuffers: AdoptOff}, 10*time.Second)
 	const count = 50000
 	xs := inputs(5, 2, count, procgroup.Sum)
 	bufs := []any{toBuf(procgroup.Float32, xs[0]), toBuf(procgroup.Float32, xs[1])}

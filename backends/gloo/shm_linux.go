@@ -117,8 +117,9 @@ type shmRegion struct {
 	peerBufs [][]byte // worker-only: the peers' buffers of an in-place all-reduce
 	peerPID  []int    // worker-only: the peers' pids and buffer addresses (Note [Single copy])
 	peerAddr []uintptr
-	pid      int    // this process's, posted for process_vm_readv
-	vmCookie uint64 // this rank's word for the peers' probe (Note [Single copy])
+	pid      int        // this process's, posted for process_vm_readv
+	vmCookie uint64     // this rank's word for the peers' probe (Note [Single copy])
+	adopt    adoptTable // Note [Adopted buffers], guarded by heap.mu
 }
 
 func shmLayout(members, slot, slots int) (chanLen, total int) {
@@ -269,6 +270,7 @@ func (g *group) leadShm(members []int) error {
 	}
 	g.shm = newShmRegion(mem, members, g.size, g.rank, S, K, chanLen)
 	g.shm.setArena(arena, arenaMiB<<20)
+	g.adoptSetup(afd)
 	return nil
 }
 
@@ -373,6 +375,11 @@ func (g *group) joinShm(ctx context.Context, leader int) error {
 	}
 	g.shm = newShmRegion(mem, members, g.size, g.rank, S, K, chanLen)
 	g.shm.setArena(arena, arenaMiB<<20)
+	afd := -1
+	if arena != nil {
+		afd = fds[1]
+	}
+	g.adoptSetup(afd)
 	return nil
 }
 
@@ -403,8 +410,11 @@ func readFull(c net.Conn, b []byte) (int, error) {
 	return n, nil
 }
 
+// shmName names the memfds of the region and the arena (in /proc/PID/maps).
+const shmName = "goddp-gloo"
+
 func createShm(size int) (int, []byte, error) {
-	fd, err := unix.MemfdCreate("goddp-gloo", unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate(shmName, unix.MFD_CLOEXEC)
 	if err != nil {
 		return -1, nil, fmt.Errorf("memfd_create: %w", err)
 	}
@@ -454,7 +464,7 @@ func (g *group) releaseShm() {
 		syscall.Munmap(m.mem)
 		m.mem = nil
 	}
-	m.releaseArena()
+	m.releaseArena(g.allocAborted() != nil)
 }
 
 // shmAbort tells peer (if it shares the region) that this rank aborts (Note [Shared

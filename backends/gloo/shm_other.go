@@ -40,11 +40,21 @@ func (g *group) hostBroadcast([]byte, int) error                { panic("gloo: n
 // Note [Single copy] (cma_linux.go) is Linux-only.
 var cmaMinBytes [procgroup.OpBarrier + 1]int
 
-func (g *group) agreeCMA(context.Context) error          { return nil }
-func (g *group) cmaFor(procgroup.CollectiveOp, int) bool { return false }
-func (g *group) cmaAllGather(*op) error                  { panic("gloo: no process_vm_readv") }
-func (g *group) cmaReduceScatter(*op) error              { panic("gloo: no process_vm_readv") }
-func (g *group) cmaBroadcast(*op) error                  { panic("gloo: no process_vm_readv") }
+func (g *group) agreeCMA(context.Context) error               { return nil }
+func (g *group) cmaFor(procgroup.CollectiveOp, int) bool      { return false }
+func (g *group) peerReadFor(procgroup.CollectiveOp, int) bool { return false }
+func (g *group) peerAllGather(*op) (bool, error)              { return false, nil }
+func (g *group) peerReduceScatter(*op) (bool, error)          { return false, nil }
+func (g *group) peerBroadcast(*op) (bool, error)              { return false, nil }
+
+// Note [Adopted buffers] (adopt_linux.go) is Linux-only.
+var (
+	adoptMinBytes = 0
+	adoptFirst    = false
+)
+
+func (g *group) adopting(o *op, _ *[]byte, _ bool, f func(*op) error) error { return f(o) }
+func (g *group) isAdopted([]byte) bool                                      { return false }
 
 // arenaAlloc and sharedAlloc have no shared memory to hand out here.
 func (g *group) arenaAlloc(procgroup.DType, int) any           { return nil }

@@ -195,7 +195,7 @@ func TestAllReduceAlgorithm(t *testing.T) {
 	}
 	t.Run("unix/n3/single-copy", func(t *testing.T) { // Note [Single copy], where it applies
 		cmaEverySize(t)
-		groups := startGroups(t, 3, &Config{Transport: TransportUnix})
+		groups := startGroups(t, 3, &Config{Transport: TransportUnix, AdoptBuffers: AdoptOff})
 		if name, traffic, _ := procgroup.AllReduceAlgorithm(groups[0], make([]float32, 1<<18)); name != "shm-vm" || math.Abs(traffic-8.0/3) > 1e-12 {
 			t.Errorf("a private buffer: %q, %g; want shm-vm, 8/3", name, traffic)
 		}
