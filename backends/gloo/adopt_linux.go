@@ -3,7 +3,8 @@ package gloo
 import (
 	"fmt"
 	"os"
-	"strconv"
+	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"unsafe"
@@ -23,9 +24,10 @@ import (
 // with a user-space copy (AllGather, ReduceScatter, Broadcast). NCCL's buffer registration
 // does this job where the user asks for it.
 //
-//   - What is remapped: only the pages wholly inside the buffer (its interior), in an
-//     anonymous private mapping (the heap, data, the user's own anonymous memory; never a
-//     file or another mapping: /proc/self/maps says). The caller gives the buffer to the
+//   - What is remapped: only the pages wholly inside the buffer (its interior), and
+//     only in Go's heap (inGoHeap): the program's own mappings (unix.Mmap, C's malloc,
+//     a file) could be unmapped and mapped again under the adoption, which would then
+//     stand for memory that is no longer there. The caller gives the buffer to the
 //     collective, so nothing else writes those pages while they are copied and remapped.
 //     A partial first or last page also holds other memory: it stays private, and its
 //     bytes of the buffer are copied into the arena page that stands for it (a shadow)
@@ -35,32 +37,40 @@ import (
 //     not zeros after it (docs/results/2026-12-07-adopted-buffers.md). A pinned object's
 //     pages are never free, so never scavenged. The price is memory: a buffer the program
 //     drops stays until Close, and so the adoptions of a rank are bounded by half its
-//     arena part and adoptMax; past that, buffers take their other paths.
+//     arena part and adoptMax; past that, buffers take their other paths. Adoptions take
+//     the top of the part (getHigh), the buckets the bottom, so that what each rank
+//     adopted does not change whether a bucket fits.
 //   - When: at the second collective that passes a buffer over the same pages (a rank
 //     remembers the last adoptSeen it passed over): a buffer used once takes the slot
 //     ring, which costs less than copying it in, and is not held. A buffer over pages
 //     inside an adoption (a part of the same object) uses it.
 //   - Each rank decides alone; the posts (postBuffer) make the ranks agree on the path,
 //     and a rank whose buffer is not adopted sends every rank down the path it would take
-//     without it.
+//     without it. A path taken after the posts must keep every rank until all have read
+//     them: the rings and exchanges do (each needs every rank's data), and Broadcast's
+//     chain, whose root only sends, waits a phase first.
 //   - At Close (evict) each interior is mapped again, privately (MAP_PRIVATE of the same
 //     memfd range: every byte reads as before, and no write by another goroutine is lost,
 //     since the kernel replaces the mapping under its lock), each page is made private at
-//     once (MADV_POPULATE_WRITE), and the rank's whole arena part is released
-//     (MADV_REMOVE). Nobody writes that part again, so a page the allocator scavenges
-//     later reads as zeros, as it expects. After an abort a late peer (Note [Late ranks])
-//     might still write into the part, so the adoptions stay shared and held instead.
+//     once (MADV_POPULATE_WRITE), and the rank's arena part is released (MADV_REMOVE), so
+//     that no rank's pages outlive the group in the memfd that those mappings keep open.
+//     Nobody writes the part again, so a page the allocator scavenges later reads as
+//     zeros, as it expects (and costs a page of the memfd once the allocator touches it
+//     again, at most the adopted bytes). After an abort a late peer (Note [Late ranks])
+//     might still write into the part, so the adoptions stay shared and held, and so does
+//     one whose pages could not all be made private; their arena pages are not released,
+//     and a late peer may change such a buffer even after Close.
 //   - One process may hold several groups; a page is adopted by one at most (adopted,
 //     below), and never again once its group has aborted.
 //
-// Config.AdoptBuffers (GODDP_GLOO_ADOPT) turns it off, as GODEBUG harddecommit and a
-// kernel without MADV_POPULATE_WRITE do.
+// Config.AdoptBuffers (GODDP_GLOO_ADOPT) turns it off, as GODEBUG harddecommit, pages
+// other than 4 KiB and a kernel without MADV_POPULATE_WRITE do.
 
 // adoptMax bounds the adoptions of a rank (each splits a mapping, and the kernel bounds
 // their number); adoptSeen buffers not adopted are remembered.
 const (
 	adoptMax  = 256
-	adoptSeen = 8
+	adoptSeen = 64
 )
 
 // adoptMinBytes is the smallest buffer a rank adopts. It is a variable, and adoptFirst
@@ -111,7 +121,18 @@ func (g *group) adoptSetup(fd int) {
 	m := g.shm
 	t := &m.adopt
 	t.fd, t.off, t.log = -1, true, g.log
-	if fd < 0 || m.arena == nil {
+	if fd < 0 || m.arena == nil || g.cfg.AdoptBuffers == AdoptOff {
+		return
+	}
+	switch {
+	case os.Getpagesize() != pageSize:
+		g.log.Info("gloo: the kernel's pages are not 4 KiB: buffers the user allocated are not adopted into shared memory", zap.Int("page size", os.Getpagesize()))
+		return
+	case hardDecommit():
+		g.log.Info("gloo: GODEBUG harddecommit is set: buffers the user allocated are not adopted into shared memory")
+		return
+	case !populateWriteWorks():
+		g.log.Info("gloo: the kernel lacks MADV_POPULATE_WRITE (Linux 5.14): buffers the user allocated are not adopted into shared memory")
 		return
 	}
 	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
@@ -119,16 +140,7 @@ func (g *group) adoptSetup(fd int) {
 		g.log.Info("gloo: buffers the user allocated are not adopted into shared memory", zap.Error(err))
 		return
 	}
-	t.fd = dup
-	switch {
-	case g.cfg.AdoptBuffers == AdoptOff:
-	case hardDecommit():
-		g.log.Info("gloo: GODEBUG harddecommit is set: buffers the user allocated are not adopted into shared memory")
-	case !populateWriteWorks():
-		g.log.Info("gloo: the kernel lacks MADV_POPULATE_WRITE (Linux 5.14): buffers the user allocated are not adopted into shared memory")
-	default:
-		t.off = false
-	}
+	t.fd, t.off = dup, false
 }
 
 // adoptable reports whether b would run in place if adopted: adoption is on and b is
@@ -217,10 +229,10 @@ func (m *shmRegion) adoptNew(b []byte) bool {
 			return false // another group's pages, or another part of an adopted object
 		}
 	}
-	if anonymousPrivate(ilo, ihi) != nil {
+	if !inGoHeap(unsafe.Pointer(&b[0])) {
 		return false
 	}
-	off, ok := m.heap.get(n)
+	off, ok := m.heap.getHigh(n)
 	if !ok {
 		return false
 	}
@@ -229,11 +241,15 @@ func (m *shmRegion) adoptNew(b []byte) bool {
 	in := b[ilo-p : ihi-p]
 	copy(m.arena[base+int(ilo-lo):], in)
 	if err := m.remap(ilo, ihi-ilo, base+int(ilo-lo), unix.MAP_SHARED|unix.MAP_POPULATE); err != nil {
-		// The mapping may be gone: put private pages back, with the bytes just copied.
-		if m.remap(ilo, ihi-ilo, -1, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS) != nil {
-			panic(fmt.Sprintf("gloo: adopting %d bytes at %#x failed (%v), and so did restoring them", ihi-ilo, ilo, err))
+		// A MAP_FIXED mmap that fails may or may not have unmapped the range first (at
+		// the mapping limit it fails before): where the range is no longer all mapped
+		// (madvise's ENOMEM), put private pages back with the bytes just copied.
+		if _, _, e := unix.Syscall(unix.SYS_MADVISE, ilo, ihi-ilo, unix.MADV_NORMAL); e == unix.ENOMEM {
+			if m.remap(ilo, ihi-ilo, -1, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS) != nil {
+				panic(fmt.Sprintf("gloo: adopting %d bytes at %#x failed (%v), and so did restoring them", ihi-ilo, ilo, err))
+			}
+			copy(in, m.arena[base+int(ilo-lo):base+int(ihi-lo)])
 		}
-		copy(in, m.arena[base+int(ilo-lo):base+int(ihi-lo)])
 		m.release(off)
 		t.off = true
 		t.log.Warn("gloo: adopting a buffer into shared memory failed; buffers the user allocated take the other paths from now on", zap.Error(err))
@@ -249,43 +265,31 @@ func (m *shmRegion) adoptNew(b []byte) bool {
 	return true
 }
 
-// anonymousPrivate checks, in /proc/self/maps, that the pages lo..hi are in private
-// anonymous mappings (or this package's own, given back at an earlier Close), which
-// adopting leaves as they were to the program: never a file, a shared mapping or an
-// arena.
-func anonymousPrivate(lo, hi uintptr) error {
-	maps, err := os.ReadFile("/proc/self/maps")
-	if err != nil {
-		return err
-	}
-	at := lo
-	for line := range strings.SplitSeq(string(maps), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 5 || at >= hi {
-			continue
+// inGoHeap reports whether p points into an object of Go's heap: the only memory whose
+// mapping the program leaves to the runtime, and which the pin holds. The user's own
+// mappings (unix.Mmap, C's malloc, a file) could be unmapped and mapped again under the
+// adoption, and globals are never freed but are not the heap's either. runtime.AddCleanup
+// is the public test: it returns a real Cleanup for a heap object (stopped at once), the
+// zero one for a global, and panics elsewhere.
+func inGoHeap(p unsafe.Pointer) (heap bool) {
+	defer func() {
+		if recover() != nil {
+			heap = false
 		}
-		a, b, ok := strings.Cut(f[0], "-")
-		start, err1 := strconv.ParseUint(a, 16, 64)
-		end, err2 := strconv.ParseUint(b, 16, 64)
-		if !ok || err1 != nil || err2 != nil || uintptr(end) <= at || uintptr(start) > at {
-			continue
-		}
-		path := strings.Join(f[5:], " ")
-		if f[1] != "rw-p" || !(path == "" || strings.HasPrefix(path, "/memfd:"+shmName+" ")) {
-			return fmt.Errorf("pages at %#x are in a %s mapping of %q", at, f[1], path)
-		}
-		at = uintptr(end)
+	}()
+	c := runtime.AddCleanup((*byte)(p), func(int) {}, 0)
+	if c == (runtime.Cleanup{}) {
+		return false
 	}
-	if at < hi {
-		return fmt.Errorf("pages at %#x are not mapped", at)
-	}
-	return nil
+	c.Stop()
+	return true
 }
 
 // evict gives adoption a's pages back at Close (Note [Adopted buffers]); the caller holds
-// m.heap.mu and adopted's lock, and releases the part after. Where the pages cannot be
-// made private they stay shared, and held.
-func (m *shmRegion) evict(a *adoption) {
+// m.heap.mu and adopted's lock. It reports whether it did: where the pages cannot all be
+// made private, the adoption stays, held, and its arena pages stay too (they are the
+// buffer's).
+func (m *shmRegion) evict(a *adoption) bool {
 	at := m.me*m.arenaLen + a.off + int(a.ilo-a.lo)
 	err := m.remap(a.ilo, a.ihi-a.ilo, at, unix.MAP_PRIVATE)
 	if err == nil {
@@ -294,10 +298,11 @@ func (m *shmRegion) evict(a *adoption) {
 		}
 	}
 	if err != nil {
-		m.adopt.log.Warn("gloo: giving an adopted buffer's pages back failed; they stay shared, and the buffer is held until the process exits", zap.Error(err))
-		return
+		m.adopt.log.Warn("gloo: giving an adopted buffer's pages back at Close failed; the buffer keeps its arena pages and is held until the process exits", zap.Error(err))
+		return false
 	}
 	delete(adopted.by, a)
+	return true
 }
 
 // release takes back the arena pages handed out at off and frees their memory.
@@ -311,24 +316,31 @@ func (m *shmRegion) release(off int) {
 }
 
 // endAdoptions is Close's part of Note [Adopted buffers] (the caller holds m.heap.mu):
-// every adoption is given back and this rank's arena part released, or after an abort
-// they stay as they are, held.
+// every adoption is given back, unless the group aborted, and then this rank's arena
+// part is released but for the adoptions still held (after an abort, or where evict
+// failed), so that the memfd keeps no pages once every rank has closed.
 func (m *shmRegion) endAdoptions(aborted bool) {
 	t := &m.adopt
 	t.off = true
-	if len(t.list) == 0 {
-		return
-	}
-	if !aborted {
+	var held []span // this rank's arena offsets, sorted
+	if len(t.list) > 0 {
 		adopted.Lock()
 		for _, a := range t.list {
-			m.evict(a)
+			if aborted || !m.evict(a) {
+				held = append(held, span{a.off, int(a.hi - a.lo)})
+			}
 		}
 		adopted.Unlock()
-		me := m.arena[m.me*m.arenaLen : (m.me+1)*m.arenaLen]
-		if madvise(me, unix.MADV_REMOVE) != nil {
-			clear(me)
+	}
+	slices.SortFunc(held, func(x, y span) int { return x.off - y.off })
+	base, at := m.me*m.arenaLen, 0
+	for _, h := range append(held, span{m.arenaLen, 0}) {
+		if h.off > at {
+			if b := m.arena[base+at : base+h.off]; madvise(b, unix.MADV_REMOVE) != nil {
+				clear(b)
+			}
 		}
+		at = max(at, h.off+h.n)
 	}
 	t.list, t.bytes = nil, 0
 }

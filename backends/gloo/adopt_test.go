@@ -9,7 +9,9 @@ import (
 	"os"
 	"runtime"
 	"runtime/debug"
+	"sync"
 	"testing"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -41,6 +43,23 @@ func sumRandom(t *testing.T, rng *rand.Rand, groups []procgroup.ProcessGroup, bu
 		return wait(g.AllReduce(ctx, bufs[r], procgroup.Sum))
 	})
 	return want
+}
+
+// sumOnRing is sumRandom for buffers that must not be adopted: every rank takes the slot
+// ring, and every element is the reference's.
+func sumOnRing(t *testing.T, what string, rng *rand.Rand, groups []procgroup.ProcessGroup, bs [][]float32) {
+	t.Helper()
+	want := sumRandom(t, rng, groups, bs)
+	for r, g := range groups {
+		if p := g.(*group).lastPath; p != "shm-ring" {
+			t.Fatalf("%s: rank %d took %q, want shm-ring", what, r, p)
+		}
+		for i, v := range bs[r] {
+			if float64(v) != want[i] {
+				t.Fatalf("%s: rank %d [%d] = %v, want %v", what, r, i, v, want[i])
+			}
+		}
+	}
 }
 
 // adoptedAlias checks, by writing through the arena, that b's remapped pages are the
@@ -380,18 +399,169 @@ func TestAdoptNotAnonymous(t *testing.T) {
 		arenaBufs[r] = b.([]float32)
 	}
 	rng := rand.New(rand.NewPCG(4, 52))
-	for _, bs := range [][][]float32{bufs, arenaBufs} {
+	for k, bs := range [][][]float32{bufs, arenaBufs} {
 		for it := range 3 {
-			want := sumRandom(t, rng, groups, bs)
-			for r, g := range groups {
-				if p := g.(*group).lastPath; p != "shm-ring" {
-					t.Fatalf("iteration %d rank %d: took %q, want shm-ring", it, r, p)
-				}
-				for i, v := range bs[r] {
-					if float64(v) != want[i] {
-						t.Fatalf("iteration %d rank %d: [%d] = %v, want %v", it, r, i, v, want[i])
-					}
-				}
+			sumOnRing(t, fmt.Sprintf("buffers %d, iteration %d", k, it), rng, groups, bs)
+		}
+	}
+}
+
+// mmapF32 maps count float32s of private anonymous memory, at addr when it is not nil.
+func mmapF32(t *testing.T, addr unsafe.Pointer, count int) []float32 {
+	t.Helper()
+	flags := unix.MAP_PRIVATE | unix.MAP_ANONYMOUS
+	if addr != nil {
+		flags |= unix.MAP_FIXED
+	}
+	p, err := unix.MmapPtr(-1, 0, addr, uintptr(4*count), unix.PROT_READ|unix.PROT_WRITE, flags)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return unsafe.Slice((*float32)(p), count)
+}
+
+var globalBufs [2][100000]float32
+
+// TestAdoptNotHeap: only Go's heap is adopted. The program's own anonymous mapping, which
+// it may unmap and map again at the same address, and a global keep their paths; after
+// the program remapped its buffer the sums are still right, and Close leaves what the
+// program wrote there.
+func TestAdoptNotHeap(t *testing.T) {
+	const size, count = 2, 98 * 1024
+	groups := startGroupsNoCleanup(t, size, &Config{Transport: TransportUnix})
+	bufs := [][]float32{mmapF32(t, nil, count), mmapF32(t, nil, count)}
+	rng := rand.New(rand.NewPCG(5, 52))
+	check := func(what string, bs [][]float32) {
+		t.Helper()
+		sumOnRing(t, what, rng, groups, bs)
+	}
+	for range 3 {
+		check("mmap", bufs)
+		check("global", [][]float32{globalBufs[0][:], globalBufs[1][:]})
+	}
+	for r := range size {
+		a := unsafe.Pointer(&bufs[r][0])
+		if err := unix.MunmapPtr(a, 4*count); err != nil {
+			t.Fatal(err)
+		}
+		bufs[r] = mmapF32(t, a, count)
+	}
+	check("mapped again", bufs)
+	for r := range size {
+		bufs[r][0] = 7
+	}
+	for _, g := range groups {
+		g.Close()
+	}
+	for r := range size {
+		if bufs[r][0] != 7 {
+			t.Errorf("rank %d: after Close [0] = %v, want the 7 the program wrote", r, bufs[r][0])
+		}
+		unix.MunmapPtr(unsafe.Pointer(&bufs[r][0]), 4*count)
+	}
+}
+
+// TestAdoptCloseReleases: once every rank has closed, the arena's memfd holds no pages,
+// whether a rank adopted a buffer (rank 0) or not (rank 1, whose buffer is a file's
+// mapping), and the buckets both handed out are gone with it.
+func TestAdoptCloseReleases(t *testing.T) {
+	const size, count = 2, 100000
+	groups := startGroupsNoCleanup(t, size, &Config{Transport: TransportUnix, ShmArenaMiB: 64})
+	for _, g := range groups {
+		b, err := g.(procgroup.BufferAllocator).AllocBuffer(procgroup.Float32, 4<<20)
+		if err != nil || b == nil {
+			t.Fatalf("AllocBuffer: %v, %v", b, err)
+		}
+		for i := range b.([]float32) {
+			b.([]float32)[i] = 1
+		}
+	}
+	f, err := os.CreateTemp(t.TempDir(), "buf")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(4 * count); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, 4*count, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	bufs := [][]float32{make([]float32, count), unsafe.Slice((*float32)(unsafe.Pointer(&mem[0])), count)}
+	rng := rand.New(rand.NewPCG(6, 52))
+	for range 3 {
+		sumRandom(t, rng, groups, bufs)
+	}
+	if !groups[0].(*group).isAdopted(unsafe.Slice((*byte)(unsafe.Pointer(&bufs[0][0])), 4*count)) {
+		t.Fatal("rank 0's buffer was not adopted")
+	}
+	fd, err := unix.FcntlInt(uintptr(groups[0].(*group).shm.adopt.fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	var before, after unix.Stat_t
+	unix.Fstat(fd, &before)
+	saved := append([]float32(nil), bufs[0]...)
+	for _, g := range groups {
+		g.Close()
+	}
+	unix.Fstat(fd, &after)
+	if before.Blocks == 0 || after.Blocks != 0 {
+		t.Errorf("the arena's memfd held %d bytes before Close and %d after; want some, then none", before.Blocks*512, after.Blocks*512)
+	}
+	for i, v := range bufs[0] {
+		if v != saved[i] {
+			t.Fatalf("after Close [%d] = %v, want %v", i, v, saved[i])
+		}
+	}
+}
+
+// TestAdoptBroadcastFallback: a Broadcast whose root's buffer cannot be read in place
+// (process_vm_readv off, the buffer not adopted yet) falls back to the chain only after
+// every rank has read the posts, so a late peer does not find the root's next post (it
+// failed so before).
+func TestAdoptBroadcastFallback(t *testing.T) {
+	groups := startGroupsTimeout(t, 2, &Config{Transport: TransportUnix, VMReadv: VMReadvOff}, 10*time.Second)
+	var once sync.Once
+	stallHook = func(g *group, at string) {
+		if at == "postBuffer" && g.rank == 1 {
+			once.Do(func() { time.Sleep(200 * time.Millisecond) })
+		}
+	}
+	t.Cleanup(func() { stallHook = nil })
+	const count = 64 << 10 // 256 KiB: the chain's message fits the slots
+	const rounds = 3
+	rng := rand.New(rand.NewPCG(7, 52))
+	sent := make([][]float32, rounds) // the root's data, round by round
+	for it := range rounds {
+		sent[it] = make([]float32, count)
+		randomInts(rng, sent[it])
+	}
+	got := make([][]float32, rounds)
+	// Each rank runs its broadcasts back to back, as a program does: the root may run
+	// ahead of rank 1.
+	each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+		buf := make([]float32, count)
+		for it := range rounds {
+			if r == 0 {
+				copy(buf, sent[it])
+			}
+			if err := wait(g.Broadcast(ctx, buf, 0)); err != nil {
+				return fmt.Errorf("broadcast %d: %w", it, err)
+			}
+			if r == 1 {
+				got[it] = append([]float32(nil), buf...)
+			}
+		}
+		return nil
+	})
+	for it := range rounds {
+		for i, v := range got[it] {
+			if v != sent[it][i] {
+				t.Fatalf("broadcast %d: rank 1 [%d] = %v, want %v", it, i, v, sent[it][i])
 			}
 		}
 	}

@@ -348,6 +348,12 @@ func (g *group) peerBroadcast(o *op) (done bool, err error) {
 	_, mine := m.ownOffset(b)
 	rootArena := (root == m.me && mine) || (root != m.me && m.peerBufs[root] != nil)
 	if !rootArena && !vm {
+		// The chain's root only sends: without this phase it could return and post its
+		// next collective before a peer has read this post. (AllGather's and
+		// ReduceScatter's other paths need every rank's data, so none leaves early.)
+		if err := g.shmPhase(o.seq<<2 | 3); err != nil {
+			return true, err
+		}
 		return false, nil
 	}
 	g.lastPath = "shm-arena"

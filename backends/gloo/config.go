@@ -102,10 +102,11 @@ type Config struct {
 	// runs without it. GODDP_GLOO_VMREADV (auto, off; 1 and 0 too) overrides it.
 	VMReadv string
 	// AdoptBuffers is "auto" (default) or "off": whether a rank of a host with a shared
-	// arena moves a buffer the user allocated into it, under the buffer's own addresses,
-	// once the buffer has been passed to a second collective (Note [Adopted buffers]), so
-	// that later collectives on it run in place. Each rank may differ: a rank without it
-	// sends its peers down their other paths. GODDP_GLOO_ADOPT overrides it.
+	// arena moves a buffer of Go's heap into it, under the buffer's own addresses, once
+	// the buffer has been passed to a second collective (Note [Adopted buffers]), so that
+	// later collectives on it run in place. The group then holds the buffer until Close
+	// (at most half the arena part). Each rank may differ: a rank without it sends its
+	// peers down their other paths. GODDP_GLOO_ADOPT overrides it.
 	AdoptBuffers string
 	// HostID identifies this host to the other ranks (default procgroup.HostIdentity: the
 	// boot id and the network namespace, never the hostname alone); ranks with the same

@@ -81,6 +81,28 @@ func (h *arenaHeap) get(n int) (off int, ok bool) {
 	return 0, false
 }
 
+// getHigh is get from the top of the part: the highest free pages that fit. Note
+// [Adopted buffers] takes its pages there, so that the buckets, from the bottom, find the
+// same room on every rank whatever each rank adopted.
+func (h *arenaHeap) getHigh(n int) (off int, ok bool) {
+	n = (n + pageSize - 1) &^ (pageSize - 1)
+	for i := len(h.free) - 1; i >= 0; i-- {
+		s := h.free[i]
+		if s.n < n {
+			continue
+		}
+		off = s.off + s.n - n
+		h.live[off] = n
+		if s.n == n {
+			h.free = append(h.free[:i], h.free[i+1:]...)
+		} else {
+			h.free[i] = span{s.off, s.n - n}
+		}
+		return off, true
+	}
+	return 0, false
+}
+
 // put takes back the buffer at off and returns its length (0 if none was handed out there).
 func (h *arenaHeap) put(off int) int {
 	n, ok := h.live[off]
@@ -314,6 +336,9 @@ func (g *group) postBuffer(o *op, b []byte, vmAsked bool) (inPlace, vm bool, err
 	if err := g.shmPhase(o.seq<<2 | 1); err != nil {
 		return false, false, err
 	}
+	if stallHook != nil {
+		stallHook(g, "postBuffer")
+	}
 	n := m.members
 	if len(m.peerBufs) != n {
 		m.peerBufs = make([][]byte, n) // once: collectives allocate nothing
@@ -435,7 +460,7 @@ func (g *group) reduceBlocks(o *op, own []byte, at int, bcast bool) error {
 }
 
 // stallHook, nil outside tests, runs before each block of reduceBlocks and each piece
-// of hostBroadcast (at names which): a test holds a rank there to make it late (Note
+// of hostBroadcast, and once every member has posted in postBuffer (at names which): a test holds a rank there to make it late (Note
 // [Late ranks]).
 var stallHook func(g *group, at string)
 
