@@ -95,10 +95,14 @@ type adoptTable struct {
 	bytes int
 	seen  [adoptSeen][2]uintptr // pages lo..hi of recent buffers not adopted
 	next  int
-	fd    int  // the arena's memfd, -1 when none
-	off   bool // by Config, unsupported, full, or the group aborted or closed
-	full  bool // the budget was reached once (logged)
-	log   *zap.Logger
+	// pages lo..hi of recent buffers found outside Go's heap, not tested again (the
+	// test allocates, and collectives allocate nothing in steady state)
+	refused [adoptSeen][2]uintptr
+	nextRef int
+	fd      int  // the arena's memfd, -1 when none
+	off     bool // by Config, unsupported, full, or the group aborted or closed
+	full    bool // the budget was reached once (logged)
+	log     *zap.Logger
 }
 
 // adopted is the process's adoptions, by owner (Note [Adopted buffers]). It keeps the
@@ -213,6 +217,11 @@ func (m *shmRegion) adoptNew(b []byte) bool {
 		t.next = (t.next + 1) % adoptSeen
 		return false
 	}
+	for _, s := range t.refused {
+		if s == [2]uintptr{lo, hi} {
+			return false
+		}
+	}
 	n := int(hi - lo)
 	if t.bytes+n > m.arenaLen/2 || len(t.list) >= adoptMax {
 		if !t.full {
@@ -230,6 +239,8 @@ func (m *shmRegion) adoptNew(b []byte) bool {
 		}
 	}
 	if !inGoHeap(unsafe.Pointer(&b[0])) {
+		t.refused[t.nextRef] = [2]uintptr{lo, hi}
+		t.nextRef = (t.nextRef + 1) % adoptSeen
 		return false
 	}
 	off, ok := m.heap.getHigh(n)
@@ -244,7 +255,7 @@ func (m *shmRegion) adoptNew(b []byte) bool {
 		// A MAP_FIXED mmap that fails may or may not have unmapped the range first (at
 		// the mapping limit it fails before): where the range is no longer all mapped
 		// (madvise's ENOMEM), put private pages back with the bytes just copied.
-		if _, _, e := unix.Syscall(unix.SYS_MADVISE, ilo, ihi-ilo, unix.MADV_NORMAL); e == unix.ENOMEM {
+		if unmapped(ilo, ihi) {
 			if m.remap(ilo, ihi-ilo, -1, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS) != nil {
 				panic(fmt.Sprintf("gloo: adopting %d bytes at %#x failed (%v), and so did restoring them", ihi-ilo, ilo, err))
 			}
@@ -292,6 +303,13 @@ func inGoHeap(p unsafe.Pointer) (heap bool) {
 func (m *shmRegion) evict(a *adoption) bool {
 	at := m.me*m.arenaLen + a.off + int(a.ilo-a.lo)
 	err := m.remap(a.ilo, a.ihi-a.ilo, at, unix.MAP_PRIVATE)
+	if err != nil && unmapped(a.ilo, a.ihi) {
+		// The failed mmap took the old mapping with it (some kernels charge a private
+		// mapping after unmapping): map the shared pages back, which costs no charge.
+		if m.remap(a.ilo, a.ihi-a.ilo, at, unix.MAP_SHARED) != nil {
+			panic(fmt.Sprintf("gloo: giving back %d adopted bytes at %#x failed (%v), and so did mapping them again", a.ihi-a.ilo, a.ilo, err))
+		}
+	}
 	if err == nil {
 		if _, _, e := unix.Syscall(unix.SYS_MADVISE, a.ilo, a.ihi-a.ilo, unix.MADV_POPULATE_WRITE); e != 0 {
 			err = e
@@ -303,6 +321,12 @@ func (m *shmRegion) evict(a *adoption) bool {
 	}
 	delete(adopted.by, a)
 	return true
+}
+
+// unmapped reports whether some page of lo..hi is not mapped (madvise(2): ENOMEM).
+func unmapped(lo, hi uintptr) bool {
+	_, _, e := unix.Syscall(unix.SYS_MADVISE, lo, hi-lo, unix.MADV_NORMAL)
+	return e == unix.ENOMEM
 }
 
 // release takes back the arena pages handed out at off and frees their memory.

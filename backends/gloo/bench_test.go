@@ -2,6 +2,7 @@ package gloo
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -64,6 +65,9 @@ func (pr *pairRunner) run() error {
 
 // TestAllReduceAllocatesNothing: in steady state the collective itself (direct exchange
 // and ring, both transports) allocates nothing.
+// allocFreeGlobals are TestAllReduceAllocatesNothing's buffers outside the heap.
+var allocFreeGlobals [2][1 << 18]float32
+
 func TestAllReduceAllocatesNothing(t *testing.T) {
 	for _, c := range []struct {
 		name  string
@@ -77,9 +81,13 @@ func TestAllReduceAllocatesNothing(t *testing.T) {
 		{"ring-shm-small-slots", &Config{Transport: TransportUnix, ShmSlotSize: 4 << 10, ShmSlots: 2}, 1 << 18},
 		{"ring-unix-sockets", &Config{Transport: TransportUnix, SharedMemory: ShmOff, SegmentSize: 64 << 10}, 1 << 18},
 		{"ring-tcp", &Config{Transport: TransportTCP, Algorithm: AlgoRing, SegmentSize: 16 << 10}, 1 << 16},
+		{"ring-1MiB-global", &Config{Transport: TransportUnix, SegmentSize: 64 << 10}, 1 << 18}, // not Go's heap: never adopted (Note [Adopted buffers])
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			bufs := [2][]float32{make([]float32, c.count), make([]float32, c.count)}
+			if strings.HasSuffix(c.name, "-global") {
+				bufs = [2][]float32{allocFreeGlobals[0][:c.count], allocFreeGlobals[1][:c.count]}
+			}
 			pr := newPairRunner(t, c.cfg, bufs, procgroup.Avg)
 			for i := range bufs[0] {
 				bufs[0][i], bufs[1][i] = float32(i), 1
