@@ -93,16 +93,29 @@ type adoption struct {
 type adoptTable struct {
 	list  []*adoption
 	bytes int
-	seen  [adoptSeen][2]uintptr // pages lo..hi of recent buffers not adopted
-	next  int
-	// pages lo..hi of recent buffers found outside Go's heap, not tested again (the
-	// test allocates, and collectives allocate nothing in steady state)
-	refused [adoptSeen][2]uintptr
-	nextRef int
+	seen  pageRing // recent buffers not adopted
+	// recent buffers found outside Go's heap, not tested again (the test allocates,
+	// and collectives allocate nothing in steady state)
+	refused pageRing
 	fd      int  // the arena's memfd, -1 when none
 	off     bool // by Config, unsupported, full, or the group aborted or closed
 	full    bool // the budget was reached once (logged)
 	log     *zap.Logger
+}
+
+// pageRing remembers the page ranges lo..hi of the last adoptSeen buffers added.
+type pageRing struct {
+	spans [adoptSeen][2]uintptr
+	next  int
+}
+
+func (r *pageRing) has(lo, hi uintptr) bool {
+	return slices.Contains(r.spans[:], [2]uintptr{lo, hi})
+}
+
+func (r *pageRing) add(lo, hi uintptr) {
+	r.spans[r.next] = [2]uintptr{lo, hi}
+	r.next = (r.next + 1) % adoptSeen
 }
 
 // adopted is the process's adoptions, by owner (Note [Adopted buffers]). It keeps the
@@ -208,19 +221,12 @@ func adoptOut(b, v []byte, h, t int) {
 func (m *shmRegion) adoptNew(b []byte) bool {
 	t := &m.adopt
 	lo, hi, ilo, ihi := pageSpan(b)
-	seen := adoptFirst
-	for _, s := range t.seen {
-		seen = seen || s == [2]uintptr{lo, hi}
-	}
-	if !seen {
-		t.seen[t.next] = [2]uintptr{lo, hi}
-		t.next = (t.next + 1) % adoptSeen
+	if !adoptFirst && !t.seen.has(lo, hi) {
+		t.seen.add(lo, hi)
 		return false
 	}
-	for _, s := range t.refused {
-		if s == [2]uintptr{lo, hi} {
-			return false
-		}
+	if t.refused.has(lo, hi) {
+		return false
 	}
 	n := int(hi - lo)
 	if t.bytes+n > m.arenaLen/2 || len(t.list) >= adoptMax {
@@ -239,8 +245,7 @@ func (m *shmRegion) adoptNew(b []byte) bool {
 		}
 	}
 	if !inGoHeap(unsafe.Pointer(&b[0])) {
-		t.refused[t.nextRef] = [2]uintptr{lo, hi}
-		t.nextRef = (t.nextRef + 1) % adoptSeen
+		t.refused.add(lo, hi)
 		return false
 	}
 	off, ok := m.heap.getHigh(n)
@@ -409,24 +414,21 @@ func hardDecommit() bool {
 	return false
 }
 
-// adopting runs f, the collective o on the buffer at *bp, on that buffer's adopted view
-// when it is adopted (adoptIn), and puts the user's buffer back after; with out, the
-// result's shadow bytes are copied back into it (adoptOut).
-func (g *group) adopting(o *op, bp *[]byte, out bool, f func(*op) error) error {
+// adopting runs f, an all-reduce o, on o.buf's adopted view when it is adopted (adoptIn),
+// then puts the user's buffer back, with the result's shadow bytes (adoptOut).
+func (g *group) adopting(o *op, f func(*op) error) error {
 	if !g.inPlaceOK() && !g.hostInPlaceOK() {
 		return f(o)
 	}
-	user := *bp
+	user := o.buf
 	v, h, t := g.adoptIn(user)
 	if v == nil {
 		return f(o)
 	}
-	*bp = v
+	o.buf = v
 	err := f(o)
-	*bp = user
-	if out {
-		adoptOut(user, v, h, t)
-	}
+	o.buf = user
+	adoptOut(user, v, h, t)
 	return err
 }
 

@@ -105,9 +105,9 @@ func (g *group) run(o *op) error {
 		case "direct":
 			return g.directAllReduce(o)
 		case "shm-ring":
-			return g.adopting(o, &o.buf, true, g.shmAllReduce)
+			return g.adopting(o, g.shmAllReduce)
 		case "hierarchical":
-			return g.adopting(o, &o.buf, true, g.hierAllReduce)
+			return g.adopting(o, g.hierAllReduce)
 		case "rd":
 			return g.rdAllReduce(o)
 		case "pair":

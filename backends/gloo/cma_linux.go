@@ -286,8 +286,8 @@ func (g *group) peerPost(o *op, b []byte) (ok bool, err error) {
 	return ok, err
 }
 
-// adoptInput is adoptIn for an input of collective o: its adopted view, or b itself.
-func (g *group) adoptInput(o *op, b []byte) []byte {
+// adoptInput is adoptIn for b, a collective's input: its adopted view, or b itself.
+func (g *group) adoptInput(b []byte) []byte {
 	if v, _, _ := g.adoptIn(b); v != nil {
 		return v
 	}
@@ -298,7 +298,7 @@ func (g *group) adoptInput(o *op, b []byte) []byte {
 // its slot of o.buf. done is false when a peer's input cannot be read (peerPost): run
 // then takes its other path.
 func (g *group) peerAllGather(o *op) (done bool, err error) {
-	ok, err := g.peerPost(o, g.adoptInput(o, o.in))
+	ok, err := g.peerPost(o, g.adoptInput(o.in))
 	if !ok {
 		return err != nil, err
 	}
@@ -320,7 +320,7 @@ func (g *group) peerAllGather(o *op) (done bool, err error) {
 // peerReduceScatter is Note [Single copy]'s ReduceScatter: o.buf is the reduction of
 // chunk g.rank of every rank's input. done as for peerAllGather.
 func (g *group) peerReduceScatter(o *op) (done bool, err error) {
-	in := g.adoptInput(o, o.in)
+	in := g.adoptInput(o.in)
 	ok, err := g.peerPost(o, in)
 	if !ok {
 		return err != nil, err
@@ -338,7 +338,7 @@ func (g *group) peerReduceScatter(o *op) (done bool, err error) {
 func (g *group) peerBroadcast(o *op) (done bool, err error) {
 	m, b := g.shm, o.buf
 	if g.rank == o.root {
-		b = g.adoptInput(o, b)
+		b = g.adoptInput(b)
 	}
 	_, vm, err := g.postBuffer(o, b, g.cma)
 	if err != nil {

@@ -53,8 +53,8 @@ var (
 	adoptFirst    = false
 )
 
-func (g *group) adopting(o *op, _ *[]byte, _ bool, f func(*op) error) error { return f(o) }
-func (g *group) isAdopted([]byte) bool                                      { return false }
+func (g *group) adopting(o *op, f func(*op) error) error { return f(o) }
+func (g *group) isAdopted([]byte) bool                   { return false }
 
 // arenaAlloc and sharedAlloc have no shared memory to hand out here.
 func (g *group) arenaAlloc(procgroup.DType, int) any           { return nil }
