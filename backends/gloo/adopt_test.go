@@ -375,20 +375,7 @@ func TestAdoptNotAnonymous(t *testing.T) {
 	other := startGroups(t, size, &Config{Transport: TransportUnix})
 	bufs := make([][]float32, size)
 	for r := range size {
-		f, err := os.CreateTemp(t.TempDir(), "buf")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := f.Truncate(4 * count); err != nil {
-			t.Fatal(err)
-		}
-		mem, err := unix.Mmap(int(f.Fd()), 0, 4*count, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-		f.Close()
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { unix.Munmap(mem) })
-		bufs[r] = unsafe.Slice((*float32)(unsafe.Pointer(&mem[0])), count)
+		bufs[r] = fileF32(t, count)
 	}
 	arenaBufs := make([][]float32, size)
 	for r, g := range other {
@@ -404,6 +391,25 @@ func TestAdoptNotAnonymous(t *testing.T) {
 			sumOnRing(t, fmt.Sprintf("buffers %d, iteration %d", k, it), rng, groups, bs)
 		}
 	}
+}
+
+// fileF32 maps count float32s of a new file, shared, until t's end.
+func fileF32(t *testing.T, count int) []float32 {
+	t.Helper()
+	f, err := os.CreateTemp(t.TempDir(), "buf")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := f.Truncate(int64(4 * count)); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, 4*count, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Munmap(mem) })
+	return unsafe.Slice((*float32)(unsafe.Pointer(&mem[0])), count)
 }
 
 // mmapF32 maps count float32s of private anonymous memory, at addr when it is not nil.
@@ -476,20 +482,7 @@ func TestAdoptCloseReleases(t *testing.T) {
 			b.([]float32)[i] = 1
 		}
 	}
-	f, err := os.CreateTemp(t.TempDir(), "buf")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if err := f.Truncate(4 * count); err != nil {
-		t.Fatal(err)
-	}
-	mem, err := unix.Mmap(int(f.Fd()), 0, 4*count, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	bufs := [][]float32{make([]float32, count), unsafe.Slice((*float32)(unsafe.Pointer(&mem[0])), count)}
+	bufs := [][]float32{make([]float32, count), fileF32(t, count)}
 	rng := rand.New(rand.NewPCG(6, 52))
 	for range 3 {
 		sumRandom(t, rng, groups, bufs)

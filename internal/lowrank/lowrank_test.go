@@ -48,6 +48,28 @@ func sameBits32(t *testing.T, what string, got, want []float32) {
 	}
 }
 
+// axpy2Both runs Axpy2 on two copies of x: with the float64 factors y0, y1 and with the
+// float32 ones y0s, y1s.
+func axpy2Both(x []float32, a0, a1 float64, y0, y1 []float64, y0s, y1s []float32) (got, gots []float32) {
+	got = append([]float32(nil), x...)
+	Axpy2(got, a0, y0, a1, y1)
+	gots = append([]float32(nil), x...)
+	Axpy2(gots, a0, y0s, a1, y1s)
+	return got, gots
+}
+
+// goOrSame keeps the Go loop's results (asm false) in ref and refs, and checks the
+// assembly's (asm true) against them bit for bit.
+func goOrSame(t *testing.T, asm bool, what string, got, gots []float32, ref, refs *[]float32) {
+	t.Helper()
+	if !asm {
+		*ref, *refs = got, gots
+		return
+	}
+	sameBits32(t, what+" (AVX2)", got, *ref)
+	sameBits32(t, what+", float32 y (AVX2)", gots, *refs)
+}
+
 func sameBits64(t *testing.T, what string, got, want []float64) {
 	t.Helper()
 	for i := range want {
@@ -110,10 +132,7 @@ func TestAxpy2(t *testing.T) {
 			a0, a1 := g.NormFloat64(), g.NormFloat64()
 			var ref, refs []float32
 			both(t, func(asm bool) {
-				got := append([]float32(nil), x...)
-				Axpy2(got, a0, y0, a1, y1)
-				gots := append([]float32(nil), x...)
-				Axpy2(gots, a0, y0s, a1, y1s)
+				got, gots := axpy2Both(x, a0, a1, y0, y1, y0s, y1s)
 				for j := range x {
 					want := float64(x[j]) + a0*y0[j] + a1*y1[j]
 					if d := math.Abs(float64(got[j]) - want); d > 1e-6*(1+math.Abs(want)) {
@@ -124,12 +143,7 @@ func TestAxpy2(t *testing.T) {
 						t.Fatalf("Axpy2 (float32 y) element %d: %v, want %v", j, gots[j], want)
 					}
 				}
-				if !asm {
-					ref, refs = got, gots
-				} else {
-					sameBits32(t, "Axpy2 (AVX2)", got, ref)
-					sameBits32(t, "Axpy2 float32 y (AVX2)", gots, refs)
-				}
+				goOrSame(t, asm, "Axpy2", got, gots, &ref, &refs)
 			})
 		}
 	}
@@ -156,16 +170,8 @@ func TestAxpy2Cancelling(t *testing.T) {
 		a0, a1 := 1.0+math.Ldexp(1, -40), -1.0/3
 		var ref, refs []float32
 		both(t, func(asm bool) {
-			got := append([]float32(nil), x...)
-			Axpy2(got, a0, y0, a1, y1)
-			gots := append([]float32(nil), x...)
-			Axpy2(gots, a0, y0s, a1, y1s)
-			if !asm {
-				ref, refs = got, gots
-				return
-			}
-			sameBits32(t, "Axpy2 cancelling (AVX2)", got, ref)
-			sameBits32(t, "Axpy2 cancelling, float32 y (AVX2)", gots, refs)
+			got, gots := axpy2Both(x, a0, a1, y0, y1, y0s, y1s)
+			goOrSame(t, asm, "Axpy2 cancelling", got, gots, &ref, &refs)
 		})
 	}
 }
