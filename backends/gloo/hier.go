@@ -231,7 +231,8 @@ func (g *group) hierPipeline(o *op, inPlace bool) error {
 // then runs among each host's L ranks, over those chunks, leaving local rank l the host's
 // sum of chunk l, and then among the H ranks with local index l, over chunk l's H blocks,
 // leaving each rank the sum of its own; the all-gather runs the same rings the other way
-// round and copies the blocks back into rank order. Between hosts each rank sends (H-1)/H
+// round and copies the blocks back into rank order. The host rings take the host's
+// shared-memory slots where the all-reduce's host phases do (hostBlocks). Between hosts each rank sends (H-1)/H
 // of its chunk, L/n of the message, so a host's link carries (H-1)/H of the message each
 // way: half of it at two hosts, against three quarters for the flat ring at 2 hosts × 2
 // ranks, which crosses the link twice per direction. ZeRO's stage 2 pays for its
@@ -254,10 +255,7 @@ func (g *group) hierReduceScatter(o *op) error {
 	}
 	g.hierBlocks(blk, H)
 	seq := uint32(o.seq)
-	if err := g.ringReduceScatter(sum, seq, w, false, &g.local); err != nil {
-		return err
-	}
-	if err := g.waitSends(); err != nil {
+	if err := g.hostBlocks(sum, seq, w, true); err != nil {
 		return err
 	}
 	c := g.local.chunk(w, g.local.pos)
@@ -289,16 +287,36 @@ func (g *group) hierAllGather(o *op) error {
 	if err := g.waitSends(); err != nil {
 		return err
 	}
-	if err := g.ringAllGather(seq, w, false, &g.local); err != nil {
-		return err
-	}
-	if err := g.waitSends(); err != nil {
+	if err := g.hostBlocks(o, seq, w, false); err != nil {
 		return err
 	}
 	for r, at := range g.hierAt {
 		copy(o.buf[r*blk:(r+1)*blk], w[at*blk:(at+1)*blk])
 	}
 	return nil
+}
+
+// hostBlocks runs Note [Hierarchical blocks]' host ring over w with o: the reduce-scatter
+// (rs) or the all-gather. It runs through the host's shared-memory slots where the host's
+// ranks are the region's members (hostShm, which every rank of a host agrees on: Note
+// [Agreement]), as the all-reduce's host phases do, and over the sockets otherwise.
+func (g *group) hostBlocks(o *op, seq uint32, w []byte, rs bool) error {
+	L := g.local.n
+	switch {
+	case g.hostShm && rs:
+		return g.shmRing(o, w, &g.local, 0, L-1)
+	case g.hostShm:
+		return g.shmRing(o, w, &g.local, L-1, 2*L-2)
+	case rs:
+		if err := g.ringReduceScatter(o, seq, w, false, &g.local); err != nil {
+			return err
+		}
+	default:
+		if err := g.ringAllGather(seq, w, false, &g.local); err != nil {
+			return err
+		}
+	}
+	return g.waitSends()
 }
 
 // hierBlocks sets the host ring's chunks to H blocks of blk bytes each, and the cross
