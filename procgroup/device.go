@@ -176,6 +176,10 @@ type DeviceBLAS interface {
 	// to zero. Every dot product sums its terms in index order from 0, with no fused
 	// multiply-add, so the result is the same bits on every device and rank.
 	OrthonormalizeAsync(s Stream, a DeviceBuffer, rows, cols int, seed uint64) error
+	// PrepareBLAS readies what GemmAsync and OrthonormalizeAsync use (nccl: the cuBLAS
+	// handle and the kernels' module), so that their first calls, inside a hook's Launch,
+	// do not load libraries or allocate device memory; a hook calls it at Setup.
+	PrepareBLAS() error
 	// CopyIn copies the host slice src into dst (same element type and length) on
 	// dst.Stream and blocks the host until it is done; CopyOut copies src into the host
 	// slice dst after the work queued on src.Stream, and blocks likewise. For set-up and

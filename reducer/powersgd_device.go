@@ -12,7 +12,8 @@ import (
 // the compute stream (BucketView.Stream), with the group's procgroup.DeviceBLAS
 // (backends/nccl: cuBLAS and a kernel of its own); Setup refuses a group without it. The
 // state is the host path's, per parameter: E (n×m), P (n×r) and Q (m×r), in float32 device
-// memory allocated at Setup (E and P zeroed, Q the host path's draws from the seed, rounded
+// memory allocated at Setup (after PrepareBLAS, which creates the cuBLAS handle there rather
+// than in the first Launch; E and P zeroed, Q the host path's draws from the seed, rounded
 // to float32, uploaded once: the one host synchronisation, at New). So on the device only
 // float32 matrices are compressed (Setup refuses float64 ones; 1-D float64 parameters go
 // uncompressed). A launch enqueues, for each compressed matrix:
@@ -74,8 +75,12 @@ func (s *psgdDevBucket) deviceBuffers() []procgroup.DeviceBuffer {
 	return []procgroup.DeviceBuffer{s.msg}
 }
 
-// setupDevice allocates every compressed parameter's device state and uploads Q (Setup).
+// setupDevice readies the group's device linear algebra (PrepareBLAS), allocates every
+// compressed parameter's device state and uploads Q (Setup).
 func (h *powerSGD) setupDevice() error {
+	if err := h.dev.PrepareBLAS(); err != nil {
+		return err
+	}
 	for _, mt := range h.mats {
 		if mt == nil {
 			continue

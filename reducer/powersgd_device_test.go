@@ -290,11 +290,11 @@ func to64(v []float32) []float64 {
 	return out
 }
 
-// TestPowerSGDDeviceNoHostSync: steady PowerSGD steps on device buckets (gradients
-// written by a kernel on the compute stream, both parities, several buckets) make no call
-// to cuStreamSynchronize or cuEventSynchronize (the fake driver counts them), issue one
-// collective per bucket per step, and leave results that are nonzero and the same bits on
-// both ranks.
+// TestPowerSGDDeviceNoHostSync: New creates each rank's cuBLAS handle (PrepareBLAS at
+// Setup), and steady PowerSGD steps on device buckets (gradients written by a kernel on
+// the compute stream, both parities, several buckets) make no call to cuStreamSynchronize
+// or cuEventSynchronize (the fake driver counts them), issue one collective per bucket per
+// step, and leave results that are nonzero and the same bits on both ranks.
 func TestPowerSGDDeviceNoHostSync(t *testing.T) {
 	const n = 2
 	shapes := [][]int{{16, 10}, {7}, {12, 9}, {20, 6}}
@@ -305,6 +305,7 @@ func TestPowerSGDDeviceNoHostSync(t *testing.T) {
 		grads, next, out []procgroup.DeviceBuffer
 	}
 	rs := make([]*rankState, n)
+	handles := gpufake.Knob("blas_handles", 0)
 	for r := range rs {
 		g, st := ws[r].g, ws[r].stream
 		d := &rankState{}
@@ -326,6 +327,10 @@ func TestPowerSGDDeviceNoHostSync(t *testing.T) {
 		t.Cleanup(func() { red.Close() })
 		d.red = red
 		rs[r] = d
+	}
+	// Setup created each rank's cuBLAS handle (PrepareBLAS), not the first Launch.
+	if got := gpufake.Knob("blas_handles", 0) - handles; got != n {
+		t.Fatalf("%d cuBLAS handles after New, want %d", got, n)
 	}
 	step := func(s int) error {
 		return firstErr(runRanks(n, func(r int) error {

@@ -7,9 +7,12 @@ package nccl
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	"github.com/goddp/goddp/procgroup"
@@ -29,74 +32,126 @@ var (
 	blasLibs   = map[string]*C.goddp_blas{}
 )
 
-// loadBLAS opens cuBLAS (once per list of paths; a failure is not cached).
-func loadBLAS() (*C.goddp_blas, error) {
+// blasPaths are the candidates of EnvCUBLASLib (or the default), in order.
+func blasPaths() (string, []string) {
 	paths := os.Getenv(EnvCUBLASLib)
 	if paths == "" {
 		paths = defaultCUBLAS
 	}
+	var list []string
+	for _, p := range strings.Split(paths, ":") {
+		if p != "" {
+			list = append(list, p)
+		}
+	}
+	return paths, list
+}
+
+// loadBLAS opens the cuBLAS at path, a path or soname (once per path; a failure is not
+// cached).
+func loadBLAS(path string) (*C.goddp_blas, error) {
 	blasLibsMu.Lock()
 	defer blasLibsMu.Unlock()
-	if b := blasLibs[paths]; b != nil {
+	if b := blasLibs[path]; b != nil {
 		return b, nil
 	}
-	cp := C.CString(paths)
+	cp := C.CString(path)
 	defer C.free(unsafe.Pointer(cp))
 	var errbuf [1024]C.char
 	b := C.goddp_blas_load(cp, &errbuf[0], C.size_t(len(errbuf)))
 	if b == nil {
-		return nil, fmt.Errorf("%w: cannot load cuBLAS from %q (%s); install it (for instance the nvidia-cublas-cu13 pip package) or set %s to its path",
-			ErrUnavailable, paths, C.GoString(&errbuf[0]), EnvCUBLASLib)
+		return nil, errors.New(C.GoString(&errbuf[0]))
 	}
-	blasLibs[paths] = b
+	blasLibs[path] = b
 	return b, nil
 }
 
-// Note [cuBLAS handle]: a group creates one cuBLAS handle, at its first GemmAsync, with its
-// context (the device's primary context, the one the CUDA runtime under cuBLAS uses too)
-// current, as cublasCreate binds a handle to the device current then. A handle is not safe
-// for concurrent use from several host threads, and its stream is handle state
+// Note [cuBLAS handle]: a group creates one cuBLAS handle, at PrepareBLAS or its first
+// GemmAsync, with its context (the device's primary context, the one the CUDA runtime
+// under cuBLAS uses too) current, as cublasCreate binds a handle to the device current
+// then. cuBLAS's calls are thread safe on one handle, but the stream is handle state
 // (cublasSetStream), so g.blasMu serialises each cublasSetStream + cublasSgemm pair: the
-// stream is set on every call, since callers pass their own. The handle keeps its defaults:
-// CUBLAS_POINTER_MODE_HOST (alpha and beta are read from host memory during the call, so
-// stack values will do) and CUBLAS_DEFAULT_MATH (float32 arithmetic; TF32 only where the
-// process asks for it, NVIDIA_TF32_OVERRIDE=1). releaseDevice destroys it after the comm
-// stream has drained; cublasDestroy synchronises the device (cuBLAS's documentation), which
-// is acceptable at teardown only.
+// stream is set on every call, since callers pass their own. The handle keeps its
+// defaults: CUBLAS_POINTER_MODE_HOST (alpha and beta are read from host memory during the
+// call, so stack values will do) and CUBLAS_DEFAULT_MATH (float32 arithmetic, no tensor
+// op math). cuBLAS gives the same bits from run to run on one architecture and SM count
+// with one stream in use (its "Results reproducibility"); ranks on different GPUs (or MIG
+// slices of different sizes) may round differently. PowerSGD's Setup calls PrepareBLAS, so
+// that cublasCreate, which allocates device memory, does not run inside a Launch while
+// earlier buckets' collectives are in flight. releaseDevice destroys the handle after the
+// comm stream has drained, bounded (releaseBLAS).
 
-// blasLocked returns the group's cuBLAS handle, created on first use. g.blasMu is held.
+// blasLocked returns the group's cuBLAS handle, created on first use with the first
+// candidate of EnvCUBLASLib that loads, resolves cuBLAS's symbols and creates a handle: a
+// libcublas.so.13 that loads but cannot initialise (a driver older than CUDA 13) gives way
+// to a libcublas.so.12 after it. g.blasMu is held.
 func (g *Group) blasLocked() (*C.goddp_blas, C.goddp_cublasHandle_t, error) {
 	if g.blasH != nil || g.blasErr != nil {
 		return g.blasLib, g.blasH, g.blasErr
 	}
-	b, err := loadBLAS()
-	if err != nil {
-		g.blasErr = fmt.Errorf("nccl: rank %d: %w", g.rank, err)
-		return nil, nil, g.blasErr
+	paths, list := blasPaths()
+	var why []string
+	for _, p := range list {
+		b, err := loadBLAS(p)
+		if err != nil {
+			why = append(why, err.Error())
+			continue
+		}
+		var h C.goddp_cublasHandle_t
+		var st C.goddp_cublasStatus_t
+		if r := C.goddp_blas_create(g.lib.p, g.cuCtx, b, &h, &st); r != 0 {
+			return nil, nil, g.devErr("GemmAsync", g.lib.cuErr("cuCtxSetCurrent", r))
+		}
+		if st != 0 {
+			why = append(why, fmt.Sprintf("%s: cublasCreate: status %d", p, int(st)))
+			continue
+		}
+		g.blasLib, g.blasH = b, h
+		return b, h, nil
 	}
-	var h C.goddp_cublasHandle_t
-	var st C.goddp_cublasStatus_t
-	if r := C.goddp_blas_create(g.lib.p, g.cuCtx, b, &h, &st); r != 0 {
-		return nil, nil, g.devErr("GemmAsync", g.lib.cuErr("cuCtxSetCurrent", r))
-	}
-	if st != 0 {
-		g.blasErr = g.devErr("GemmAsync", fmt.Errorf("cublasCreate: status %d", int(st)))
-		return nil, nil, g.blasErr
-	}
-	g.blasLib, g.blasH = b, h
-	return b, h, nil
+	g.blasErr = fmt.Errorf("nccl: rank %d: %w: no usable cuBLAS in %q (%s); install it (for instance the nvidia-cublas-cu12 or -cu13 pip package, whichever the driver supports) or set %s to its path",
+		g.rank, ErrUnavailable, paths, strings.Join(why, "; "), EnvCUBLASLib)
+	return nil, nil, g.blasErr
 }
 
-// releaseBLAS destroys the cuBLAS handle (releaseDevice).
-func (g *Group) releaseBLAS() {
-	g.blasMu.Lock()
-	defer g.blasMu.Unlock()
-	if g.blasH != nil {
-		var st C.goddp_cublasStatus_t
-		C.goddp_blas_destroy(g.lib.p, g.cuCtx, g.blasLib, g.blasH, &st)
-		g.blasH = nil
+// releaseBLAS destroys the cuBLAS handle (releaseDevice) and reports whether it did by
+// deadline. cublasDestroy synchronises the whole device (it calls cudaDeviceSynchronize,
+// by cuBLAS's documentation), so it also waits for the trainer's streams, and a kernel
+// there that never ends (another communicator's, waiting for a dead peer) would hold it
+// for good: it runs on a goroutine of its own, counted in g.stuck, as ncclCommAbort does
+// (Note [Bounded teardown]). A GemmAsync inside its cgo call holds g.blasMu; so does
+// releaseBLAS only while it takes the handle away. Later calls fail with ErrClosed.
+func (g *Group) releaseBLAS(deadline time.Time) bool {
+	if !lockBy(&g.blasMu, deadline) {
+		return false
 	}
+	lib, h := g.blasLib, g.blasH
+	g.blasH = nil
 	g.blasErr = fmt.Errorf("nccl: rank %d: %w", g.rank, procgroup.ErrClosed)
+	g.blasMu.Unlock()
+	if h == nil {
+		return true
+	}
+	return g.bounded(deadline, func() {
+		var st C.goddp_cublasStatus_t
+		C.goddp_blas_destroy(g.lib.p, g.cuCtx, lib, h, &st)
+	})
+}
+
+// PrepareBLAS implements procgroup.DeviceBLAS: it creates the cuBLAS handle and loads the
+// kernels' module now, so that neither happens inside a hook's Launch, while the
+// collectives of earlier buckets run (cublasCreate and cuModuleLoadData allocate device
+// memory, which may wait for the device).
+func (g *Group) PrepareBLAS() error {
+	g.blasMu.Lock()
+	_, _, err := g.blasLocked()
+	g.blasMu.Unlock()
+	if err != nil {
+		return err
+	}
+	g.devMu.Lock()
+	defer g.devMu.Unlock()
+	return g.kernelsLocked()
 }
 
 // GemmAsync implements procgroup.DeviceBLAS with cublasSgemm_v2 on s (Note [cuBLAS

@@ -160,7 +160,12 @@ func (g *Group) ConvertAsync(s procgroup.Stream, dst, src procgroup.DeviceBuffer
 	})
 }
 
+// launch runs call with kernel k's function, loading the module first if need be. It
+// holds g.modUse (read) across the call, so that releaseDevice cannot unload the module
+// between the lookup and the launch.
 func (g *Group) launch(op string, k int, call func(C.goddp_CUfunction) C.goddp_CUresult) error {
+	g.modUse.RLock()
+	defer g.modUse.RUnlock()
 	g.devMu.Lock()
 	err := g.kernelsLocked()
 	fn := g.fns[k]

@@ -105,7 +105,8 @@ type Group struct {
 	allEv    []C.goddp_CUevent  // every event created, destroyed at release
 	allSt    []*staging         // every staging area, freed at release
 
-	devMu     sync.Mutex // guards the kernel module (devops.go)
+	devMu     sync.Mutex   // guards the kernel module (devops.go)
+	modUse    sync.RWMutex // held (read) across a kernel launch; releaseDevice takes it to unload the module
 	module    C.goddp_CUmodule
 	moduleErr error
 	fns       [nKernels]C.goddp_CUfunction
@@ -167,11 +168,11 @@ func New(ctx context.Context, opts procgroup.Options) (procgroup.ProcessGroup, e
 		zap.Int("cuda_driver_version", l.cudaDriverVersion), zap.String("nccl_lib", l.ncclPath),
 		zap.String("cuda_lib", l.cudaPath))
 	if err := g.openDevice(); err != nil {
-		g.releaseDevice()
+		g.releaseDevice(time.Now().Add(g.drainTimeout)) // nothing to wait for yet
 		return nil, fmt.Errorf("nccl: rank %d: %w", g.rank, err)
 	}
 	if err := g.initComm(ctx); err != nil {
-		g.releaseDevice()
+		g.releaseDevice(time.Now().Add(g.drainTimeout)) // nothing to wait for yet
 		return nil, fmt.Errorf("nccl: rank %d: %w", g.rank, err)
 	}
 	g.log.Info("nccl communicator ready", zap.Int("rank", g.rank), zap.Int("size", g.size), zap.Int("device", g.device))
@@ -248,16 +249,24 @@ func (g *Group) openDevice() error {
 
 // releaseDevice frees what openDevice created, once the comm stream has drained (or was
 // never used). The handles stay in their fields (dangling): every user checks g.state under
-// g.mu first.
-func (g *Group) releaseDevice() {
+// g.mu first. It returns "" once it has, or what did not return by deadline (cublasDestroy,
+// or a kernel launch in progress); the device resources are then left allocated, as Note
+// [Bounded teardown] leaves them under any call that may still use them.
+func (g *Group) releaseDevice(deadline time.Time) string {
 	if g.cuCtx == nil {
-		return
+		return ""
 	}
+	if !g.releaseBLAS(deadline) {
+		return "cublasDestroy (which synchronises the device) did not return"
+	}
+	if !lockBy(&g.modUse, deadline) {
+		return "a kernel launch did not return"
+	}
+	defer g.modUse.Unlock()
 	g.mu.Lock()
 	allEv, allSt := g.allEv, g.allSt
 	g.allEv, g.events, g.allSt, g.pool = nil, nil, nil, nil
 	g.mu.Unlock()
-	g.releaseBLAS()
 	_ = g.onDevice(func() error {
 		l := g.lib.p
 		for _, ev := range allEv {
@@ -285,6 +294,7 @@ func (g *Group) releaseDevice() {
 		C.goddp_cuDevicePrimaryCtxRelease(l, g.cuDev)
 		return nil
 	})
+	return ""
 }
 
 // initComm exchanges the unique id through the store and creates the communicator.

@@ -40,7 +40,11 @@ const (
 // returned, or the stream has not drained, the group's device memory, events and stream
 // are left allocated rather than freed under a call or a kernel that may still use them, a
 // warning says so, and Close's error too (wrapping procgroup.ErrTimeout); the goroutines
-// given up on are counted in g.stuck. Without ncclCommFinalize (NCCL before 2.14) Close
+// given up on are counted in g.stuck. The device resources are freed under the same
+// deadline: cublasDestroy, which synchronises the whole device and so waits for the
+// trainer's streams too, runs on such a goroutine, and a kernel launch in progress holds
+// g.modUse, which releaseDevice waits for to unload the module; past the deadline the
+// resources are left allocated as above. Without ncclCommFinalize (NCCL before 2.14) Close
 // calls ncclCommDestroy alone, and a destroy that hangs cannot be aborted (it is freeing
 // the communicator): Close then returns past its deadline, leaving the resources
 // allocated.
@@ -95,13 +99,15 @@ func (g *Group) watchdog() {
 		if head == nil {
 			if state == stateClosing {
 				quiet, deadline, err := g.finalize()
-				if quiet && !g.release(deadline) {
-					what := fmt.Sprintf("the comm stream did not drain by Close's deadline (at most %v after Close)", g.finalizeTimeout+g.drainTimeout)
-					if err == nil {
-						err = fmt.Errorf("nccl: rank %d (%s): closing: %s; the group's device resources are left allocated: %w",
-							g.rank, g.host, what, procgroup.ErrTimeout)
-					} else {
-						err = fmt.Errorf("%w; %s, so the group's device resources are left allocated: %w", err, what, procgroup.ErrTimeout)
+				if quiet {
+					if why := g.release(deadline); why != "" {
+						what := fmt.Sprintf("%s by Close's deadline (at most %v after Close)", why, g.finalizeTimeout+g.drainTimeout)
+						if err == nil {
+							err = fmt.Errorf("nccl: rank %d (%s): closing: %s; the group's device resources are left allocated: %w",
+								g.rank, g.host, what, procgroup.ErrTimeout)
+						} else {
+							err = fmt.Errorf("%w; %s, so the group's device resources are left allocated: %w", err, what, procgroup.ErrTimeout)
+						}
 					}
 				}
 				g.closeErr = err
@@ -279,7 +285,12 @@ func (g *Group) finishAbort() {
 		g.log.Warn("nccl: the comm stream did not drain after ncclCommAbort; the group's device resources are left allocated",
 			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
 	default:
-		g.releaseDevice()
+		if what := g.releaseDevice(deadline); what != "" {
+			g.closeErr = fmt.Errorf("nccl: rank %d (%s): %s within %v of ncclCommAbort; the group's device resources are left allocated: %w",
+				g.rank, g.host, what, g.drainTimeout, procgroup.ErrTimeout)
+			g.log.Warn("nccl: the group's device resources are left allocated", zap.String("why", what),
+				zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
+		}
 	}
 }
 
@@ -287,12 +298,18 @@ func (g *Group) finishAbort() {
 // (NVIDIA/nccl#829), on a goroutine of its own (counted in g.stuck) and waits for it until
 // deadline; it reports whether the call returned. The gate must be closed.
 func (g *Group) abortComm(deadline time.Time) bool {
+	return g.bounded(deadline, func() { C.goddp_comm_abort(g.lib.p, g.cuCtx, g.comm) })
+}
+
+// bounded runs call, a library call that may never return, on a goroutine of its own
+// (counted in g.stuck) and waits for it until deadline; it reports whether it returned.
+func (g *Group) bounded(deadline time.Time, call func()) bool {
 	done := make(chan struct{})
 	g.stuck.Add(1)
 	go func() {
 		defer g.stuck.Done()
 		defer close(done)
-		C.goddp_comm_abort(g.lib.p, g.cuCtx, g.comm)
+		call()
 	}()
 	timer := time.NewTimer(time.Until(deadline))
 	defer timer.Stop()
@@ -302,6 +319,17 @@ func (g *Group) abortComm(deadline time.Time) bool {
 	case <-timer.C:
 		return false
 	}
+}
+
+// lockBy takes l, polling until deadline; it reports whether it holds it.
+func lockBy(l interface{ TryLock() bool }, deadline time.Time) bool {
+	for d := 10 * time.Microsecond; !l.TryLock(); d = min(2*d, time.Millisecond) {
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(d)
+	}
+	return true
 }
 
 // lockIssuer takes g.issueSem, which an issuer holds across its NCCL call, polling until
@@ -475,13 +503,15 @@ func (g *Group) finalize() (quiet bool, deadline time.Time, err error) {
 }
 
 // release frees the device resources once the comm stream has drained by deadline; it
-// reports whether it did.
-func (g *Group) release(deadline time.Time) bool {
-	if !g.drain(deadline) {
-		g.log.Warn("nccl: the comm stream did not drain at Close; the group's device resources are left allocated",
-			zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
-		return false
+// returns "" once it has, or what did not finish.
+func (g *Group) release(deadline time.Time) string {
+	what := "the comm stream did not drain"
+	if g.drain(deadline) {
+		if what = g.releaseDevice(deadline); what == "" {
+			return ""
+		}
 	}
-	g.releaseDevice()
-	return true
+	g.log.Warn("nccl: the group's device resources are left allocated at Close", zap.String("why", what),
+		zap.Int("rank", g.rank), zap.Duration("waited", g.drainTimeout))
+	return what
 }

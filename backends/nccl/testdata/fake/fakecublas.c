@@ -6,6 +6,8 @@
 #include <stdlib.h>
 
 int fakecuda_enqueue(void *stream, void (*fn)(void *), void *arg);
+int fakecuda_ctx_sync(void);
+void fakecuda_blas_handles(int delta);
 
 typedef int cublasStatus_t; // 0 CUBLAS_STATUS_SUCCESS, 7 CUBLAS_STATUS_INVALID_VALUE
 enum { OK = 0, NOT_INITIALIZED = 1, INVALID_VALUE = 7 };
@@ -17,10 +19,16 @@ typedef struct handle {
 
 cublasStatus_t cublasCreate_v2(handle **h) {
 	*h = calloc(1, sizeof **h);
-	return *h ? OK : NOT_INITIALIZED;
+	if (!*h) return NOT_INITIALIZED;
+	fakecuda_blas_handles(1);
+	return OK;
 }
+// cublasDestroy_v2 synchronises the device first (cudaDeviceSynchronize), as the real one
+// does: it returns once every stream of the current context has run its work.
 cublasStatus_t cublasDestroy_v2(handle *h) {
+	if (fakecuda_ctx_sync()) return NOT_INITIALIZED;
 	free(h);
+	fakecuda_blas_handles(-1);
 	return OK;
 }
 cublasStatus_t cublasSetStream_v2(handle *h, void *s) {

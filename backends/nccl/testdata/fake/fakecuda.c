@@ -31,7 +31,8 @@
 // allocation, -1 if none), stream_live (value: a stream; 1 if not destroyed), h2d_hold
 // (1: cuMemcpyHtoDAsync blocks its caller, on the host, until h2d_hold 0), h2d_held (read:
 // callers blocked so), stream_get_ctx and stream_get_ctx_v2 (read: calls of
-// cuStreamGetCtx and of cuStreamGetCtx_v2, which has the real one's three arguments).
+// cuStreamGetCtx and of cuStreamGetCtx_v2, which has the real one's three arguments),
+// blas_handles (read: the fake cuBLAS's handles created and not destroyed).
 // Kernels: cuModuleLoadData accepts any image; cuModuleGetFunction knows the kernels of
 // backends/nccl/kernels and examples/gpumlp by name and runs a C version of each, on the
 // host, in stream order (see the table at the end).
@@ -58,6 +59,7 @@ static int gate_closed;
 static long long tasks_run, syncs, kernels_run;
 static long long stream_get_ctx_calls, stream_get_ctx_v2_calls;
 static int h2d_hold, h2d_held;
+static long long blas_handles; // live handles of the fake cuBLAS
 
 typedef struct task {
 	void (*fn)(void *);
@@ -229,6 +231,31 @@ int fakecuda_enqueue(void *h, void (*fn)(void *), void *arg) {
 	return r;
 }
 
+// fakecuda_ctx_sync waits until every live stream of the current context has run what was
+// queued on it, as cudaDeviceSynchronize does for the device's primary context (the fake
+// cuBLAS's cublasDestroy_v2 calls it, as the real one does); it returns the CUresult.
+int fakecuda_ctx_sync(void) {
+	if (!current) return ERR_INVALID_CONTEXT;
+	pthread_mutex_lock(&mu);
+	for (;;) {
+		int busy = 0;
+		for (stream *s = streams; s; s = s->next)
+			if (s->ctx == current && (s->head || s->busy)) busy = 1;
+		if (!busy) break;
+		pthread_cond_wait(&cv, &mu);
+	}
+	pthread_mutex_unlock(&mu);
+	return OK;
+}
+
+// fakecuda_blas_handles adds delta to the count of live cuBLAS handles (the fake cuBLAS
+// keeps it here, with the rest of the fakes' state: knob blas_handles).
+void fakecuda_blas_handles(int delta) {
+	pthread_mutex_lock(&mu);
+	blas_handles += delta;
+	pthread_mutex_unlock(&mu);
+}
+
 static void gate_fn(void *arg) {
 	(void)arg;
 	pthread_mutex_lock(&mu);
@@ -316,6 +343,8 @@ long long fakecuda_knob(const char *name, long long value) {
 		pthread_cond_broadcast(&cv);
 	} else if (!strcmp(name, "h2d_held")) {
 		old = h2d_held;
+	} else if (!strcmp(name, "blas_handles")) {
+		old = blas_handles;
 	} else if (!strcmp(name, "mem_alloc")) {
 		if (current) {
 			void *m = malloc(value ? (size_t)value : 1);
