@@ -17,53 +17,48 @@ import (
 	"github.com/goddp/goddp/procgroup"
 )
 
-// Why dlopen, and not gorgonia.org/cu: the trainer needs SGEMM (cuBLAS) and five small
-// element-wise kernels, nothing more. Loading libcuda.so.1 and libcublas.so at run time, as
-// backends/nccl loads NCCL, keeps the example buildable with gcc alone (no cuda.h, no
-// link stubs, no build tag), so it builds, vets and tests on every machine, where the fake
-// driver and fake cuBLAS of backends/nccl/testdata/fake stand in for the GPU. The kernels
-// are PTX (kernels.ptx, from kernels.ll by gen.sh), JIT-compiled by the driver.
+// Why dlopen, and not gorgonia.org/cu: the trainer needs SGEMM and five small element-wise
+// kernels, nothing more. SGEMM is the nccl group's (procgroup.DeviceBLAS: its cuBLAS
+// handle, loaded as backends/nccl loads NCCL). The kernels need the CUDA driver itself:
+// loading libcuda.so.1 at run time keeps the example buildable with gcc alone (no cuda.h,
+// no link stubs, no build tag), so it builds, vets and tests on every machine, where the
+// fake driver and fake cuBLAS of backends/nccl/testdata/fake stand in for the GPU. The
+// kernels are PTX (kernels.ptx, from kernels.ll by gen.sh), JIT-compiled by the driver.
 
 //go:embed kernels.ptx
 var kernelsPTX string
 
-// EnvCUBLASLib names cuBLAS (a colon-separated list of paths or sonames, tried in order).
-const EnvCUBLASLib = "GODDP_CUBLAS_LIB"
-
-const defaultCUBLAS = "libcublas.so.13:libcublas.so.12:libcublas.so"
-
 // gpu is the trainer's view of its device: the primary context (the one the nccl backend
-// uses), one cuBLAS handle on the compute stream, and the kernels.
+// uses), the group's SGEMM on the compute stream, and the kernels.
 type gpu struct {
 	l      *C.gm_lib
 	ctx    unsafe.Pointer
-	blas   unsafe.Pointer
+	blas   procgroup.DeviceBLAS
 	stream procgroup.Stream
 	fns    map[string]unsafe.Pointer
 }
 
 var kernelNames = []string{"gpumlp_add_bias", "gpumlp_relu", "gpumlp_relu_bwd", "gpumlp_sub_scale", "gpumlp_colsum"}
 
-func openGPU(device int, stream procgroup.Stream) (*gpu, error) {
+// openGPU loads the kernels on device (an ordinal) for stream, with blas the group's SGEMM.
+func openGPU(device int, stream procgroup.Stream, blas procgroup.DeviceBLAS) (*gpu, error) {
 	cudaPath := os.Getenv("GODDP_CUDA_LIB")
 	if cudaPath == "" {
 		cudaPath = "libcuda.so.1"
 	}
-	blasPaths := os.Getenv(EnvCUBLASLib)
-	if blasPaths == "" {
-		blasPaths = defaultCUBLAS
+	if err := blas.PrepareBLAS(); err != nil {
+		return nil, fmt.Errorf("gpumlp: %w", err)
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	cc, cb := C.CString(cudaPath), C.CString(blasPaths)
+	cc := C.CString(cudaPath)
 	defer C.free(unsafe.Pointer(cc))
-	defer C.free(unsafe.Pointer(cb))
 	var errbuf [1024]C.char
-	l := C.gm_load(cc, cb, &errbuf[0], C.size_t(len(errbuf)))
+	l := C.gm_load(cc, &errbuf[0], C.size_t(len(errbuf)))
 	if l == nil {
-		return nil, fmt.Errorf("gpumlp: loading the CUDA driver and cuBLAS (set GODDP_CUDA_LIB, %s): %s", EnvCUBLASLib, C.GoString(&errbuf[0]))
+		return nil, fmt.Errorf("gpumlp: loading the CUDA driver (set GODDP_CUDA_LIB): %s", C.GoString(&errbuf[0]))
 	}
-	g := &gpu{l: l, stream: stream, fns: map[string]unsafe.Pointer{}}
+	g := &gpu{l: l, blas: blas, stream: stream, fns: map[string]unsafe.Pointer{}}
 	if r := C.gm_context(l, C.int(device), &g.ctx); r != 0 {
 		return nil, fmt.Errorf("gpumlp: primary context of device %d: CUresult %d", device, int(r))
 	}
@@ -83,19 +78,7 @@ func openGPU(device int, stream procgroup.Stream) (*gpu, error) {
 		}
 		g.fns[name] = fn
 	}
-	if r := C.gm_cublas(l, g.ctx, C.uintptr_t(stream), &g.blas); r != 0 {
-		return nil, fmt.Errorf("gpumlp: cuBLAS handle: status %d", int(r))
-	}
 	return g, nil
-}
-
-func (g *gpu) close() {
-	if g.blas != nil {
-		runtime.LockOSThread()
-		C.gm_cublas_destroy(g.l, g.ctx, g.blas)
-		runtime.UnlockOSThread()
-		g.blas = nil
-	}
 }
 
 // gemm enqueues the row-major C[m×n] = op(A)[m×k]·op(B)[k×n] + beta·C, where op(X) is X or
@@ -103,18 +86,14 @@ func (g *gpu) close() {
 // there, so this is Cᵀ = op(B)ᵀ·op(A)ᵀ with the operands swapped and the same op flags.
 func (g *gpu) gemm(transA, transB bool, m, n, k int, a, b, c procgroup.DeviceBuffer, beta float32) error {
 	lda, ldb := k, n
-	ta, tb := C.int(0), C.int(0)
 	if transA {
-		lda, ta = m, 1
+		lda = m
 	}
 	if transB {
-		ldb, tb = k, 1
+		ldb = k
 	}
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	if r := C.gm_sgemm(g.l, g.ctx, g.blas, tb, ta, C.int(n), C.int(m), C.int(k), 1, C.uintptr_t(b.Ptr), C.int(ldb),
-		C.uintptr_t(a.Ptr), C.int(lda), C.float(beta), C.uintptr_t(c.Ptr), C.int(n)); r != 0 {
-		return fmt.Errorf("gpumlp: cublasSgemm (%d×%d×%d): status %d", m, n, k, int(r))
+	if err := g.blas.GemmAsync(g.stream, transB, transA, n, m, k, 1, b, ldb, a, lda, beta, c, n); err != nil {
+		return fmt.Errorf("gpumlp: SGEMM (%d×%d×%d): %w", m, n, k, err)
 	}
 	return nil
 }

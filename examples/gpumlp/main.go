@@ -181,11 +181,10 @@ func train(ctx context.Context, pg procgroup.ProcessGroup, f *flags, out io.Writ
 		return nil, err
 	}
 	defer g.DestroyStream(s)
-	gp, err := openGPU(g.Device(), s)
+	gp, err := openGPU(g.Device(), s, g)
 	if err != nil {
 		return nil, err
 	}
-	defer gp.close()
 	var bufs []procgroup.DeviceBuffer
 	defer func() {
 		g.SyncStream(s)
