@@ -207,3 +207,24 @@ func NewBuffer(dt DType, n int) any {
 	}
 	panic(fmt.Sprintf("procgroup: NewBuffer of unknown %v", dt))
 }
+
+// SliceBuffer returns buf[lo:hi] for a host buffer of any type NewBuffer makes (for the
+// in-place AllGather and ReduceScatter, whose small buffer is a slice of the large one). It
+// panics on another type, a programmer error.
+func SliceBuffer(buf any, lo, hi int) any {
+	switch b := buf.(type) {
+	case []float32:
+		return b[lo:hi]
+	case []float64:
+		return b[lo:hi]
+	case []int32:
+		return b[lo:hi]
+	case []int64:
+		return b[lo:hi]
+	case []BF16:
+		return b[lo:hi]
+	case []F16:
+		return b[lo:hi]
+	}
+	panic(fmt.Sprintf("procgroup: SliceBuffer of %T", buf))
+}

@@ -51,10 +51,14 @@ type ProcessGroup interface {
 	// Broadcast copies root's buf into buf on every other rank.
 	Broadcast(ctx context.Context, buf any, root int) Work
 	// AllGather concatenates every rank's in, in rank order, into out on every rank;
-	// len(out) must be Size()*len(in), and in and out have the same element type.
+	// len(out) must be Size()*len(in), and in and out have the same element type. It
+	// runs in place where in is rank r's own slot of out (out[r*len(in):(r+1)*len(in)]),
+	// as NCCL's does; in and out may not overlap otherwise.
 	AllGather(ctx context.Context, out, in any) Work
 	// ReduceScatter reduces in element-wise across ranks and leaves the r-th block of
 	// len(out) elements of the result in rank r's out; len(in) must be Size()*len(out).
+	// It runs in place where out is rank r's own block of in, which then holds the
+	// result, as NCCL's does; in and out may not overlap otherwise.
 	ReduceScatter(ctx context.Context, out, in any, op ReduceOp) Work
 	// Barrier completes once every rank has entered it.
 	Barrier(ctx context.Context) Work

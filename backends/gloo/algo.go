@@ -140,7 +140,9 @@ func (g *group) run(o *op) error {
 		return g.broadcast(o)
 	case procgroup.OpAllGather:
 		g.lastPath = ""
-		copy(o.buf[g.rank*len(o.in):], o.in)
+		if slot := o.buf[g.rank*len(o.in):]; len(o.in) > 0 && &slot[0] != &o.in[0] { // not in place
+			copy(slot, o.in)
+		}
 		if n == 1 || len(o.in) == 0 {
 			return nil
 		}

@@ -326,7 +326,11 @@ func (g *group) peerReduceScatter(o *op) (done bool, err error) {
 		return err != nil, err
 	}
 	l := len(o.buf)
-	if err := g.cmaReduce(o, o.buf, in[g.rank*l:(g.rank+1)*l], g.rank*l); err != nil {
+	own := in[g.rank*l : (g.rank+1)*l]
+	if &o.buf[0] == &o.in[g.rank*l] { // in place: this rank's chunk is where its result goes
+		own = o.buf
+	}
+	if err := g.cmaReduce(o, o.buf, own, g.rank*l); err != nil {
 		return true, err
 	}
 	return true, g.shmPhase(o.seq<<2 | 3)

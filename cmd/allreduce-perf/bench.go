@@ -116,7 +116,7 @@ func bench(ctx context.Context, pg procgroup.ProcessGroup, cfg config, emit func
 			return err
 		}
 		r := row{
-			Collective: cfg.collective, SizeBytes: bytes, Count: t.count, DType: cfg.dtype.String(), Op: cfg.op.String(), Ranks: world,
+			Collective: cfg.collective, InPlace: cfg.inPlace || cfg.collective == collAllReduce || cfg.collective == collBroadcast, SizeBytes: bytes, Count: t.count, DType: cfg.dtype.String(), Op: cfg.op.String(), Ranks: world,
 			TimeUS: us[0], TimeUSMedian: us[1], Iters: iters, Wrong: wrong,
 		}
 		bus := busFactor(cfg.collective, world)

@@ -66,7 +66,12 @@ func newTask(pg procgroup.ProcessGroup, cfg config, size int64) (*task, error) {
 	t.src = procgroup.NewBuffer(cfg.dtype, inCount)
 	fill(t.src, newGen(rank, world, t.bytes, cfg.dtype, cfg.op))
 	var err error
-	if t.in, t.free, err = newBuffer(pg, cfg, inCount); err != nil {
+	if cfg.inPlace && cfg.collective == collAllGather { // the input is slot rank of the output
+		if t.out, t.free, err = newBuffer(pg, cfg, count); err != nil {
+			return nil, err
+		}
+		t.in = procgroup.SliceBuffer(t.out, rank*share, (rank+1)*share)
+	} else if t.in, t.free, err = newBuffer(pg, cfg, inCount); err != nil {
 		return nil, err
 	}
 	copyBuf(t.in, t.src)
@@ -78,10 +83,16 @@ func newTask(pg procgroup.ProcessGroup, cfg config, size int64) (*task, error) {
 		t.out = t.in
 		t.run = func(ctx context.Context) error { return pg.Broadcast(ctx, t.in, 0).Wait(ctx) }
 	case collAllGather:
-		t.out = procgroup.NewBuffer(cfg.dtype, count)
+		if !cfg.inPlace {
+			t.out = procgroup.NewBuffer(cfg.dtype, count)
+		}
 		t.run = func(ctx context.Context) error { return pg.AllGather(ctx, t.out, t.in).Wait(ctx) }
 	case collReduceScatter:
-		t.out = procgroup.NewBuffer(cfg.dtype, share)
+		if cfg.inPlace { // the output is chunk rank of the input
+			t.out = procgroup.SliceBuffer(t.in, rank*share, (rank+1)*share)
+		} else {
+			t.out = procgroup.NewBuffer(cfg.dtype, share)
+		}
 		t.run = func(ctx context.Context) error { return pg.ReduceScatter(ctx, t.out, t.in, cfg.op).Wait(ctx) }
 	default:
 		return nil, fmt.Errorf("unknown collective %q", cfg.collective)

@@ -6,6 +6,8 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 
@@ -40,20 +42,22 @@ func newGlooGroups(t *testing.T, n int) []procgroup.ProcessGroup {
 	return pgs
 }
 
-// TestCollectiveRows: every --collective, checked against the reference, with nccl-tests'
+// TestCollectiveRows: every --collective, out of place and in place (--inplace: nccl-tests'
+// in-place AllGather and ReduceScatter), checked against the reference, with nccl-tests'
 // sizes (AllGather's output and ReduceScatter's input, a multiple of the world size) and
 // busbw factors, at sizes on both sides of the single-copy thresholds.
 func TestCollectiveRows(t *testing.T) {
 	for _, world := range []int{2, 3} {
 		pgs := newGlooGroups(t, world)
-		for _, coll := range collectives {
+		for _, coll := range slices.Concat(collectives, []string{collAllGather + " --inplace", collReduceScatter + " --inplace"}) {
+			coll, inPlace := strings.CutSuffix(coll, " --inplace")
 			for _, c := range []struct {
 				dt procgroup.DType
 				op procgroup.ReduceOp
 			}{{procgroup.Float32, procgroup.Sum}, {procgroup.Int64, procgroup.Max}, {procgroup.BFloat16, procgroup.Avg}, {procgroup.Float64, procgroup.Prod}} {
-				cfg := config{minBytes: 1000, maxBytes: 1 << 20, factor: 32, iters: 2, warmup: 1, check: true, dtype: c.dt, op: c.op, collective: coll}
+				cfg := config{minBytes: 1000, maxBytes: 1 << 20, factor: 32, iters: 2, warmup: 1, check: true, dtype: c.dt, op: c.op, collective: coll, inPlace: inPlace}
 				rows := benchAll(t, pgs, cfg)
-				what := fmt.Sprintf("world %d %s %v %v", world, coll, c.dt, c.op)
+				what := fmt.Sprintf("world %d %s in place %t %v %v", world, coll, inPlace, c.dt, c.op)
 				if len(rows) != 3 { // 1000, 32000, 1024000 bytes
 					t.Fatalf("%s: %d rows, want 3", what, len(rows))
 				}
@@ -66,6 +70,9 @@ func TestCollectiveRows(t *testing.T) {
 						collAllGather: float64(world-1) / float64(world), collReduceScatter: float64(world-1) / float64(world), collBroadcast: 1}[coll]
 					if r.Collective != coll || r.Count != count || r.SizeBytes != int64(count*c.dt.Size()) {
 						t.Errorf("%s row %d: %+v; want count %d", what, i, r, count)
+					}
+					if r.InPlace != (inPlace || coll == collAllReduce || coll == collBroadcast) {
+						t.Errorf("%s row %d: in_place %t", what, i, r.InPlace)
 					}
 					if r.Wrong != 0 || r.OK == nil || !*r.OK {
 						t.Errorf("%s row %d: %d wrong elements", what, i, r.Wrong)

@@ -59,7 +59,7 @@ type config struct {
 	transport, algo    string
 	timeout            time.Duration
 	ceiling, shared    bool
-	reset              bool
+	reset, inPlace     bool
 	minTime            time.Duration
 	collective         string
 }
@@ -98,6 +98,7 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.StringVar(&algo, "algo", "", "gloo algorithm: auto, ring, direct, hierarchical or rd (sets GODDP_GLOO_ALGO)")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "collective and rendezvous timeout")
 	fs.BoolVar(&c.shared, "shared", false, "all-reduce buffers from the group's allocator (gloo: its shared arena, all-reduced in place) where it has one")
+	fs.BoolVar(&c.inPlace, "inplace", false, "run AllGather and ReduceScatter in place, as nccl-tests' in-place column: the rank's input is its slot of the gathered output, the reduced output its chunk of the input (AllReduce and Broadcast always run in place)")
 	fs.BoolVar(&c.reset, "reset", false, "copy the input into the buffer again before every timed iteration, outside the timer (by default they run back to back on the buffer, as in nccl-tests; products always restart)")
 	fs.BoolVar(&c.ceiling, "ceiling", false, "also measure the memory bandwidth (every rank at once) and print each busbw as a percentage of the ceiling the algorithm's memory traffic implies")
 	fs.Usage = func() {
@@ -295,6 +296,7 @@ func runRank(ctx context.Context, cfg config, stdout, stderr io.Writer) int {
 // row is one line of output.
 type row struct {
 	Collective string  `json:"collective"`
+	InPlace    bool    `json:"in_place"` // AllReduce and Broadcast always; the others with --inplace
 	SizeBytes  int64   `json:"size_bytes"`
 	Count      int     `json:"count"`
 	DType      string  `json:"dtype"`
@@ -368,6 +370,9 @@ func (t *tableReporter) header() {
 	}
 	if t.cfg.shared {
 		flags += " --shared"
+	}
+	if t.cfg.inPlace {
+		flags += " --inplace"
 	}
 	if t.cfg.reset {
 		flags += " --reset"

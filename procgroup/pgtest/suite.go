@@ -13,6 +13,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/goddp/goddp/internal/kernels"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -58,7 +59,8 @@ func (o *SuiteOptions) fill() {
 // group with newGroups, runs every collective × element type × reduce op over counts 0, 1,
 // odd, not a multiple of the world size, and large, on random data, comparing every rank's
 // result element by element with a float64 (int64 for integers) reference computed from all
-// ranks' inputs; Broadcast from every root; 50 mixed works in flight; invalid arguments;
+// ranks' inputs; AllGather and ReduceScatter in place too; Broadcast from every root; 50
+// mixed works in flight; invalid arguments;
 // then, on fresh groups, Close and Abort with works pending. Each rank runs on its own
 // goroutine, as it would in its own process.
 func Run(t *testing.T, newGroups NewGroups, opts SuiteOptions) {
@@ -149,6 +151,10 @@ type coll struct {
 	count int   // as Record.Count
 	ins   []any // by rank: the inputs, kept intact for the reference
 	bufs  []any // by rank: the buffer the collective writes
+	// inPlace (AllGather and ReduceScatter): the input is slot r of the output (AllGather),
+	// or the output is block r of the input, work (ReduceScatter), as NCCL allows.
+	inPlace bool
+	work    []any
 }
 
 func (c *coll) String() string {
@@ -181,6 +187,30 @@ func newColl(r *rand.Rand, n int, kind procgroup.CollectiveOp, dt procgroup.DTyp
 	return c
 }
 
+// newCollInPlace is newColl for AllGather and ReduceScatter in place (coll.inPlace).
+func newCollInPlace(r *rand.Rand, n int, kind procgroup.CollectiveOp, dt procgroup.DType, op procgroup.ReduceOp, count int) *coll {
+	c := newColl(r, n, kind, dt, op, 0, count)
+	c.inPlace = true
+	for k := range n {
+		switch kind {
+		case procgroup.OpAllGather:
+			copyAt(c.bufs[k], c.ins[k], k*count)
+		case procgroup.OpReduceScatter:
+			c.work = append(c.work, clone(c.ins[k]))
+			c.bufs[k] = procgroup.SliceBuffer(c.work[k], k*count, (k+1)*count)
+		}
+	}
+	return c
+}
+
+// copyAt copies src into dst from element at (host buffers of one element type).
+func copyAt(dst, src any, at int) {
+	_, n, _ := procgroup.DTypeOf(src)
+	d, _, _, _ := kernels.Bytes(procgroup.SliceBuffer(dst, at, at+n))
+	b, _, _, _ := kernels.Bytes(src)
+	copy(d, b)
+}
+
 func clone(b any) any {
 	switch b := b.(type) {
 	case []float32:
@@ -207,8 +237,14 @@ func (c *coll) issue(ctx context.Context, pg procgroup.ProcessGroup) procgroup.W
 	case procgroup.OpBroadcast:
 		return pg.Broadcast(ctx, c.bufs[r], c.root)
 	case procgroup.OpAllGather:
+		if c.inPlace {
+			return pg.AllGather(ctx, c.bufs[r], procgroup.SliceBuffer(c.bufs[r], r*c.count, (r+1)*c.count))
+		}
 		return pg.AllGather(ctx, c.bufs[r], c.ins[r])
 	case procgroup.OpReduceScatter:
+		if c.inPlace {
+			return pg.ReduceScatter(ctx, c.bufs[r], c.work[r], c.op)
+		}
 		return pg.ReduceScatter(ctx, c.bufs[r], c.ins[r], c.op)
 	}
 	return pg.Barrier(ctx)
@@ -373,7 +409,8 @@ func (s *suite) runCorrectness(t *testing.T) {
 			r := rng(t.Name())
 			var cs []*coll
 			for _, count := range s.counts() {
-				cs = append(cs, newColl(r, n, procgroup.OpAllGather, dt, 0, 0, count))
+				cs = append(cs, newColl(r, n, procgroup.OpAllGather, dt, 0, 0, count),
+					newCollInPlace(r, n, procgroup.OpAllGather, dt, 0, count))
 			}
 			s.batch(t, gs, cs)
 		})
@@ -386,6 +423,7 @@ func (s *suite) runCorrectness(t *testing.T) {
 				for _, count := range []int{1, 37} {
 					cs = append(cs, newColl(r, n, procgroup.OpReduceScatter, dt, op, 0, count))
 				}
+				cs = append(cs, newCollInPlace(r, n, procgroup.OpReduceScatter, dt, op, 37))
 			}
 			counts := s.counts()
 			cs = append(cs, newColl(r, n, procgroup.OpReduceScatter, dt, procgroup.Sum, 0, 0))
@@ -402,6 +440,8 @@ func (s *suite) runCorrectness(t *testing.T) {
 			newColl(r, n, procgroup.OpBroadcast, procgroup.Float32, 0, n-1, L),
 			newColl(r, n, procgroup.OpAllGather, procgroup.Float32, 0, 0, L/n+1),
 			newColl(r, n, procgroup.OpReduceScatter, procgroup.Float32, procgroup.Sum, 0, L/n+1),
+			newCollInPlace(r, n, procgroup.OpAllGather, procgroup.Float32, 0, L/n+1),
+			newCollInPlace(r, n, procgroup.OpReduceScatter, procgroup.Float32, procgroup.Avg, L/n+1),
 		})
 	})
 	t.Run("barrier", func(t *testing.T) { s.testBarrier(t, gs) })
