@@ -132,10 +132,10 @@ func checkZero(o *Options) error {
 	return nil
 }
 
-// reduceScatterHook is stage 2's CommHook (Note [ZeRO]): a reduce-scatter of the padded bucket into
-// a block of its own (the bucket's Scratch), which Finish copies into the rank's block of
-// the bucket, from where the reducer copies it into Param.Grad.
-// Before the first synced Finalize has rebuilt the buckets (rebuilt), it all-reduces.
+// reduceScatterHook is stage 2's CommHook (Note [ZeRO]): a reduce-scatter of the padded
+// bucket in place, into the rank's own block of it (procgroup's in-place ReduceScatter),
+// from where the reducer copies it into Param.Grad. Before the first synced Finalize has
+// rebuilt the buckets (rebuilt), it all-reduces.
 type reduceScatterHook struct {
 	rank, size int
 	rebuilt    *atomic.Bool
@@ -144,24 +144,14 @@ type reduceScatterHook struct {
 func (h reduceScatterHook) Launch(ctx context.Context, pg procgroup.ProcessGroup, b *reducer.BucketView) procgroup.Work {
 	buf := b.Buffer.([]float32)
 	if !h.rebuilt.Load() {
-		b.Scratch = nil
 		return pg.AllReduce(ctx, buf, procgroup.Sum)
 	}
 	blk := len(buf) / h.size
-	out, _ := b.Scratch.([]float32)
-	if len(out) != blk {
-		out = make([]float32, blk) // once per bucket layout
-		b.Scratch = out
-	}
-	return pg.ReduceScatter(ctx, out, buf, procgroup.Sum)
+	return pg.ReduceScatter(ctx, buf[h.rank*blk:(h.rank+1)*blk], buf, procgroup.Sum)
 }
 
-func (h reduceScatterHook) Finish(b *reducer.BucketView) error {
-	if out, ok := b.Scratch.([]float32); ok { // not after an all-reduce
-		copy(b.Buffer.([]float32)[h.rank*len(out):], out)
-	}
-	return nil
-}
+// Finish has nothing to do: the reduction is in the bucket either way.
+func (h reduceScatterHook) Finish(*reducer.BucketView) error { return nil }
 
 func (reduceScatterHook) Describe() string { return "reduce-scatter (Options.Zero 2)" }
 

@@ -257,17 +257,14 @@ func (run *overlapRun) stepBucket(b int, r zeroReq) error {
 		return fmt.Errorf("zero overlap: reduction of bucket %d: %w", b, err)
 	}
 	seg := &z.segs[b]
-	// The reduced gradients, by the bucket's element index: stage 1's all-reduced buffer,
-	// or stage 2's block (the hook's Scratch), which starts at lo.
-	src, shift := r.view.Buffer.([]float32), 0
-	if out, ok := r.view.Scratch.([]float32); ok && z.stage == 2 {
-		src, shift = out, seg.lo
-	}
+	// The reduced gradients, in the bucket: stage 1's all-reduced buffer, or stage 2's
+	// block, reduce-scattered in place (reduceScatterHook).
+	src := r.view.Buffer.([]float32)
 	for j, i := range seg.bk.Params {
 		p, off := d.params[i].Data.([]float32), seg.bk.Offsets[j]
 		seg.owned(off, len(p), func(k, s, l int) {
 			copy(z.shardP[s:s+l], p[k:k+l])
-			copy(z.shardG[s:s+l], src[off+k-shift:][:l])
+			copy(z.shardG[s:s+l], src[off+k:][:l])
 		})
 	}
 	if err := z.stepSeg(b); err != nil {
