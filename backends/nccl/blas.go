@@ -60,7 +60,11 @@ func loadBLAS(path string) (*C.goddp_blas, error) {
 	var errbuf [1024]C.char
 	b := C.goddp_blas_load(cp, &errbuf[0], C.size_t(len(errbuf)))
 	if b == nil {
-		return nil, errors.New(C.GoString(&errbuf[0]))
+		msg := C.GoString(&errbuf[0])
+		if !strings.Contains(msg, path) { // a missing symbol's message does not name the file
+			msg = path + ": " + msg
+		}
+		return nil, errors.New(msg)
 	}
 	blasLibs[path] = b
 	return b, nil
@@ -86,10 +90,17 @@ func loadBLAS(path string) (*C.goddp_blas, error) {
 // libcublas.so.13 that loads but cannot initialise (a driver older than CUDA 13) gives way
 // to a libcublas.so.12 after it. g.blasMu is held.
 func (g *Group) blasLocked() (*C.goddp_blas, C.goddp_cublasHandle_t, error) {
+	if g.devClosed.Load() {
+		return nil, nil, g.closedErr()
+	}
 	if g.blasH != nil || g.blasErr != nil {
 		return g.blasLib, g.blasH, g.blasErr
 	}
 	paths, list := blasPaths()
+	if len(list) == 0 {
+		g.blasErr = fmt.Errorf("nccl: rank %d: %w: %s=%q names no library", g.rank, ErrUnavailable, EnvCUBLASLib, paths)
+		return nil, nil, g.blasErr
+	}
 	var why []string
 	for _, p := range list {
 		b, err := loadBLAS(p)
@@ -114,28 +125,28 @@ func (g *Group) blasLocked() (*C.goddp_blas, C.goddp_cublasHandle_t, error) {
 	return nil, nil, g.blasErr
 }
 
-// releaseBLAS destroys the cuBLAS handle (releaseDevice) and reports whether it did by
-// deadline. cublasDestroy synchronises the whole device (it calls cudaDeviceSynchronize,
+// releaseBLAS destroys the cuBLAS handle (releaseDevice): it returns "" once it has by
+// deadline, or what did not return. cublasDestroy synchronises the whole device (it calls cudaDeviceSynchronize,
 // by cuBLAS's documentation), so it also waits for the trainer's streams, and a kernel
 // there that never ends (another communicator's, waiting for a dead peer) would hold it
 // for good: it runs on a goroutine of its own, counted in g.stuck, as ncclCommAbort does
 // (Note [Bounded teardown]). A GemmAsync inside its cgo call holds g.blasMu; so does
 // releaseBLAS only while it takes the handle away. Later calls fail with ErrClosed.
-func (g *Group) releaseBLAS(deadline time.Time) bool {
+func (g *Group) releaseBLAS(deadline time.Time) string {
 	if !lockBy(&g.blasMu, deadline) {
-		return false
+		return "a GemmAsync in progress did not return"
 	}
 	lib, h := g.blasLib, g.blasH
 	g.blasH = nil
-	g.blasErr = fmt.Errorf("nccl: rank %d: %w", g.rank, procgroup.ErrClosed)
+	g.blasErr = g.closedErr()
 	g.blasMu.Unlock()
-	if h == nil {
-		return true
-	}
-	return g.bounded(deadline, func() {
+	if h != nil && !g.bounded(deadline, func() {
 		var st C.goddp_cublasStatus_t
 		C.goddp_blas_destroy(g.lib.p, g.cuCtx, lib, h, &st)
-	})
+	}) {
+		return "cublasDestroy (which synchronises the device) did not return"
+	}
+	return ""
 }
 
 // PrepareBLAS implements procgroup.DeviceBLAS: it creates the cuBLAS handle and loads the
@@ -149,6 +160,8 @@ func (g *Group) PrepareBLAS() error {
 	if err != nil {
 		return err
 	}
+	g.modUse.RLock() // as a launch: releaseDevice waits for a load in progress, bounded
+	defer g.modUse.RUnlock()
 	g.devMu.Lock()
 	defer g.devMu.Unlock()
 	return g.kernelsLocked()

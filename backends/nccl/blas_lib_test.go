@@ -90,6 +90,24 @@ func TestGPUPrepareBLAS(t *testing.T) {
 	}
 }
 
+// TestGPUKernelsAfterClose: a group that never launched a kernel (so never loaded its
+// module) still refuses one after Close, rather than loading the module into the context
+// it has released.
+func TestGPUKernelsAfterClose(t *testing.T) {
+	g, s := streamGroup(t)
+	d, err := g.Alloc(procgroup.Float32, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.Close(); err != nil {
+		t.Fatal(err)
+	}
+	d.Stream = s
+	if err := g.ScaleAsync(s, d, d, 2, true); !errorsIs(err, procgroup.ErrClosed) {
+		t.Fatalf("ScaleAsync after Close: %v, want ErrClosed", err)
+	}
+}
+
 // TestGPUBLASDestroyBounded: cublasDestroy synchronises the device, so a trainer's stream
 // that never finishes would hold Close inside it for good. Close returns by its deadline
 // instead, with an error naming cublasDestroy that wraps ErrTimeout, and leaves the

@@ -40,6 +40,9 @@ var kernelNames = [nKernels]string{"goddp_scale_f32", "goddp_scale_f64", "goddp_
 
 // kernelsLocked loads the module once. g.devMu is held.
 func (g *Group) kernelsLocked() error {
+	if g.devClosed.Load() {
+		return g.closedErr()
+	}
 	if g.module != nil {
 		return nil
 	}

@@ -15,6 +15,7 @@ import (
 	"runtime"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -105,8 +106,11 @@ type Group struct {
 	allEv    []C.goddp_CUevent  // every event created, destroyed at release
 	allSt    []*staging         // every staging area, freed at release
 
-	devMu     sync.Mutex   // guards the kernel module (devops.go)
-	modUse    sync.RWMutex // held (read) across a kernel launch; releaseDevice takes it to unload the module
+	devMu  sync.Mutex   // guards the kernel module (devops.go)
+	modUse sync.RWMutex // held (read) across a kernel launch or load; releaseDevice takes it to unload the module
+	// devClosed: the teardown has begun (markDeviceClosed), so GemmAsync, PrepareBLAS and
+	// kernel launches fail with ErrClosed, whether or not the resources get freed.
+	devClosed atomic.Bool
 	module    C.goddp_CUmodule
 	moduleErr error
 	fns       [nKernels]C.goddp_CUfunction
@@ -247,6 +251,21 @@ func (g *Group) openDevice() error {
 	})
 }
 
+// markDeviceClosed begins the teardown of the device operations (the watchdog, before it
+// finalizes or aborts the communicator): from then on they fail, even where the resources
+// under them are left allocated (Note [Bounded teardown]).
+func (g *Group) markDeviceClosed() { g.devClosed.Store(true) }
+
+// closedErr is the error of a device operation after markDeviceClosed.
+func (g *Group) closedErr() error {
+	return fmt.Errorf("nccl: rank %d: %w", g.rank, procgroup.ErrClosed)
+}
+
+// releaseGrace is the least time releaseDevice gets, whatever is left of the deadline the
+// drain before it shared: freeing takes microseconds where nothing is stuck, and a
+// deadline already spent would report a timeout where there was none.
+const releaseGrace = 100 * time.Millisecond
+
 // releaseDevice frees what openDevice created, once the comm stream has drained (or was
 // never used). The handles stay in their fields (dangling): every user checks g.state under
 // g.mu first. It returns "" once it has, or what did not return by deadline (cublasDestroy,
@@ -256,8 +275,12 @@ func (g *Group) releaseDevice(deadline time.Time) string {
 	if g.cuCtx == nil {
 		return ""
 	}
-	if !g.releaseBLAS(deadline) {
-		return "cublasDestroy (which synchronises the device) did not return"
+	g.markDeviceClosed()
+	if least := time.Now().Add(releaseGrace); deadline.Before(least) {
+		deadline = least
+	}
+	if why := g.releaseBLAS(deadline); why != "" {
+		return why
 	}
 	if !lockBy(&g.modUse, deadline) {
 		return "a kernel launch did not return"
@@ -285,8 +308,8 @@ func (g *Group) releaseDevice(deadline time.Time) string {
 		g.devMu.Lock()
 		if g.module != nil {
 			C.goddp_module_unload(l, g.cuCtx, g.module)
-			g.module, g.moduleErr = nil, fmt.Errorf("nccl: rank %d: %w", g.rank, procgroup.ErrClosed)
 		}
+		g.module, g.moduleErr = nil, g.closedErr()
 		g.devMu.Unlock()
 		if g.stream != nil {
 			C.goddp_cuStreamDestroy(l, g.stream)

@@ -407,6 +407,15 @@ func TestCloseAfterAbortWithUndrainedStream(t *testing.T) {
 		func() { g.Abort(nil) })
 	wantErr(t, waitT(t, w), procgroup.ErrAborted, "allreduce #1")
 	wantErr(t, g.Close(), procgroup.ErrTimeout, "rank 0", "comm stream did not drain within 200ms", "left allocated")
+	// The resources stay allocated, but the device operations are closed: no new cuBLAS
+	// handle, no kernel module loaded into a context the group has let go of.
+	handles := l.knob("blas_handles", 0)
+	wantErr(t, g.PrepareBLAS(), procgroup.ErrClosed, "rank 0")
+	if n := l.knob("blas_handles", 0) - handles; n != 0 {
+		t.Errorf("PrepareBLAS after the abort created %d cuBLAS handles", n)
+	}
+	d := procgroup.DeviceBuffer{Ptr: 1, Type: procgroup.Float32, Count: 1}
+	wantErr(t, g.ScaleAsync(0, d, d, 2, true), procgroup.ErrClosed, "rank 0")
 	gs[1].Abort(nil)
 }
 

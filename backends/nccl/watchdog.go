@@ -24,30 +24,33 @@ const (
 	maxPoll = time.Millisecond
 )
 
-// Note [Bounded teardown]: no wait on the way out of a group is unbounded, since a peer may
-// be dead. Close finalizes the communicator (ncclCommFinalize, NCCL 2.14 or later, which
-// waits for the peers to finish their operations) and then destroys it; past
+// Note [Bounded teardown]: no wait on the way out of a group is unbounded, since a peer
+// may be dead. Close finalizes the communicator (ncclCommFinalize, NCCL 2.14 or later,
+// which waits for the peers to finish their operations) and then destroys it; past
 // finalizeTimeout, or when ncclCommFinalize fails, the watchdog aborts it instead
 // (ncclCommAbort, from another thread, unblocks a finalize or destroy that waits for a
 // peer) and Close returns an error naming the call, wrapping procgroup.ErrTimeout for a
 // deadline. ncclCommAbort itself may not return (NVIDIA/nccl#829): it runs on a goroutine
 // of its own, waited for drainTimeout at most. After ncclCommAbort, or before the device
 // resources are freed, the comm stream is drained by polling an event recorded at its end
-// (never cuStreamSynchronize, which an abort cannot interrupt). The abort, the wait for the
-// calls it unblocks and the drain share one drainTimeout, so Close returns within
-// finalizeTimeout + drainTimeout in all, and Abort within drainTimeout. If by then
-// ncclCommAbort, an issuer's NCCL call, ncclCommFinalize or ncclCommDestroy has not
-// returned, or the stream has not drained, the group's device memory, events and stream
-// are left allocated rather than freed under a call or a kernel that may still use them, a
-// warning says so, and Close's error too (wrapping procgroup.ErrTimeout); the goroutines
-// given up on are counted in g.stuck. The device resources are freed under the same
-// deadline: cublasDestroy, which synchronises the whole device and so waits for the
-// trainer's streams too, runs on such a goroutine, and a kernel launch in progress holds
-// g.modUse, which releaseDevice waits for to unload the module; past the deadline the
-// resources are left allocated as above. Without ncclCommFinalize (NCCL before 2.14) Close
-// calls ncclCommDestroy alone, and a destroy that hangs cannot be aborted (it is freeing
-// the communicator): Close then returns past its deadline, leaving the resources
-// allocated.
+// (never cuStreamSynchronize, which an abort cannot interrupt). The abort, the wait for
+// the calls it unblocks and the drain share one drainTimeout, so Close returns within
+// finalizeTimeout + drainTimeout + releaseGrace in all, and Abort within drainTimeout +
+// releaseGrace. If by then ncclCommAbort, an issuer's NCCL call, ncclCommFinalize or
+// ncclCommDestroy has not returned, or the stream has not drained, the group's device
+// memory, events and stream are left allocated rather than freed under a call or a kernel
+// that may still use them, a warning says so, and Close's error too (wrapping
+// procgroup.ErrTimeout); the goroutines given up on are counted in g.stuck. The device
+// resources are freed under the same deadline: cublasDestroy, which synchronises the whole
+// device and so waits for the trainer's streams too, runs on such a goroutine, and a
+// kernel launch in progress holds g.modUse, which releaseDevice waits for to unload the
+// module; past the deadline (which the release stretches to releaseGrace at least, where
+// the drain has spent it) the resources are left allocated as above. Either way the device
+// operations fail with ErrClosed from the start of the teardown (markDeviceClosed), so
+// that nothing creates a cuBLAS handle or loads a module into a context the group lets go
+// of. Without ncclCommFinalize (NCCL before 2.14) Close calls ncclCommDestroy alone, and a
+// destroy that hangs cannot be aborted (it is freeing the communicator): Close then
+// returns past its deadline, leaving the resources allocated.
 //
 // One hazard remains, on the blocking communicators that the group creates: an abort (a
 // timeout, an async error, Abort, a ctx that ends) while an issuer is inside a
@@ -98,6 +101,7 @@ func (g *Group) watchdog() {
 		}
 		if head == nil {
 			if state == stateClosing {
+				g.markDeviceClosed()
 				quiet, deadline, err := g.finalize()
 				if quiet {
 					if why := g.release(deadline); why != "" {
@@ -240,6 +244,7 @@ const defaultAbortGrace = 50 * time.Millisecond
 // thread). An issuer found inside its call gets g.abortGrace to return; one still inside
 // after it is blocked there (waiting for peers), and the abort is what unblocks it.
 func (g *Group) finishAbort() {
+	g.markDeviceClosed()
 	deadline := time.Now().Add(g.drainTimeout)
 	aborted := true
 	if g.comm != nil && !g.commGone {
