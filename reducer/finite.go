@@ -24,6 +24,10 @@ import (
 //     replicas must anyway). So Finalize's unpack checks each reduced parameter the same
 //     way, after its copy back into Param.Grad (while later buckets still reduce); with
 //     GradientAsBucketView, where nothing is copied, it reads the bucket once instead.
+//   - With Options.Scattered (a reduce-scatter in place: ZeRO stage 2) a rank holds the
+//     reduction of its own block of each bucket only, so it checks that block alone and
+//     the ranks' findings differ: every synced Finalize then runs the exchange below,
+//     whatever this rank found, and the union of the ranks' reduced flags decides.
 //   - Only if a reduced value is not finite, on every rank alike, Finalize runs one more
 //     collective: an AllGather of every rank's flags, one bit per parameter, and returns the
 //     same *NonFiniteError on every rank, naming the ranks and parameters whose local
@@ -131,7 +135,8 @@ type finiteState struct {
 	reducedBad []bool // per parameter: its reduced gradient in this step is not finite
 	anyLocal   bool
 	anyReduced bool
-	step       int // synced Finalizes completed since New
+	step       int     // synced Finalizes completed since New
+	mine, all  []int64 // endStepFinite's flags: this rank's, and every rank's
 }
 
 // noteLocal records whether parameter i's local contribution is finite. r.mu must be
@@ -155,15 +160,33 @@ func (r *Reducer) noteReduced(i int) {
 // held.
 func (r *Reducer) checkBucket(b int) {
 	s := &r.slots[b]
-	if s.f32 != nil && allFinite(s.f32) || s.f64 != nil && allFinite(s.f64) {
+	n := max(len(s.f32), len(s.f64))
+	lo, hi := r.checkedPart(bucket.Loc{Len: n}, n)
+	if s.f32 != nil && allFinite(s.f32[lo:hi]) || s.f64 != nil && allFinite(s.f64[lo:hi]) {
 		return
 	}
 	for _, i := range r.lay.Buckets[b].Params {
 		loc := r.lay.Where[i]
-		if s.f32 != nil && !allFinite(bucket.View(s.f32, loc)) || s.f64 != nil && !allFinite(bucket.View(s.f64, loc)) {
+		lo, hi := r.checkedPart(loc, n)
+		if s.f32 != nil && !allFinite(bucket.View(s.f32, loc)[lo:hi]) || s.f64 != nil && !allFinite(bucket.View(s.f64, loc)[lo:hi]) {
 			r.noteReduced(i)
 		}
 	}
+}
+
+// checkedPart is the part [lo, hi) of a parameter's view (at loc, in a bucket buffer of n
+// elements) that holds reduced values: all of it, or with Options.Scattered what lies in
+// this rank's block of the buffer (possibly nothing).
+func (r *Reducer) checkedPart(loc bucket.Loc, n int) (lo, hi int) {
+	if !r.opts.Scattered {
+		return 0, loc.Len
+	}
+	blk := n / r.pg.Size()
+	a, b := max(loc.Offset, r.pg.Rank()*blk), min(loc.Offset+loc.Len, (r.pg.Rank()+1)*blk)
+	if a >= b {
+		return 0, 0
+	}
+	return a - loc.Offset, b - loc.Offset
 }
 
 // endStepFinite ends a synced step's check: nil, nil if every reduced gradient is finite;
@@ -173,45 +196,68 @@ func (r *Reducer) endStepFinite(ctx context.Context) (*NonFiniteError, error) {
 	f := &r.fin
 	step := f.step
 	f.step++
-	if !f.anyReduced {
+	if !f.anyReduced && !r.opts.Scattered {
 		if f.anyLocal { // a non-finite local value that the hook made finite: nothing to say
 			clear(f.localBad)
 			f.anyLocal = false
 		}
 		return nil, nil
 	}
-	// Rare: allocating here costs nothing in a step whose gradients are finite.
+	// Each rank's flags: its local ones, then its reduced ones (with Options.Scattered
+	// each rank has checked its own block only, so the ranks' reduced flags differ and
+	// their union counts). The buffers are kept: with Scattered this runs every step.
 	words := (len(r.params) + 63) / 64
-	mine := make([]int64, words)
-	for i, bad := range f.localBad {
-		if bad {
+	n := r.pg.Size()
+	if len(f.mine) != 2*words {
+		f.mine, f.all = make([]int64, 2*words), make([]int64, n*2*words)
+	}
+	mine := f.mine
+	clear(mine)
+	for i := range r.params {
+		if f.localBad[i] {
 			mine[i/64] |= 1 << (i % 64)
 		}
+		if f.reducedBad[i] {
+			mine[words+i/64] |= 1 << (i % 64)
+		}
 	}
-	n := r.pg.Size()
-	all := make([]int64, n*words)
-	if err := r.pg.AllGather(ctx, all, mine).Wait(ctx); err != nil {
-		return nil, fmt.Errorf("reducer: step %d: non-finite averaged gradients; gathering the ranks' flags to name them: %w", step, err)
+	defer func() {
+		clear(f.localBad)
+		clear(f.reducedBad)
+		f.anyLocal, f.anyReduced = false, false
+	}()
+	if err := r.pg.AllGather(ctx, f.all, mine).Wait(ctx); err != nil {
+		return nil, fmt.Errorf("reducer: step %d: gathering the ranks' flags of non-finite gradients: %w", step, err)
+	}
+	bit := func(rank, half, i int) bool { return f.all[(rank*2+half)*words+i/64]&(1<<(i%64)) != 0 }
+	reduced := false
+	for rank := range n {
+		for i := range r.params {
+			reduced = reduced || bit(rank, 1, i)
+		}
+	}
+	if !reduced { // Scattered: every rank's block was finite
+		return nil, nil
 	}
 	e := &NonFiniteError{Step: step, Iter: r.m.Iter()}
 	someRank := make([]bool, len(r.params))
 	for rank := range n {
-		w := all[rank*words : (rank+1)*words]
 		for i := range r.params {
-			if w[i/64]&(1<<(i%64)) != 0 {
+			if bit(rank, 0, i) {
 				e.Local = append(e.Local, NonFiniteGrad{Rank: rank, Param: i, Name: r.params[i].Name})
 				someRank[i] = true
 			}
 		}
 	}
-	for i, bad := range f.reducedBad {
+	for i := range r.params {
+		bad := false
+		for rank := range n {
+			bad = bad || bit(rank, 1, i)
+		}
 		if bad && !someRank[i] {
 			e.Overflow = append(e.Overflow, NonFiniteGrad{Rank: -1, Param: i, Name: r.params[i].Name})
 		}
 	}
-	clear(f.localBad)
-	clear(f.reducedBad)
-	f.anyLocal, f.anyReduced = false, false
 	return e, nil
 }
 

@@ -58,6 +58,13 @@ type Options struct {
 	// stays zero: no gradient is copied there, and a sum of zeros is zero. Host buckets
 	// only.
 	PadBuckets int
+	// Scattered says that the CommHook reduce-scatters each padded bucket in place
+	// (package ddp's ZeRO stage 2, with PadBuckets the world size): afterwards only this
+	// rank's block of each bucket holds the reduction, and the rest its own local values.
+	// The check for non-finite gradients then reads that block alone, and every synced
+	// Finalize exchanges the ranks' flags, since no rank sees every reduced value (Note
+	// [Non-finite gradients]).
+	Scattered bool
 }
 
 // WithDefaults returns o with its zero fields set to their defaults: BucketCapMB 25,

@@ -100,6 +100,9 @@ func New(pg procgroup.ProcessGroup, params []Param, opts Options) (*Reducer, err
 	if err := opts.validate(); err != nil {
 		return nil, err
 	}
+	if opts.Scattered && (opts.PadBuckets != pg.Size() || pg.Size() < 2) {
+		return nil, fmt.Errorf("%w: Scattered needs PadBuckets equal to the world size (%d), got %d", ErrInvalidArgument, pg.Size(), opts.PadBuckets)
+	}
 	r := &Reducer{pg: pg, opts: opts, log: opts.Logger, params: append([]Param(nil), params...)}
 	if opts.Device {
 		dev, ok := procgroup.FindDevice(pg)
@@ -641,11 +644,13 @@ func (r *Reducer) unpack(b int) error {
 		if s.f32 != nil {
 			v := bucket.View(s.f32, loc)
 			copy(r.params[i].Grad.([]float32), v)
-			finite = !r.check || allFinite(v)
+			lo, hi := r.checkedPart(loc, len(s.f32))
+			finite = !r.check || allFinite(v[lo:hi])
 		} else {
 			v := bucket.View(s.f64, loc)
 			copy(r.params[i].Grad.([]float64), v)
-			finite = !r.check || allFinite(v)
+			lo, hi := r.checkedPart(loc, len(s.f64))
+			finite = !r.check || allFinite(v[lo:hi])
 		}
 		if !finite {
 			r.noteReduced(i)
