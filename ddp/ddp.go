@@ -147,6 +147,15 @@ type Options struct {
 	// Finalize fails the DDP. At stage 1 it takes the default all-reduce only. It must be
 	// the same on every rank.
 	ZeroOverlap bool
+	// ZeroForwardOverlap (with Zero) lets Step return once it has stepped the shard and
+	// issued the parameters' all-gathers, first parameters first, so that they run during
+	// the next forward (Note [ZeRO forward overlap] in zero_forward.go): the trainer must
+	// call WaitParams for a parameter before it reads that parameter's Param.Data
+	// (gorgoniaddp's taps do it where each parameter is first used). Finalize,
+	// GatherOptimizerState and Close complete what is left. The result is the bits of
+	// Step without it. It cannot be combined with ZeroOverlap, and must be the same on
+	// every rank.
+	ZeroForwardOverlap bool
 	// Optimizer makes the optimizer of this rank's shard, for n elements, with Zero (for
 	// instance optim.NewAdamW with the trainer's options). It must work element by element
 	// (package optim).
@@ -572,8 +581,8 @@ func (d *DDP) Finalize(ctx context.Context) error {
 	}
 
 	var active int
-	var err error
-	if synced && d.opts.UnevenInputs {
+	err := d.completeGathers(ctx) // what forward did not wait for: Note [ZeRO forward overlap]
+	if err == nil && synced && d.opts.UnevenInputs {
 		active, _, err = d.join.wait(ctx)
 	}
 	if err == nil {
@@ -770,8 +779,12 @@ func (d *DDP) Err() error {
 
 // Close releases the DDP (not the process group, which stays the caller's). Closing during a
 // synced backward aborts the process group. It is idempotent and cannot fail; Finalize and
-// BroadcastBuffers return ErrClosed after it.
+// BroadcastBuffers return ErrClosed after it. With Options.ZeroForwardOverlap it first
+// waits for the all-gathers that Step left in flight (within the group's timeout).
 func (d *DDP) Close() {
+	// The all-gathers that Step left in flight (Note [ZeRO forward overlap]): the peers'
+	// match them, so they are waited for, not aborted; an error fails nothing now.
+	_ = d.completeGathers(context.Background())
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.phase == phaseClosed {

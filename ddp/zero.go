@@ -53,8 +53,9 @@ import (
 // in zero_overlap.go) each bucket's block is stepped, and its all-gather issued, as soon as
 // its reduction completes, in a fixed order on one goroutine, so the all-gathers queue on
 // the link behind the reductions during the rest of backward, with the bits of Step
-// without it. Either way the all-gather is not overlapped with the next forward: Step
-// returns once the parameters are in place. Checkpoints see the whole state, as one
+// without it. Either way Step returns once the parameters are in place, unless
+// Options.ZeroForwardOverlap lets the all-gathers run into the next forward instead (Note
+// [ZeRO forward overlap] in zero_forward.go). Checkpoints see the whole state, as one
 // optimizer over every parameter in index order would hold it: GatherOptimizerState
 // all-gathers it, SetOptimizerState takes this rank's blocks from it, at any world size.
 
@@ -66,6 +67,8 @@ type zeroState struct {
 	// bucket's block (Note [ZeRO overlap]); nil before the first Step.
 	opts    []optim.Optimizer
 	overlap bool                       // Options.ZeroOverlap, with more than one rank
+	forward bool                       // Options.ZeroForwardOverlap, with more than one rank
+	gather  gatherState                // the all-gathers Step left in flight (forward only)
 	inner   reducer.CommHook           // the reduction the overlap's issuer launches
 	run     *overlapRun                // the overlapped pass not yet collected by Step; guarded by mu
 	cur     atomic.Pointer[overlapRun] // the same, for the hook
@@ -95,8 +98,8 @@ type zeroSeg struct {
 func checkZero(o *Options) error {
 	switch {
 	case o.Zero == 0:
-		if o.ZeroOverlap {
-			return fmt.Errorf("%w: Options.ZeroOverlap without Options.Zero: set Zero 1 or 2", ErrInvalidArgument)
+		if o.ZeroOverlap || o.ZeroForwardOverlap {
+			return fmt.Errorf("%w: %s without Options.Zero: set Zero 1 or 2", ErrInvalidArgument, zeroOverlapName(o))
 		}
 		if o.Optimizer != nil {
 			return fmt.Errorf("%w: Options.Optimizer without Options.Zero: step the optimizer yourself, or set Zero 1 or 2", ErrInvalidArgument)
@@ -123,6 +126,8 @@ func checkZero(o *Options) error {
 		with = "AutoHook (its measured passes rebuild the buckets, which would move the shards)"
 	case o.Zero == 2 && o.CommHook != nil && o.CommHook != reducer.AllReduceHook():
 		with = "a CommHook at stage 2 (the buckets are reduce-scattered instead)"
+	case o.ZeroOverlap && o.ZeroForwardOverlap:
+		with = "Options.ZeroForwardOverlap (choose one: the all-gathers follow the reductions during backward, or run during the next forward)"
 	case o.ZeroOverlap && o.CommHook != nil && o.CommHook != reducer.AllReduceHook():
 		with = "Options.ZeroOverlap and a CommHook (the overlapped step reads the bucket before the hook's Finish)"
 	}
@@ -160,10 +165,21 @@ func zeroLine(o *Options) string {
 	if o.Zero == 0 {
 		return ""
 	}
-	if o.ZeroOverlap {
+	switch {
+	case o.ZeroOverlap:
 		return fmt.Sprintf(" (Options.Zero %d, ZeroOverlap)", o.Zero)
+	case o.ZeroForwardOverlap:
+		return fmt.Sprintf(" (Options.Zero %d, ZeroForwardOverlap)", o.Zero)
 	}
 	return fmt.Sprintf(" (Options.Zero %d)", o.Zero)
+}
+
+// zeroOverlapName names the overlap option set, for the errors of checkZero.
+func zeroOverlapName(o *Options) string {
+	if o.ZeroOverlap {
+		return "Options.ZeroOverlap"
+	}
+	return "Options.ZeroForwardOverlap"
 }
 
 // newZero sets up Options.Zero for the checked parameters: stage 2's hook and padding go
@@ -181,9 +197,11 @@ func newZero(o *Options, params []Param, rank, size int, ro *reducer.Options) (*
 	}
 	if o.Zero == 2 && size > 1 {
 		ro.CommHook = reduceScatterHook{rank: rank, size: size, rebuilt: &z.rebuilt}
-		ro.PadBuckets = size
+		ro.PadBuckets, ro.Scattered = size, true
 	}
-	if o.ZeroOverlap && size > 1 { // Note [ZeRO overlap]
+	z.forward = o.ZeroForwardOverlap && size > 1 // Note [ZeRO forward overlap] in zero_forward.go
+	if o.ZeroOverlap && size > 1 {
+		// Note [ZeRO overlap]
 		z.overlap, z.inner = true, ro.CommHook
 		if z.inner == nil {
 			z.inner = reducer.AllReduceHook()
@@ -298,7 +316,8 @@ func (seg *zeroSeg) owned(off, n int, f func(k, s, l int)) {
 // succeeded: this rank's shard of the parameters moves against its shard of the averaged
 // gradients, and every bucket's shards are then all-gathered into every rank's Param.Data
 // (Note [ZeRO]). Every rank must call it after the same Finalize; it returns when the
-// parameters are in place. The optimizer is made (Options.Optimizer) at the first Step.
+// parameters are in place (with Options.ZeroForwardOverlap, once their all-gathers are
+// issued: WaitParams waits for them). The optimizer is made (Options.Optimizer) at the first Step.
 // Without Zero, or without a synced Finalize since the last Step, it returns ErrPhase and
 // leaves the DDP usable; an error of the optimizer or of a collective, or ctx's, fails the
 // DDP.
@@ -373,6 +392,10 @@ func (d *DDP) zeroStep(ctx context.Context) error {
 	}
 	if err := z.stepAll(); err != nil {
 		return err
+	}
+	if z.forward { // the next forward waits for them: Note [ZeRO forward overlap]
+		d.issueGathers()
+		return nil
 	}
 	if d.pg.Size() == 1 {
 		for b := range z.segs {
@@ -458,7 +481,7 @@ func (d *DDP) GatherOptimizerState(ctx context.Context, full optim.State) error 
 	d.mu.Unlock()
 
 	*full.Steps = *own.Steps
-	var err error
+	err := d.completeGathers(ctx) // Note [ZeRO forward overlap]: gatherEach reuses their outputs
 	for k := 0; k < len(own.Vectors) && err == nil; k++ {
 		dst, src := full.Vectors[k].Data, z.stateVector(k)
 		if d.pg.Size() == 1 {

@@ -28,7 +28,7 @@ func TestZeroOverlapEqualsStep(t *testing.T) {
 			plain := zeroRun(t, n, 0, opt, steps, nil)
 			for zero := 1; zero <= 2; zero++ {
 				step := zeroRun(t, n, zero, opt, steps, nil)
-				over := zeroRunWith(t, n, zero, true, opt, steps, nil)
+				over := zeroRunWith(t, n, zero, zeroOverlap, opt, steps, nil)
 				if over.params[0][0] == 0.5 {
 					t.Fatalf("%s n=%d zero %d: the overlapped run did not move the parameters", opt, n, zero)
 				}
@@ -604,7 +604,7 @@ func TestZeroOverlapResume(t *testing.T) {
 			from, to := nn[0], nn[1]
 			half := zeroRun(t, from, zero, "adamw", 3, nil)
 			step := zeroRun(t, to, zero, "adamw", 3, &half)
-			over := zeroRunWith(t, to, zero, true, "adamw", 3, &half)
+			over := zeroRunWith(t, to, zero, zeroOverlap, "adamw", 3, &half)
 			if d := snapDiff(step, over); d != "" {
 				t.Errorf("zero %d, %d→%d ranks: resumed overlapped vs resumed Step: %s", zero, from, to, d)
 			}

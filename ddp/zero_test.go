@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -68,11 +69,22 @@ type zeroSnap struct {
 // the parameters, flattened in index order, itself.
 func zeroRun(t *testing.T, n, zero int, opt string, steps int, from *zeroSnap) zeroSnap {
 	t.Helper()
-	return zeroRunWith(t, n, zero, false, opt, steps, from)
+	return zeroRunWith(t, n, zero, zeroInStep, opt, steps, from)
 }
 
-// zeroRunWith is zeroRun with Options.ZeroOverlap set to overlap.
-func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int, from *zeroSnap) zeroSnap {
+// zeroHow says where a ZeRO run's step and all-gathers go.
+type zeroHow int
+
+const (
+	zeroInStep  zeroHow = iota // all in Step
+	zeroOverlap                // Options.ZeroOverlap: during backward
+	zeroForward                // Options.ZeroForwardOverlap: into the next forward
+)
+
+// zeroRunWith is zeroRun with the step and all-gathers where how puts them. With
+// zeroForward each rank waits for each parameter (WaitParams) right before it reads it,
+// in its own order, and leaves the last step's all-gathers to GatherOptimizerState.
+func zeroRunWith(t *testing.T, n, zero int, how zeroHow, opt string, steps int, from *zeroSnap) zeroSnap {
 	t.Helper()
 	outs := make([]zeroSnap, n)
 	body := func(rank int, pg procgroup.ProcessGroup) error {
@@ -94,7 +106,8 @@ func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int,
 		o := Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst}
 		var flat optim.Optimizer // stage 0's
 		if zero > 0 {
-			o.Zero, o.Optimizer, o.ZeroOverlap = zero, zeroOpts[opt], overlap
+			o.Zero, o.Optimizer = zero, zeroOpts[opt]
+			o.ZeroOverlap, o.ZeroForwardOverlap = how == zeroOverlap, how == zeroForward
 		} else {
 			var err error
 			if flat, err = zeroOpts[opt](total); err != nil {
@@ -135,6 +148,9 @@ func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int,
 			// Not the registration order (each rank its own): the first Finalize's rebuild
 			// moves the buckets, and so the shards.
 			for _, p := range rand.New(rand.NewPCG(uint64(rank), uint64(s))).Perm(len(params)) {
+				if err := d.WaitParams(ctx, p); err != nil {
+					return err
+				}
 				w, x := params[p].Data.([]float32), zeroX(rank, s, p, zeroLens[p])
 				for k := range x {
 					x[k] = w[k] - x[k]
@@ -166,15 +182,19 @@ func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int,
 			}
 		}
 		out := zeroSnap{step: start + steps, state: full(probe.State())}
-		for _, p := range params {
-			out.params = append(out.params, p.Data.([]float32))
+		if zero > 0 && how == zeroForward && n > 1 {
+			// The last Step returned with every bucket's all-gather in flight, none
+			// collected: GatherOptimizerState must complete them.
+			if got, want := d.zero.gather.pending.Load(), int32(len(d.zero.segs)); got != want {
+				return fmt.Errorf("after the last Step %d buckets' all-gathers are pending, want %d", got, want)
+			}
 		}
 		if zero > 0 {
 			d.mu.Lock()
 			passes := d.zero.passes
 			d.mu.Unlock()
 			want := 0
-			if overlap && n > 1 {
+			if how == zeroOverlap && n > 1 {
 				want = steps - 1 // all but the one before the first Step
 			}
 			if passes != want {
@@ -184,6 +204,9 @@ func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int,
 				return err
 			}
 			out.bytes = []int64{d.OptimizerStateBytes()}
+			if p := d.zero.gather.pending.Load(); p != 0 {
+				return fmt.Errorf("after GatherOptimizerState %d buckets' all-gathers are pending", p)
+			}
 		} else {
 			st := flat.State()
 			*out.state.Steps = *st.Steps
@@ -191,6 +214,9 @@ func zeroRunWith(t *testing.T, n, zero int, overlap bool, opt string, steps int,
 				copy(out.state.Vectors[k].Data, st.Vectors[k].Data)
 			}
 			out.bytes = []int64{st.Bytes()}
+		}
+		for _, p := range params { // a copy: Close must not be what completes them
+			out.params = append(out.params, slices.Clone(p.Data.([]float32)))
 		}
 		outs[rank] = out
 		return nil
@@ -512,6 +538,72 @@ func TestZeroStage2ReduceScatters(t *testing.T) {
 	for op, want := range map[procgroup.CollectiveOp]int{procgroup.OpReduceScatter: buckets, procgroup.OpAllGather: buckets, procgroup.OpAllReduce: 0} {
 		if got := after[op] - before[op]; got != want {
 			t.Errorf("the third step issued %d of op %v, want %d (%d buckets)", got, op, want, buckets)
+		}
+	}
+}
+
+// TestZeroStage2NonFiniteOwnBlock: at stage 2 a NaN in rank 0's gradient where only rank 0's
+// block of its bucket holds the reduction (the bucket's first element) is seen by rank 0
+// alone; every rank still returns the same *NonFiniteError naming rank 0 and the
+// parameter, issuing the same collectives (pgtest fails any that differ), and the next
+// step, finite, goes through. n = 2 and 3.
+func TestZeroStage2NonFiniteOwnBlock(t *testing.T) {
+	for _, n := range []int{2, 3} {
+		c := pgtest.NewCluster(n)
+		errs := make([]string, n)
+		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			params := zeroParams()
+			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, Optimizer: zeroOpts["adamw"]})
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			nan := -1 // the parameter that holds rank 0's NaN
+			for s := range 3 {
+				if s == 1 {
+					nan = d.zero.segs[0].bk.Params[0] // at offset 0 of bucket 0: rank 0's block
+				}
+				d.BeginBackward(Sync)
+				for p := range params {
+					x := zeroX(rank, s, p, zeroLens[p])
+					if s == 1 && rank == 0 && p == nan {
+						x[0] = float32(math.NaN())
+					}
+					if err := d.GradReady(p, x); err != nil {
+						return err
+					}
+				}
+				err := d.Finalize(ctx)
+				if s != 1 {
+					if err != nil {
+						return fmt.Errorf("step %d: %w", s, err)
+					}
+					if err := d.Step(ctx); err != nil {
+						return err
+					}
+					continue
+				}
+				var nf *NonFiniteError
+				if !errors.As(err, &nf) || d.Err() != nil {
+					return fmt.Errorf("step 1: Finalize %v (DDP %v), want a *NonFiniteError and a working DDP", err, d.Err())
+				}
+				errs[rank] = nf.Error()
+				if len(nf.Local) != 1 || nf.Local[0].Rank != 0 || nf.Local[0].Param != nan {
+					return fmt.Errorf("step 1: %v, want rank 0's parameter %d named", nf, nan)
+				}
+			}
+			return nil
+		})
+		c.Close()
+		if err != nil {
+			t.Fatalf("n=%d: %v", n, err)
+		}
+		for r := 1; r < n; r++ {
+			if errs[r] != errs[0] {
+				t.Errorf("n=%d: rank %d's error %q, rank 0's %q", n, r, errs[r], errs[0])
+			}
 		}
 	}
 }

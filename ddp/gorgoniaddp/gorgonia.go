@@ -90,6 +90,7 @@ func ParamsFromNodes(nodes []*gorgonia.Node, gradientAsBucketView bool) ([]ddp.P
 type Taps struct {
 	nodes  []*gorgonia.Node
 	hook   GradHook
+	wait   ParamWait // nil, or what every tap waits for in forward (TapWait)
 	tapped []*gorgonia.Node
 }
 
@@ -106,7 +107,7 @@ func (t *Taps) Use(i int) (*gorgonia.Node, error) {
 		return nil, fmt.Errorf("%w: parameter %d of %d", ddp.ErrInvalidArgument, i, len(t.nodes))
 	}
 	if t.tapped[i] == nil {
-		n, err := Tap(t.nodes[i], i, t.hook)
+		n, err := TapWait(t.nodes[i], i, t.hook, t.wait)
 		if err != nil {
 			return nil, err
 		}
@@ -141,7 +142,20 @@ func WrapNodes(ctx context.Context, pg procgroup.ProcessGroup, learnables []*gor
 	if err != nil {
 		return nil, nil, err
 	}
-	return d, NewTaps(learnables, Hook(d)), nil
+	taps := NewTaps(learnables, Hook(d))
+	taps.wait = Wait(d)
+	return d, taps, nil
+}
+
+// Wait returns the ParamWait (for TapWait, or a model's option) that waits for parameter
+// i's value with d.WaitParams, or nil where d never leaves one in flight (without
+// ddp.Options.ZeroForwardOverlap). The wait is bounded by the process group's timeout; its
+// errors have failed d.
+func Wait(d *ddp.DDP) ParamWait {
+	if !d.ForwardOverlap() {
+		return nil
+	}
+	return func(i int) error { return d.WaitParams(context.Background(), i) }
 }
 
 // Hook returns the GradHook (for Tap, or a model's hook option) that reports a gorgonia

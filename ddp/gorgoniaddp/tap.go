@@ -41,6 +41,20 @@ var ErrBadTap = errors.New("gorgoniaddp: bad tap")
 // gorgonia.Grad(cost, p) still yields p's gradient: the tap is transparent to values
 // and gradients (bit for bit).
 func Tap(p *gorgonia.Node, index int, hook GradHook) (*gorgonia.Node, error) {
+	return TapWait(p, index, hook, nil)
+}
+
+// ParamWait returns once parameter param's value is in place, or with the error that
+// stopped it: Wait(d) is DDP.WaitParams. A tap calls it in forward, right before it copies
+// its parameter.
+type ParamWait func(param int) error
+
+// TapWait is Tap whose forward first calls wait(index) (when wait is not nil), so that a
+// parameter whose value is still arriving (ddp.Options.ZeroForwardOverlap) is read only
+// once it is in place: the tap runs right before the op that consumes the parameter (Note
+// [Tap placement]), so forward waits for each parameter where it first needs it. An error
+// of wait fails the tap's op, and so the machine's run.
+func TapWait(p *gorgonia.Node, index int, hook GradHook, wait ParamWait) (*gorgonia.Node, error) {
 	switch {
 	case p == nil:
 		return nil, fmt.Errorf("%w: nil node (param %d)", ErrBadTap, index)
@@ -51,7 +65,7 @@ func Tap(p *gorgonia.Node, index int, hook GradHook) (*gorgonia.Node, error) {
 	case p.Shape() == nil || p.Shape().IsScalar():
 		return nil, fmt.Errorf("%w: param %d (%s) is not a tensor", ErrBadTap, index, p.Name())
 	}
-	n, err := gorgonia.ApplyOp(&tapOp{index: index, hook: hook}, p)
+	n, err := gorgonia.ApplyOp(&tapOp{index: index, hook: hook, wait: wait}, p)
 	if err != nil {
 		return nil, fmt.Errorf("gorgoniaddp: tap param %d (%s): %w", index, p.Name(), err)
 	}
@@ -145,6 +159,7 @@ type tapOp struct {
 	identity
 	index int
 	hook  GradHook
+	wait  ParamWait // nil: the value is always in place
 }
 
 var (
@@ -158,6 +173,11 @@ func (op *tapOp) Do(in ...gorgonia.Value) (gorgonia.Value, error) {
 }
 
 func (op *tapOp) UsePreallocDo(prealloc gorgonia.Value, in ...gorgonia.Value) (gorgonia.Value, error) {
+	if op.wait != nil {
+		if err := op.wait(op.index); err != nil {
+			return nil, fmt.Errorf("gorgoniaddp: tap param %d: waiting for its value: %w", op.index, err)
+		}
+	}
 	v, err := op.copyInto(prealloc, in)
 	if err != nil {
 		return nil, fmt.Errorf("gorgoniaddp: tap param %d: %w", op.index, err)

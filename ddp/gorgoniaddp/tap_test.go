@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"strings"
 	"testing"
 
 	"go.uber.org/goleak"
@@ -232,5 +233,75 @@ func TestTapBadInput(t *testing.T) {
 		if err := f(); !errors.Is(err, ErrBadTap) {
 			t.Errorf("%s: err = %v, want ErrBadTap", name, err)
 		}
+	}
+}
+
+// TestTapWait: a chain x·W0·W1·W2 whose taps are created where each weight is consumed
+// calls the wait of each parameter in forward order, once per run, before the tap reads
+// it: a wait that writes the parameter's new value into its tensor (as an all-gather
+// landing in Param.Data would) gives the loss of the new values, not of the old. A wait's
+// error fails the run, wrapped.
+func TestTapWait(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	old := []*tensor.Dense{randDense(r, tensor.Shape{3, 3}), randDense(r, tensor.Shape{3, 3}), randDense(r, tensor.Shape{3, 3})}
+	fresh := []*tensor.Dense{randDense(r, tensor.Shape{3, 3}), randDense(r, tensor.Shape{3, 3}), randDense(r, tensor.Shape{3, 3})}
+	x := randDense(r, tensor.Shape{2, 3})
+	build := func(vals []*tensor.Dense, wait ParamWait) (*gorgonia.Node, []*tensor.Dense, gorgonia.VM) {
+		g := gorgonia.NewGraph()
+		h := gorgonia.NewTensor(g, tensor.Float64, 2, gorgonia.WithShape(2, 3), gorgonia.WithValue(x))
+		var params gorgonia.Nodes
+		var held []*tensor.Dense
+		for i, v := range vals {
+			v = v.Clone().(*tensor.Dense)
+			held = append(held, v)
+			p := gorgonia.NewTensor(g, tensor.Float64, 2, gorgonia.WithShape(3, 3), gorgonia.WithValue(v))
+			params = append(params, p)
+			tp, err := TapWait(p, i, func(int, *tensor.Dense) {}, wait)
+			if err != nil {
+				t.Fatal(err)
+			}
+			h = gorgonia.Must(gorgonia.Mul(h, tp))
+		}
+		loss := gorgonia.Must(gorgonia.Sum(gorgonia.Must(gorgonia.Square(h))))
+		if _, err := gorgonia.Grad(loss, params...); err != nil {
+			t.Fatal(err)
+		}
+		return loss, held, gorgonia.NewTapeMachine(g)
+	}
+	lossOf := func(n *gorgonia.Node) float64 { return n.Value().Data().(float64) }
+
+	wantLoss, _, vm := build(fresh, nil)
+	if err := vm.RunAll(); err != nil {
+		t.Fatal(err)
+	}
+	want := lossOf(wantLoss)
+	vm.Close()
+
+	var order []int
+	var held []*tensor.Dense
+	loss, held, vm := build(old, func(i int) error {
+		order = append(order, i)
+		copy(held[i].Data().([]float64), fresh[i].Data().([]float64)) // the value arrives
+		return nil
+	})
+	defer vm.Close()
+	if err := vm.RunAll(); err != nil {
+		t.Fatal(err)
+	}
+	if got := lossOf(loss); got != want || len(order) != 3 || order[0] != 0 || order[1] != 1 || order[2] != 2 {
+		t.Errorf("loss %v with the waits (order %v), want %v (the new values') in order [0 1 2]", got, order, want)
+	}
+
+	boom := errors.New("boom") // returned by the wait of parameter 1
+	_, _, vm2 := build(old, func(i int) error {
+		if i == 1 {
+			return boom
+		}
+		return nil
+	})
+	defer vm2.Close()
+	// gorgonia's machine keeps the message, not the error chain.
+	if err := vm2.RunAll(); err == nil || !strings.Contains(err.Error(), "tap param 1: waiting for its value: boom") {
+		t.Errorf("a failing wait: RunAll %v, want its error", err)
 	}
 }

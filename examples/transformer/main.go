@@ -59,6 +59,7 @@ type flags struct {
 	checkpointDir string
 	zero          int  // --zero: ddp.Options.Zero
 	zeroOverlap   bool // --zero_overlap: ddp.Options.ZeroOverlap
+	zeroForward   bool // --zero_forward_overlap: ddp.Options.ZeroForwardOverlap
 	ckptEvery     int
 	resume        bool
 	cpuProfile    string
@@ -155,6 +156,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "directory for checkpoints (empty: none)")
 	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 AdamW's state sharded over the ranks, 2 gradients reduce-scattered too; a checkpoint holds the whole state and resumes at any stage")
 	fs.BoolVar(&f.zeroOverlap, "zero_overlap", false, "with --zero: step each bucket's shard and issue its all-gather as soon as its reduction completes, during backward, instead of after it (ddp.Options.ZeroOverlap: the same bits)")
+	fs.BoolVar(&f.zeroForward, "zero_forward_overlap", false, "with --zero: let the parameters' all-gathers run into the next forward, which waits for each bucket where it first uses it (ddp.Options.ZeroForwardOverlap: the same bits)")
 	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and at the end)")
 	fs.BoolVar(&f.resume, "resume", false, "resume from the checkpoint in --checkpoint_dir if there is one")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
@@ -217,6 +219,10 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 		return f, errors.New("--zero 1 and 2 take neither --no_ddp, --global_batch_size nor --bucket_cap_mb auto")
 	case f.zeroOverlap && f.zero == 0:
 		return f, errors.New("--zero_overlap needs --zero 1 or 2")
+	case f.zeroForward && f.zero == 0:
+		return f, errors.New("--zero_forward_overlap needs --zero 1 or 2")
+	case f.zeroForward && f.zeroOverlap:
+		return f, errors.New("--zero_forward_overlap and --zero_overlap: choose one (the all-gathers run during the next forward, or during backward)")
 	case f.zeroOverlap && f.inject.on:
 		return f, errors.New("--zero_overlap takes no --inject_nan: the overlapped step is taken before the check for non-finite gradients")
 	}
@@ -517,7 +523,7 @@ func trainEpoch(ctx context.Context, f flags, m *model.Model, pg procgroup.Proce
 	graphBuild.Lock()
 	t.g, err = m.NewGraph(model.GraphOptions{
 		Batch: batch, SeqLen: f.seqLen, Train: true, DataSeed: f.seed,
-		LossScale: scale, Hook: hook,
+		LossScale: scale, Hook: hook, Wait: t.paramWait(),
 	})
 	graphBuild.Unlock()
 	if err != nil {
@@ -654,7 +660,7 @@ func (t *trainer) initSync(ctx context.Context, log *zap.Logger) error {
 	}
 	if t.f.zero > 0 { // the same AdamW as --zero 0's, bit for bit
 		lr := t.f.lr
-		opts.Zero, opts.ZeroOverlap = t.f.zero, t.f.zeroOverlap
+		opts.Zero, opts.ZeroOverlap, opts.ZeroForwardOverlap = t.f.zero, t.f.zeroOverlap, t.f.zeroForward
 		opts.Optimizer = func(n int) (optim.Optimizer, error) {
 			return optim.NewAdamW(n, optim.AdamWOptions{LR: lr})
 		}
@@ -763,7 +769,7 @@ func (t *trainer) runStep(ctx context.Context, step, total int) error {
 	}
 	if f.checkpointDir != "" && ((step+1)%f.ckptEvery == 0 || step == total-1) {
 		end := t.obs.tr.Span("checkpoint")
-		if t.zeroFull != nil { // every rank: the shards' state, whole
+		if t.zeroFull != nil { // every rank: the shards' state, whole, and the parameters in place
 			if err := t.d.GatherOptimizerState(ctx, t.zeroFull.State()); err != nil {
 				return fmt.Errorf("rank %d: step %d: gathering AdamW's state for the checkpoint: %w", t.w.rank, step, err)
 			}
@@ -944,6 +950,15 @@ func (t *trainer) showShardsLoss(ctx context.Context, step int) error {
 	return nil
 }
 
+// paramWait is what the graph's taps wait for before they read a parameter: the DDP's
+// all-gathers with --zero_forward_overlap, nothing otherwise.
+func (t *trainer) paramWait() gorgoniaddp.ParamWait {
+	if t.d == nil {
+		return nil
+	}
+	return gorgoniaddp.Wait(t.d)
+}
+
 // finish ends the run: the observer's final reports, the timed steps' figures (rank 0), a
 // barrier, the peak RSS and the parameters' checksum.
 func (t *trainer) finish(ctx context.Context) error {
@@ -957,6 +972,11 @@ func (t *trainer) finish(ctx context.Context) error {
 		}
 		if t.ov.n > 0 {
 			fmt.Fprintln(t.stdout, t.ov.String())
+		}
+	}
+	if t.d != nil { // --zero_forward_overlap: the last Step's all-gathers
+		if err := t.d.WaitParams(ctx); err != nil {
+			return fmt.Errorf("rank %d: the last step's parameters: %w", t.w.rank, err)
 		}
 	}
 	if t.pg != nil {

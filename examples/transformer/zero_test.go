@@ -53,9 +53,11 @@ func TestZeroUnderDDPRun(t *testing.T) {
 }
 
 // TestZeroFlags: --zero out of range, or with what it cannot take yet, is refused naming
-// the flag; so is --zero_overlap without --zero or with --inject_nan.
+// the flag; so is --zero_overlap without --zero or with --inject_nan, and
+// --zero_forward_overlap without --zero or with --zero_overlap.
 func TestZeroFlags(t *testing.T) {
-	for _, args := range []string{"--zero 3", "--zero 2 --no_ddp", "--zero 1 --bucket_cap_mb auto", "--zero_overlap", "--zero 2 --zero_overlap --inject_nan 0:1:0"} {
+	for _, args := range []string{"--zero 3", "--zero 2 --no_ddp", "--zero 1 --bucket_cap_mb auto", "--zero_overlap", "--zero 2 --zero_overlap --inject_nan 0:1:0",
+		"--zero_forward_overlap", "--zero 2 --zero_overlap --zero_forward_overlap"} {
 		if _, err := parseFlags(strings.Fields(args), &bytes.Buffer{}); err == nil || !strings.Contains(err.Error(), "--zero") {
 			t.Errorf("%s: %v, want an error naming --zero", args, err)
 		}
@@ -65,9 +67,12 @@ func TestZeroFlags(t *testing.T) {
 // TestZeroOverlapUnderDDPRun launches this trainer under the real ddprun on 2 ranks with
 // --zero 1 and 2 and --zero_overlap (TestZeroUnderDDPRun's model: the rebuild moves the
 // buckets, dropout on): every rank ends with the params_crc32 of --zero 0, the bits of
-// --zero without the overlap. A --zero 2 --zero_overlap run checkpointed after 3 steps and
-// resumed with --zero_overlap to 6 ends with the uninterrupted run's params_crc32: the
-// per-bucket optimizers' state goes through the file whole.
+// --zero without the overlap; so does --zero_forward_overlap, whose all-gathers the next
+// forward waits for. A --zero 2 --zero_overlap run checkpointed after 3 steps and resumed
+// with --zero_overlap to 6 ends with the uninterrupted run's params_crc32: the per-bucket
+// optimizers' state goes through the file whole; and so does one with
+// --zero_forward_overlap, whose file is written with the last step's all-gathers in
+// flight (GatherOptimizerState completes them first).
 func TestZeroOverlapUnderDDPRun(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds ddprun")
@@ -87,14 +92,21 @@ func TestZeroOverlapUnderDDPRun(t *testing.T) {
 	}
 	want := run("--bench_steps 5 --zero 0")
 	for zero := 1; zero <= 2; zero++ {
-		if got := run(fmt.Sprintf("--bench_steps 5 --zero %d --zero_overlap", zero)); got != want {
-			t.Errorf("--zero %d --zero_overlap: %s, --zero 0: %s", zero, got, want)
+		for _, o := range []string{"--zero_overlap", "--zero_forward_overlap"} {
+			if got := run(fmt.Sprintf("--bench_steps 5 --zero %d %s", zero, o)); got != want {
+				t.Errorf("--zero %d %s: %s, --zero 0: %s", zero, o, got, want)
+			}
 		}
 	}
 	dir := filepath.Join(t.TempDir(), "ckpt")
 	run("--bench_steps 2 --zero 2 --zero_overlap --checkpoint_dir " + dir)
 	if got := run("--bench_steps 5 --zero 2 --zero_overlap --resume --checkpoint_dir " + dir); got != want {
 		t.Errorf("--zero 2 --zero_overlap for 3 steps, resumed to 6: %s, uninterrupted --zero 0: %s", got, want)
+	}
+	dir = filepath.Join(t.TempDir(), "ckpt")
+	run("--bench_steps 2 --zero 1 --zero_forward_overlap --checkpoint_dir " + dir)
+	if got := run("--bench_steps 5 --zero 1 --zero_forward_overlap --resume --checkpoint_dir " + dir); got != want {
+		t.Errorf("--zero 1 --zero_forward_overlap for 3 steps, resumed to 6: %s, uninterrupted --zero 0: %s", got, want)
 	}
 }
 

@@ -20,6 +20,10 @@ type GraphOptions struct {
 	// backward as soon as parameter i's gradient is complete (reverse layer order).
 	Hook gorgoniaddp.GradHook
 
+	// Wait, with Hook, is called by each tap before it reads its parameter
+	// (gorgoniaddp.TapWait): the DDP's WaitParams with ddp.Options.ZeroForwardOverlap.
+	Wait gorgoniaddp.ParamWait
+
 	// Train enables dropout (Config.Dropout) with masks drawn by Load.
 	Train bool
 
@@ -115,7 +119,7 @@ func (gr *Graph) build() error {
 		if o.Hook == nil || c.err != nil {
 			return params[i]
 		}
-		return c.do(gorgoniaddp.Tap(params[i], i, o.Hook))
+		return c.do(gorgoniaddp.TapWait(params[i], i, o.Hook, o.Wait))
 	}
 	next := 0
 	take := func() *G.Node { next++; return param(next - 1) }

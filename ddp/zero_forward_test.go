@@ -1,0 +1,251 @@
+package ddp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/goddp/goddp/procgroup"
+	"github.com/goddp/goddp/procgroup/pgtest"
+)
+
+// TestZeroForwardEqualsStep: on gloo over loopback at n = 1 to 4, with AdamW and SGD with
+// momentum, at stages 1 and 2, Options.ZeroForwardOverlap gives the bits of the same stage
+// without it (parameters and the gathered optimizer state after 6 steps, each rank waiting
+// for its parameters in its own random order, and leaving the last step's all-gathers in
+// flight to GatherOptimizerState: zeroRunWith checks they were), and so the plain loop's
+// where the stage has them.
+func TestZeroForwardEqualsStep(t *testing.T) {
+	const steps = 6
+	for _, opt := range []string{"adamw", "momentum"} {
+		for n := 1; n <= 4; n++ {
+			plain := zeroRun(t, n, 0, opt, steps, nil)
+			for zero := 1; zero <= 2; zero++ {
+				step := zeroRun(t, n, zero, opt, steps, nil)
+				fwd := zeroRunWith(t, n, zero, zeroForward, opt, steps, nil)
+				if fwd.params[0][0] == 0.5 {
+					t.Fatalf("%s n=%d zero %d: the run did not move the parameters", opt, n, zero)
+				}
+				if d := snapDiff(step, fwd); d != "" {
+					t.Errorf("%s n=%d zero %d: forward overlap vs Step: %s", opt, n, zero, d)
+				}
+				if d := snapDiff(plain, fwd); (zero == 1 || n <= 2) && d != "" {
+					t.Errorf("%s n=%d zero %d: forward overlap vs plain: %s", opt, n, zero, d)
+				}
+			}
+		}
+	}
+}
+
+// TestZeroForwardOrder: on pgtest at 2 ranks, Step issues every bucket's all-gather, last
+// bucket first, and returns before any completes (one rank's collectives are delayed);
+// WaitParams of a parameter copies out its bucket only; Finalize completes the rest (the
+// parameters of buckets nobody waited for) before the next step's reductions are waited
+// for; the next Step finds nothing left. pgtest fails any collective whose ranks disagree.
+func TestZeroForwardOrder(t *testing.T) {
+	for zero := 1; zero <= 2; zero++ {
+		c := pgtest.NewCluster(2)
+		c.SetDelay(1, 2*time.Millisecond)
+		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx := context.Background()
+			params := zeroParams()
+			d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: zero, ZeroForwardOverlap: true,
+				Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			for s := range 4 {
+				d.BeginBackward(Sync)
+				for p := range params {
+					_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+				}
+				if err := d.Finalize(ctx); err != nil {
+					return err
+				}
+				if p := d.zero.gather.pending.Load(); p != 0 {
+					return fmt.Errorf("step %d: Finalize left %d all-gathers", s, p)
+				}
+				before := len(c.Issued(rank))
+				if err := d.Step(ctx); err != nil {
+					return err
+				}
+				z := d.zero
+				issued := c.Issued(rank)[before:]
+				var want, got []string
+				for b := len(z.segs) - 1; b >= 0; b-- {
+					want = append(want, fmt.Sprint(procgroup.OpAllGather, z.segs[b].blk))
+				}
+				for _, rec := range issued {
+					got = append(got, fmt.Sprint(rec.Op, rec.Count))
+				}
+				if len(z.segs) < 3 || fmt.Sprint(got) != fmt.Sprint(want) {
+					return fmt.Errorf("step %d: Step issued %v, want %v (at least 3 buckets)", s, got, want)
+				}
+				if p := z.gather.pending.Load(); p != int32(len(z.segs)) {
+					return fmt.Errorf("step %d: %d all-gathers pending after Step, want %d", s, p, len(z.segs))
+				}
+				// Waiting for one parameter collects its bucket alone.
+				if err := d.WaitParams(ctx, 0); err != nil {
+					return err
+				}
+				b := z.gather.segOf[0]
+				if z.segs[b].work != nil || z.gather.pending.Load() != int32(len(z.segs)-1) {
+					return fmt.Errorf("step %d: after WaitParams(0): parameter 0's bucket %d still in flight or %d pending of %d", s, b, z.gather.pending.Load(), len(z.segs))
+				}
+			}
+			return nil
+		})
+		c.Close()
+		if err != nil {
+			t.Fatalf("zero %d: %v", zero, err)
+		}
+	}
+}
+
+// TestZeroForwardRefusals: ZeroForwardOverlap without Zero, or with ZeroOverlap, is
+// refused at New; ranks that disagree on it fail New with a mismatch naming it; WaitParams
+// of an index out of range is ErrInvalidArgument and leaves the DDP working, and without
+// the option it returns at once.
+func TestZeroForwardRefusals(t *testing.T) {
+	f := zeroOpts["adamw"]
+	one := func() []Param { return []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}} }
+	c := pgtest.NewCluster(1)
+	defer c.Close()
+	ctx := context.Background()
+	for _, tc := range []struct {
+		o    Options
+		want string
+	}{
+		{Options{ZeroForwardOverlap: true}, "Options.ZeroForwardOverlap without Options.Zero"},
+		{Options{Zero: 2, Optimizer: f, ZeroOverlap: true, ZeroForwardOverlap: true}, "cannot be combined with Options.ZeroForwardOverlap"},
+	} {
+		_, err := New(ctx, c.Group(0), one(), tc.o)
+		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v, want %q", tc.o, err, tc.want)
+		}
+	}
+	d, err := New(ctx, c.Group(0), one(), Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := d.WaitParams(ctx, 1); !errors.Is(err, ErrInvalidArgument) || d.Err() != nil {
+		t.Errorf("WaitParams(1) of 1 parameter: %v (DDP: %v), want ErrInvalidArgument and a working DDP", err, d.Err())
+	}
+	if err := d.WaitParams(ctx, 0); err != nil {
+		t.Errorf("WaitParams(0) without the option: %v", err)
+	}
+	d.Close()
+
+	c2 := pgtest.NewCluster(2)
+	defer c2.Close()
+	errs := make([]error, 2)
+	_ = c2.Each(func(r int, pg procgroup.ProcessGroup) error {
+		d, err := New(ctx, pg, one(), Options{Zero: 1, Optimizer: f, ZeroForwardOverlap: r == 0})
+		if err == nil {
+			d.Close()
+		}
+		errs[r] = err
+		return nil
+	})
+	for r, err := range errs {
+		if !errors.Is(err, ErrMismatch) || !strings.Contains(err.Error(), "ZeroForwardOverlap") {
+			t.Errorf("rank %d: forward overlap on rank 0 only: %v", r, err)
+		}
+	}
+}
+
+// TestZeroForwardFailures: with the all-gathers of a Step in flight, a peer that is killed
+// fails WaitParams with ErrPeerLost and the DDP with it; a peer that stalls makes
+// WaitParams end with its ctx's deadline and fail the DDP; a peer that never steps makes
+// Finalize fail the same way. Nothing hangs, and Close returns.
+func TestZeroForwardFailures(t *testing.T) {
+	for _, how := range []string{"killed", "paused", "finalize"} {
+		t.Run(how, func(t *testing.T) {
+			c := pgtest.NewCluster(2)
+			defer c.Close()
+			errs := make([]error, 2)
+			var wg sync.WaitGroup
+			for rank := range 2 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					params := zeroParams()
+					d, err := New(context.Background(), c.Group(rank), params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2,
+						ZeroForwardOverlap: true, Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
+					if err != nil {
+						errs[rank] = err
+						return
+					}
+					defer d.Close()
+					for s := range 2 {
+						d.BeginBackward(Sync)
+						for p := range params {
+							_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+						}
+						if err := d.Finalize(context.Background()); err != nil {
+							errs[rank] = err
+							return
+						}
+						if rank == 1 && s == 1 {
+							break // its second Step's all-gathers never come
+						}
+						if err := d.Step(context.Background()); err != nil {
+							errs[rank] = err
+							return
+						}
+					}
+					ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+					defer cancel()
+					if rank == 1 {
+						switch how {
+						case "killed":
+							c.Kill(1)
+						case "paused", "finalize":
+							c.Pause(1)
+							<-ctx.Done()
+						}
+						return
+					}
+					var werr error
+					if how == "finalize" {
+						d.BeginBackward(Sync)
+						for p := range params {
+							_ = d.GradReady(p, zeroX(rank, 2, p, zeroLens[p]))
+						}
+						werr = d.Finalize(ctx)
+					} else {
+						werr = d.WaitParams(ctx, 0)
+					}
+					switch {
+					case how == "killed" && !errors.Is(werr, procgroup.ErrPeerLost):
+						errs[0] = fmt.Errorf("WaitParams: %v, want ErrPeerLost", werr)
+					case how != "killed" && !errors.Is(werr, context.DeadlineExceeded):
+						errs[0] = fmt.Errorf("%s: %v, want ctx's deadline", how, werr)
+					case d.Err() == nil:
+						errs[0] = errors.New("the DDP did not fail")
+					case !errors.Is(d.WaitParams(context.Background(), 1), d.Err()):
+						errs[0] = fmt.Errorf("a later WaitParams: %v, want the DDP's error", d.WaitParams(context.Background(), 1))
+					}
+				}()
+			}
+			done := make(chan struct{})
+			go func() { wg.Wait(); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(20 * time.Second):
+				t.Fatal("a rank hung")
+			}
+			if how != "killed" {
+				c.Resume(1)
+			}
+			if errs[0] != nil {
+				t.Fatalf("rank 0: %v", errs[0])
+			}
+		})
+	}
+}
