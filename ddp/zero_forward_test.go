@@ -107,28 +107,16 @@ func TestZeroForwardOrder(t *testing.T) {
 	}
 }
 
-// TestZeroForwardRefusals: ZeroForwardOverlap without Zero, or with ZeroOverlap, is
-// refused at New; ranks that disagree on it fail New with a mismatch naming it; WaitParams
+// TestZeroForwardRefusals: (TestZeroErrors refuses ZeroForwardOverlap without Zero, or
+// with ZeroOverlap, at New.) Ranks that disagree on it fail New with a mismatch naming it; WaitParams
 // of an index out of range is ErrInvalidArgument and leaves the DDP working, and without
 // the option it returns at once.
 func TestZeroForwardRefusals(t *testing.T) {
 	f := zeroOpts["adamw"]
-	one := func() []Param { return []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}} }
+	one := oneZeroParam
 	c := pgtest.NewCluster(1)
 	defer c.Close()
 	ctx := context.Background()
-	for _, tc := range []struct {
-		o    Options
-		want string
-	}{
-		{Options{ZeroForwardOverlap: true}, "Options.ZeroForwardOverlap without Options.Zero"},
-		{Options{Zero: 2, Optimizer: f, ZeroOverlap: true, ZeroForwardOverlap: true}, "cannot be combined with Options.ZeroForwardOverlap"},
-	} {
-		_, err := New(ctx, c.Group(0), one(), tc.o)
-		if !errors.Is(err, ErrInvalidArgument) || !strings.Contains(err.Error(), tc.want) {
-			t.Errorf("%+v: %v, want %q", tc.o, err, tc.want)
-		}
-	}
 	d, err := New(ctx, c.Group(0), one(), Options{})
 	if err != nil {
 		t.Fatal(err)

@@ -43,6 +43,11 @@ func zeroParams() []Param {
 	return params
 }
 
+// oneZeroParam is a model of one parameter of 4 elements, for the tests of refusals.
+func oneZeroParam() []Param {
+	return []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}}
+}
+
 // zeroX is rank r's data x for parameter p in step s (a global step count, so that a
 // resumed run sees the same data).
 func zeroX(r, s, p, n int) []float32 {
@@ -347,7 +352,7 @@ func TestZeroResume(t *testing.T) {
 // must agree, and Step out of turn is ErrPhase.
 func TestZeroErrors(t *testing.T) {
 	f := zeroOpts["adamw"]
-	one := func() []Param { return []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}} }
+	one := oneZeroParam
 	c := pgtest.NewCluster(1)
 	defer c.Close()
 	ctx := context.Background()
@@ -358,6 +363,8 @@ func TestZeroErrors(t *testing.T) {
 		{Options{Zero: 3, Optimizer: f}, "Options.Zero 3, want 0"},
 		{Options{Zero: 1}, "needs Options.Optimizer"},
 		{Options{Optimizer: f}, "Options.Optimizer without Options.Zero"},
+		{Options{ZeroForwardOverlap: true}, "Options.ZeroForwardOverlap without Options.Zero"},
+		{Options{Zero: 2, Optimizer: f, ZeroOverlap: true, ZeroForwardOverlap: true}, "cannot be combined with Options.ZeroForwardOverlap"},
 		{Options{Zero: 1, Optimizer: f, Shards: 1}, "cannot be combined with Options.Shards"},
 		{Options{Zero: 2, Optimizer: f, UnevenInputs: true}, "cannot be combined with Options.UnevenInputs"},
 		{Options{Zero: 1, Optimizer: f, BucketCapMB: AutoBucketCap}, "AutoBucketCap"},
