@@ -208,23 +208,24 @@ func NewBuffer(dt DType, n int) any {
 	panic(fmt.Sprintf("procgroup: NewBuffer of unknown %v", dt))
 }
 
-// SliceBuffer returns buf[lo:hi] for a host buffer of any type NewBuffer makes (for the
-// in-place AllGather and ReduceScatter, whose small buffer is a slice of the large one). It
-// panics on another type, a programmer error.
+// SliceBuffer returns buf[lo:hi:hi] for a host buffer of any type NewBuffer makes (for the
+// in-place AllGather and ReduceScatter, whose small buffer is a slice of the large one); its
+// capacity ends at hi, so an append cannot write over the rest of buf. It panics on another
+// type, a programmer error.
 func SliceBuffer(buf any, lo, hi int) any {
 	switch b := buf.(type) {
 	case []float32:
-		return b[lo:hi]
+		return b[lo:hi:hi]
 	case []float64:
-		return b[lo:hi]
+		return b[lo:hi:hi]
 	case []int32:
-		return b[lo:hi]
+		return b[lo:hi:hi]
 	case []int64:
-		return b[lo:hi]
+		return b[lo:hi:hi]
 	case []BF16:
-		return b[lo:hi]
+		return b[lo:hi:hi]
 	case []F16:
-		return b[lo:hi]
+		return b[lo:hi:hi]
 	}
 	panic(fmt.Sprintf("procgroup: SliceBuffer of %T", buf))
 }

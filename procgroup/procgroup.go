@@ -53,12 +53,12 @@ type ProcessGroup interface {
 	// AllGather concatenates every rank's in, in rank order, into out on every rank;
 	// len(out) must be Size()*len(in), and in and out have the same element type. It
 	// runs in place where in is rank r's own slot of out (out[r*len(in):(r+1)*len(in)]),
-	// as NCCL's does; in and out may not overlap otherwise.
+	// as NCCL's does; any other overlap of in and out fails with ErrInvalidArgument.
 	AllGather(ctx context.Context, out, in any) Work
 	// ReduceScatter reduces in element-wise across ranks and leaves the r-th block of
 	// len(out) elements of the result in rank r's out; len(in) must be Size()*len(out).
 	// It runs in place where out is rank r's own block of in, which then holds the
-	// result, as NCCL's does; in and out may not overlap otherwise.
+	// result, as NCCL's does; any other overlap fails with ErrInvalidArgument.
 	ReduceScatter(ctx context.Context, out, in any, op ReduceOp) Work
 	// Barrier completes once every rank has entered it.
 	Barrier(ctx context.Context) Work

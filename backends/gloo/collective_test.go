@@ -210,6 +210,15 @@ func checkCollectives(t *testing.T, groups []procgroup.ProcessGroup, counts []in
 				for r := range size {
 					checkClose(t, fmt.Sprintf("reducescatter %v %v count %d rank %d", dt, op, count, r), dt, op, fromBuf(outs[r]), want[r*count:(r+1)*count])
 				}
+				// In place: out is rank r's own block of in.
+				each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+					in := toBuf(dt, x[r])
+					outs[r] = procgroup.SliceBuffer(in, r*count, (r+1)*count)
+					return wait(g.ReduceScatter(ctx, outs[r], in, op))
+				})
+				for r := range size {
+					checkClose(t, fmt.Sprintf("reducescatter in place %v %v count %d rank %d", dt, op, count, r), dt, op, fromBuf(outs[r]), want[r*count:(r+1)*count])
+				}
 			}
 			// AllGather.
 			y := inputs(seed+1000, size, count, procgroup.Sum)
@@ -224,6 +233,16 @@ func checkCollectives(t *testing.T, groups []procgroup.ProcessGroup, counts []in
 			})
 			for r := range size {
 				checkClose(t, fmt.Sprintf("allgather %v count %d rank %d", dt, count, r), dt, procgroup.Sum, fromBuf(outs[r]), wantAG)
+			}
+			// In place: in is rank r's own slot of out, whose other slots start as 99s.
+			each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+				o := slices.Repeat([]float64{99}, count*size)
+				copy(o[r*count:], y[r])
+				outs[r] = toBuf(dt, o)
+				return wait(g.AllGather(ctx, outs[r], procgroup.SliceBuffer(outs[r], r*count, (r+1)*count)))
+			})
+			for r := range size {
+				checkClose(t, fmt.Sprintf("allgather in place %v count %d rank %d", dt, count, r), dt, procgroup.Sum, fromBuf(outs[r]), wantAG)
 			}
 			// Broadcast from every root.
 			for root := range size {
@@ -322,22 +341,49 @@ func TestHostPlacements(t *testing.T) {
 					}
 				}
 				// Reduce-scatter and all-gather take Note [Hierarchical blocks]'s rings on
-				// the same placements, and the flat ring elsewhere ("" for it).
+				// the same placements, and the flat ring elsewhere ("" for it), out of place
+				// and in place, with right results.
 				wantBlocks := ""
 				if wantAlgo == "hierarchical" {
 					wantBlocks = wantAlgo
 				}
-				n := len(hosts)
+				n, count := len(hosts), 1<<16
+				x := inputs(uint64(n), n, n*count, procgroup.Sum)
+				sum := reduceRef(x, procgroup.Sum)
 				for _, k := range []string{"reduce-scatter", "all-gather"} {
-					each(t, groups, func(r int, g procgroup.ProcessGroup) error {
-						if k == "reduce-scatter" {
-							return wait(g.ReduceScatter(ctx, make([]float32, 1<<16), make([]float32, n<<16), procgroup.Sum))
-						}
-						return wait(g.AllGather(ctx, make([]float32, n<<16), make([]float32, 1<<16)))
-					})
-					for r, g := range groups {
-						if p := g.(*group).lastPath; p != wantBlocks {
-							t.Errorf("rank %d: a %d KiB %s ran %q, want %q", r, n<<8, k, p, wantBlocks)
+					for _, inPlace := range []bool{false, true} {
+						outs := make([]any, n)
+						each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+							if k == "reduce-scatter" {
+								in := toBuf(procgroup.Float32, x[r])
+								outs[r] = make([]float32, count)
+								if inPlace {
+									outs[r] = procgroup.SliceBuffer(in, r*count, (r+1)*count)
+								}
+								return wait(g.ReduceScatter(ctx, outs[r], in, procgroup.Sum))
+							}
+							o := toBuf(procgroup.Float32, x[r])
+							in := procgroup.SliceBuffer(o, r*count, (r+1)*count)
+							if !inPlace {
+								in, o = toBuf(procgroup.Float32, x[r][r*count:(r+1)*count]), make([]float32, n*count)
+							}
+							outs[r] = o
+							return wait(g.AllGather(ctx, o, in))
+						})
+						for r, g := range groups {
+							if p := g.(*group).lastPath; p != wantBlocks {
+								t.Errorf("rank %d: a %d KiB %s (in place %t) ran %q, want %q", r, n<<8, k, inPlace, p, wantBlocks)
+							}
+							what := fmt.Sprintf("%s in place %t rank %d", k, inPlace, r)
+							if k == "reduce-scatter" {
+								checkClose(t, what, procgroup.Float32, procgroup.Sum, fromBuf(outs[r]), sum[r*count:(r+1)*count])
+								continue
+							}
+							var want []float64
+							for j := range n {
+								want = append(want, x[j][j*count:(j+1)*count]...)
+							}
+							checkClose(t, what, procgroup.Float32, procgroup.Sum, fromBuf(outs[r]), want)
 						}
 					}
 				}

@@ -265,6 +265,9 @@ func (g *group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 		return g.invalid(procgroup.OpAllGather, fmt.Errorf("%w: out is %v×%d, want %v×%d (size × len(in))",
 			procgroup.ErrInvalidArgument, odt, on, idt, g.size*inn))
 	}
+	if err := kernels.CheckSlot(ob, ib, g.rank); err != nil {
+		return g.invalid(procgroup.OpAllGather, err)
+	}
 	return g.submit(ctx, procgroup.OpAllGather, odt, 0, ob, ib, 0)
 }
 
@@ -282,6 +285,9 @@ func (g *group) ReduceScatter(ctx context.Context, out, in any, rop procgroup.Re
 			procgroup.ErrInvalidArgument, idt, inn, odt, g.size*on))
 	}
 	if err := checkOp(rop); err != nil {
+		return g.invalid(procgroup.OpReduceScatter, err)
+	}
+	if err := kernels.CheckSlot(ib, ob, g.rank); err != nil {
 		return g.invalid(procgroup.OpReduceScatter, err)
 	}
 	return g.submit(ctx, procgroup.OpReduceScatter, odt, rop, ob, ib, 0)

@@ -133,6 +133,52 @@ func TestSharedBuffersAllReduce(t *testing.T) {
 	}
 }
 
+// TestSharedBuffersGatherScatterInPlace: ReduceScatter and AllGather in place on buffers
+// from AllocBuffer read the peers from the arena (shm-arena) and match a float64
+// reference, for world sizes 2-4, short and long blocks, every rank's result its own.
+func TestSharedBuffersGatherScatterInPlace(t *testing.T) {
+	for size := 2; size <= 4; size++ {
+		t.Run(fmt.Sprintf("n%d", size), func(t *testing.T) {
+			cmaEverySize(t) // and the ring's rules, so that the smallest take the arena too
+			groups := startGroups(t, size, &Config{Transport: TransportUnix, Algorithm: AlgoRing})
+			for _, count := range []int{1, 7, 4099, 70000} {
+				x := inputs(uint64(count), size, size*count, procgroup.Sum)
+				sum := reduceRef(x, procgroup.Sum)
+				var gathered []float64
+				for r := range size {
+					gathered = append(gathered, x[r][r*count:(r+1)*count]...)
+				}
+				for _, k := range []string{"reduce-scatter", "all-gather"} {
+					bufs := make([]any, size)
+					for r, g := range groups {
+						bufs[r] = sharedBuf(t, g, procgroup.Float32, x[r])
+					}
+					each(t, groups, func(r int, g procgroup.ProcessGroup) error {
+						part := procgroup.SliceBuffer(bufs[r], r*count, (r+1)*count)
+						if k == "reduce-scatter" {
+							return wait(g.ReduceScatter(ctx, part, bufs[r], procgroup.Sum))
+						}
+						return wait(g.AllGather(ctx, bufs[r], part))
+					})
+					for r, g := range groups {
+						what := fmt.Sprintf("%s count %d rank %d", k, count, r)
+						if p := g.(*group).lastPath; p != "shm-arena" {
+							t.Errorf("%s: took %q, want shm-arena", what, p)
+						}
+						if k == "reduce-scatter" {
+							got := fromBuf(procgroup.SliceBuffer(bufs[r], r*count, (r+1)*count))
+							checkClose(t, what, procgroup.Float32, procgroup.Sum, got, sum[r*count:(r+1)*count])
+						} else {
+							checkClose(t, what, procgroup.Float32, procgroup.Sum, fromBuf(bufs[r]), gathered)
+						}
+						g.(procgroup.BufferAllocator).FreeBuffer(bufs[r])
+					}
+				}
+			}
+		})
+	}
+}
+
 // TestSharedBuffersMixed: when one rank's buffer is private and the others' shared, every
 // rank reads the peers with process_vm_readv where Note [Single copy] takes the size, or,
 // with it off, falls back to the slot ring; the result is right either way.

@@ -21,6 +21,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/goddp/goddp/internal/kernels"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -506,6 +507,9 @@ func (g *Group) Broadcast(ctx context.Context, buf any, root int) procgroup.Work
 // DeviceBuffers.
 func (g *Group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 	bo, bi, err := g.pair(out, in, 1, g.size)
+	if err == nil {
+		err = g.slot(bo, bi)
+	}
 	if err != nil {
 		return g.failed(procgroup.OpAllGather, err)
 	}
@@ -529,6 +533,9 @@ func (g *Group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 // DeviceBuffers.
 func (g *Group) ReduceScatter(ctx context.Context, out, in any, op procgroup.ReduceOp) procgroup.Work {
 	bo, bi, err := g.pair(out, in, g.size, 1)
+	if err == nil {
+		err = g.slot(bi, bo)
+	}
 	if err != nil {
 		return g.failed(procgroup.OpReduceScatter, err)
 	}
@@ -575,6 +582,15 @@ func (g *Group) pair(out, in any, inMul, outMul int) (bo, bi buffer, err error) 
 		return bo, bi, fmt.Errorf("%w: len(out) = %d, len(in) = %d, world size %d", procgroup.ErrInvalidArgument, bo.n, bi.n, g.size)
 	}
 	return bo, bi, nil
+}
+
+// slot refuses buffers that overlap other than in the in-place layout (procgroup.CheckSlot):
+// NCCL leaves that case undefined. whole is the large buffer of the two.
+func (g *Group) slot(whole, part buffer) error {
+	if whole.host != nil {
+		return kernels.CheckSlot(rawBytes(whole.host), rawBytes(part.host), g.rank)
+	}
+	return procgroup.CheckSlot(uintptr(whole.dev.Ptr), whole.dev.Bytes(), uintptr(part.dev.Ptr), part.dev.Bytes(), g.rank)
 }
 
 func (g *Group) reduceOp(op procgroup.ReduceOp) (int, error) {

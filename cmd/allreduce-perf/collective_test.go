@@ -128,3 +128,41 @@ func TestCollectiveCheckFails(t *testing.T) {
 		}
 	}
 }
+
+// stale runs each rank's first AllGather and ReduceScatter, then completes the later ones
+// without writing out: right results left over from the warm-up.
+type stale struct {
+	procgroup.ProcessGroup
+	calls *int
+}
+
+func (s stale) AllGather(ctx context.Context, out, in any) procgroup.Work {
+	if *s.calls++; *s.calls > 1 {
+		return procgroup.Completed(nil)
+	}
+	return s.ProcessGroup.AllGather(ctx, out, in)
+}
+
+func (s stale) ReduceScatter(ctx context.Context, out, in any, op procgroup.ReduceOp) procgroup.Work {
+	if *s.calls++; *s.calls > 1 {
+		return procgroup.Completed(nil)
+	}
+	return s.ProcessGroup.ReduceScatter(ctx, out, in, op)
+}
+
+// TestCollectiveCheckSeesStaleOutput: the checked run clears out first, so a collective that
+// writes nothing after the warm-up is counted wrong, in place and out of place.
+func TestCollectiveCheckSeesStaleOutput(t *testing.T) {
+	pgs := newGlooGroups(t, 2)
+	for _, coll := range []string{collAllGather, collReduceScatter} {
+		for _, inPlace := range []bool{false, true} {
+			wrapped := []procgroup.ProcessGroup{stale{pgs[0], new(int)}, stale{pgs[1], new(int)}}
+			cfg := config{minBytes: 1 << 16, maxBytes: 1 << 16, factor: 2, iters: 1, warmup: 1, check: true, dtype: procgroup.Float32, op: procgroup.Sum, collective: coll, inPlace: inPlace}
+			rows := benchAll(t, wrapped, cfg)
+			// Every element but this rank's own input slot (AllGather in place) is stale.
+			if len(rows) != 1 || rows[0].Wrong == 0 || rows[0].OK == nil || *rows[0].OK {
+				t.Errorf("%s in place %t: rows %+v; want wrong elements found", coll, inPlace, rows)
+			}
+		}
+	}
+}

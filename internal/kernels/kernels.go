@@ -50,6 +50,14 @@ func view[T any](s []T) []byte {
 	return unsafe.Slice((*byte)(unsafe.Pointer(&s[0])), len(s)*int(unsafe.Sizeof(z)))
 }
 
+// CheckSlot is procgroup.CheckSlot for the byte views of two host buffers: nil where they
+// are apart or part is rank's slot of whole, ErrInvalidArgument for any other overlap.
+func CheckSlot(whole, part []byte, rank int) error {
+	return procgroup.CheckSlot(addr(whole), len(whole), addr(part), len(part), rank)
+}
+
+func addr(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
+
 // as views b as a []T; len(b) must be a multiple of T's size and b aligned for T.
 func as[T any](b []byte) []T {
 	var z T

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/goddp/goddp/internal/kernels"
 	"github.com/goddp/goddp/procgroup"
 )
 
@@ -482,6 +483,9 @@ func (g *group) AllGather(ctx context.Context, out, in any) procgroup.Work {
 	if nOut != g.c.size*nIn {
 		return g.invalid(procgroup.OpAllGather, "len(out) %d, want size %d × len(in) %d", nOut, g.c.size, nIn)
 	}
+	if err := g.slot(out, in); err != nil {
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpAllGather}, err))
+	}
 	return g.issue(ctx, Record{Op: procgroup.OpAllGather, DType: dt, Count: nIn}, in, out)
 }
 
@@ -500,6 +504,9 @@ func (g *group) ReduceScatter(ctx context.Context, out, in any, op procgroup.Red
 	if !validOp(op) {
 		return g.invalid(procgroup.OpReduceScatter, "unknown reduce op %v", op)
 	}
+	if err := g.slot(in, out); err != nil {
+		return procgroup.Completed(g.opErr(Record{Op: procgroup.OpReduceScatter}, err))
+	}
 	return g.issue(ctx, Record{Op: procgroup.OpReduceScatter, DType: dt, Count: nOut, ReduceOp: op}, in, out)
 }
 
@@ -517,6 +524,14 @@ func (g *group) pair(in, out any) (dt procgroup.DType, nIn, nOut int, err error)
 		return 0, 0, 0, fmt.Errorf("%w: in is %v, out is %v", procgroup.ErrInvalidArgument, dt, dtOut)
 	}
 	return dt, nIn, nOut, nil
+}
+
+// slot refuses buffers that overlap other than in the in-place layout, as the real backends
+// do (procgroup.CheckSlot); whole is the large one.
+func (g *group) slot(whole, part any) error {
+	wb, _, _, _ := kernels.Bytes(whole)
+	pb, _, _, _ := kernels.Bytes(part)
+	return kernels.CheckSlot(wb, pb, g.rank)
 }
 
 // Barrier implements procgroup.ProcessGroup.

@@ -544,6 +544,42 @@ func (s *suite) testInvalid(t *testing.T, gs []procgroup.ProcessGroup) {
 			return pg.ReduceScatter(ctx, f32(3), f32(3*n), procgroup.ReduceOp(0))
 		}},
 	}
+	// Overlaps other than the in-place layout: one element off this rank's slot, a whole
+	// other rank's slot, and the small buffer starting before the large one. (At n = 1 the
+	// only overlap of equal lengths is the in-place one.)
+	overlaps := []call{
+		{"allgather in off its slot", func(ctx context.Context, pg procgroup.ProcessGroup) procgroup.Work {
+			out := f32(3 * n)
+			at := offSlot(pg.Rank(), n, 3)
+			return pg.AllGather(ctx, out, out[at:at+3])
+		}},
+		{"allgather in at another's slot", func(ctx context.Context, pg procgroup.ProcessGroup) procgroup.Work {
+			out := f32(3 * n)
+			at := 3 * ((pg.Rank() + 1) % n)
+			return pg.AllGather(ctx, out, out[at:at+3])
+		}},
+		{"allgather in before out", func(ctx context.Context, pg procgroup.ProcessGroup) procgroup.Work {
+			b := f32(3*n + 1)
+			return pg.AllGather(ctx, b[1:], b[:3])
+		}},
+		{"reducescatter out off its block", func(ctx context.Context, pg procgroup.ProcessGroup) procgroup.Work {
+			in := f32(3 * n)
+			at := offSlot(pg.Rank(), n, 3)
+			return pg.ReduceScatter(ctx, in[at:at+3], in, procgroup.Sum)
+		}},
+		{"reducescatter out at another's block", func(ctx context.Context, pg procgroup.ProcessGroup) procgroup.Work {
+			in := f32(3 * n)
+			at := 3 * ((pg.Rank() + 1) % n)
+			return pg.ReduceScatter(ctx, in[at:at+3], in, procgroup.Sum)
+		}},
+		{"reducescatter out before in", func(ctx context.Context, pg procgroup.ProcessGroup) procgroup.Work {
+			b := f32(3*n + 2)
+			return pg.ReduceScatter(ctx, b[:3], b[2:], procgroup.Sum)
+		}},
+	}
+	if n > 1 {
+		calls = append(calls, overlaps...)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), s.opts.Timeout)
 	defer cancel()
 	runRanks(gs, func(rank int, pg procgroup.ProcessGroup) {
@@ -561,6 +597,15 @@ func (s *suite) testInvalid(t *testing.T, gs []procgroup.ProcessGroup) {
 	// The group must still work, and agree on what comes next.
 	r := rng(t.Name())
 	s.batch(t, gs, []*coll{newColl(r, n, procgroup.OpAllReduce, procgroup.Float32, procgroup.Sum, 0, 37)})
+}
+
+// offSlot is the start of a count-element window of a size×count buffer that overlaps rank's
+// slot but is not it: one element later, or one earlier for the last rank.
+func offSlot(rank, size, count int) int {
+	if rank < size-1 {
+		return rank*count + 1
+	}
+	return rank*count - 1
 }
 
 // testClosePending closes groups with works pending: every work completes (correctly) or
