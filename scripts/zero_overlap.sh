@@ -1,7 +1,8 @@
 #!/bin/bash
-# ZeRO with and without --zero_overlap against plain DDP, the transformer at L=4 h=512 on 2
-# ranks: ROUNDS rounds, each running --zero 0, 1, 1 --zero_overlap, 2 and 2 --zero_overlap
-# once, in turn. RATE=host runs NPROC ranks (default 2) on this host; a tc rate (1gbit) runs
+# ZeRO with and without --zero_overlap or --zero_forward_overlap against plain DDP, the
+# transformer at L=4 h=512 on 2 ranks: ROUNDS rounds, each running every configuration of
+# CFGS ("|" between them; default --zero 0, then stages 1 and 2 alone, with --zero_overlap and
+# with --zero_forward_overlap) once, in turn. RATE=host runs NPROC ranks (default 2) on this host; a tc rate (1gbit) runs
 # NPROC ranks (default 1) on each of two testbed hosts (cmd/testbed: network namespaces on
 # this machine; needs root). Run it under flock /tmp/bench.lock on a shared machine.
 #
@@ -10,6 +11,12 @@
 #   RATE=1gbit ROUNDS=3 scripts/zero_overlap.sh
 #   RATE=host NPROC=4 ROUNDS=2 scripts/zero_overlap.sh    # n = 4 on one host
 #   RATE=1gbit NPROC=2 ROUNDS=2 scripts/zero_overlap.sh   # n = 4 on two hosts
+#   CFGS="0|2 --zero_forward_overlap" EXTRA="--bucket_cap_mb 6" RATE=1gbit scripts/zero_overlap.sh
+#
+# CFGS may name the PyTorch peer, scripts/torch_zero.py ("torch adamw": DDP with AdamW;
+# "torch zero": ZeroRedundancyOptimizer(AdamW)), one rank per host on the testbed. Give it
+# the same BLAS set-up as for every comparison (the PyTorch peer's env.sh) before the run:
+#   CFGS="0|2 --zero_forward_overlap|torch adamw|torch zero" RATE=1gbit scripts/zero_overlap.sh
 #
 # Out: one "=== round R --zero CFG load L" line per launch, then its ms/step and
 # params_crc32 lines.
@@ -18,18 +25,35 @@ cd "$(dirname "$0")/.."
 RATE=${RATE:-host}
 ROUNDS=${ROUNDS:-3}
 EXTRA=${EXTRA:-}
+CFGS=${CFGS:-0|1|1 --zero_overlap|1 --zero_forward_overlap|2|2 --zero_overlap|2 --zero_forward_overlap}
+IFS='|' read -r -a cfgs <<< "$CFGS"
 if [ "$RATE" = host ]; then NPROC=${NPROC:-2}; else NPROC=${NPROC:-1}; fi
 export GODDP_TOKEN=${GODDP_TOKEN:-$(openssl rand -hex 32)}
 for round in $(seq "$ROUNDS"); do
-  for cfg in "0" "1" "1 --zero_overlap" "2" "2 --zero_overlap"; do
+  for cfg in "${cfgs[@]}"; do
+    if [[ $cfg == torch* ]]; then # the PyTorch peer: "torch adamw" or "torch zero"
+      echo "=== round $round $cfg load $(cut -d' ' -f1 /proc/loadavg)"
+      if [ "$RATE" = host ]; then
+        OPENBLAS_NUM_THREADS=1 /usr/bin/python3 scripts/torch_zero.py --world_size "$NPROC" \
+          --num_layers 4 --hidden 512 --warmup 3 --steps 5 --optim "${cfg#torch }"
+      else
+        [ "$NPROC" = 1 ] || { echo "zero_overlap.sh: the PyTorch points run one rank per host" >&2; exit 2; }
+        ./bin/testbed --hosts 2 --rate "$RATE" -- "RANK=\$TESTBED_HOST WORLD_SIZE=2 \
+          MASTER_ADDR=\$TESTBED_MASTER MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 OPENBLAS_NUM_THREADS=1 \
+          /usr/bin/python3 scripts/torch_zero.py --num_layers 4 --hidden 512 --warmup 2 --steps 8 \
+          --optim ${cfg#torch }"
+      fi 2>&1 | grep -E "ms/step"
+      continue
+    fi
     echo "=== round $round --zero $cfg load $(cut -d' ' -f1 /proc/loadavg)"
     if [ "$RATE" = host ]; then
       ./bin/ddprun --nproc_per_node "$NPROC" ./bin/transformer -- --num_layers 4 --hidden_size 512 \
         --warmup_steps 3 --bench_steps 5 $EXTRA --zero $cfg
     else
-      ./bin/testbed --hosts 2 --rate "$RATE" -- "bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST \
+      # GLOO_SOCKET_IFNAME=lo (the peer's env.sh) would keep goddp off the testbed's links.
+      env -u GLOO_SOCKET_IFNAME ./bin/testbed --hosts 2 --rate "$RATE" -- "bin/ddprun --nnodes 2 --node_rank \$TESTBED_HOST \
         --nproc_per_node $NPROC --master_addr \$TESTBED_MASTER --master_port 29500 bin/transformer -- \
         --num_layers 4 --hidden_size 512 --warmup_steps 2 --bench_steps 8 --log_every 0 $EXTRA --zero $cfg"
-    fi 2>&1 | grep -E "ms/step=|params_crc32|optimizer_state_bytes"
+    fi 2>&1 | grep -E "ms/step=|params_crc32|optimizer_state_bytes|peak_rss_mb"
   done
 done
