@@ -153,8 +153,10 @@ type Options struct {
 	// call WaitParams for a parameter before it reads that parameter's Param.Data
 	// (gorgoniaddp's taps do it where each parameter is first used). Finalize,
 	// GatherOptimizerState and Close complete what is left. The result is the bits of
-	// Step without it. It cannot be combined with ZeroOverlap, and must be the same on
-	// every rank.
+	// Step without it. The forward waits for a whole bucket where it first needs one, so
+	// on a slow link it gains most with buckets smaller than the default 25 MiB (about
+	// 6 MiB on 1 Gbit/s in docs/results/2026-12-08-zero-forward-overlap.md). It cannot be
+	// combined with ZeroOverlap, and must be the same on every rank.
 	ZeroForwardOverlap bool
 	// Optimizer makes the optimizer of this rank's shard, for n elements, with Zero (for
 	// instance optim.NewAdamW with the trainer's options). It must work element by element

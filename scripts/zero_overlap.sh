@@ -14,8 +14,9 @@
 #   CFGS="0|2 --zero_forward_overlap" EXTRA="--bucket_cap_mb 6" RATE=1gbit scripts/zero_overlap.sh
 #
 # CFGS may name the PyTorch peer, scripts/torch_zero.py ("torch adamw": DDP with AdamW;
-# "torch zero": ZeroRedundancyOptimizer(AdamW)), one rank per host on the testbed. Give it
-# the same BLAS set-up as for every comparison (the PyTorch peer's env.sh) before the run:
+# "torch zero": ZeroRedundancyOptimizer(AdamW)), under torchrun on the testbed. Give it
+# the same BLAS set-up as for every comparison (the PyTorch peer's env.sh) before the run.
+# (--redirects 1 --tee 1: Debian's torch 1.13 under Python 3.11 cannot parse their defaults.)
 #   CFGS="0|2 --zero_forward_overlap|torch adamw|torch zero" RATE=1gbit scripts/zero_overlap.sh
 #
 # Out: one "=== round R --zero CFG load L" line per launch, then its ms/step and
@@ -37,11 +38,10 @@ for round in $(seq "$ROUNDS"); do
         OPENBLAS_NUM_THREADS=1 /usr/bin/python3 scripts/torch_zero.py --world_size "$NPROC" \
           --num_layers 4 --hidden 512 --warmup 3 --steps 5 --optim "${cfg#torch }"
       else
-        [ "$NPROC" = 1 ] || { echo "zero_overlap.sh: the PyTorch points run one rank per host" >&2; exit 2; }
-        ./bin/testbed --hosts 2 --rate "$RATE" -- "RANK=\$TESTBED_HOST WORLD_SIZE=2 \
-          MASTER_ADDR=\$TESTBED_MASTER MASTER_PORT=29500 GLOO_SOCKET_IFNAME=eth0 OPENBLAS_NUM_THREADS=1 \
-          /usr/bin/python3 scripts/torch_zero.py --num_layers 4 --hidden 512 --warmup 2 --steps 8 \
-          --optim ${cfg#torch }"
+        ./bin/testbed --hosts 2 --rate "$RATE" -- "GLOO_SOCKET_IFNAME=eth0 OPENBLAS_NUM_THREADS=1 \
+          torchrun --redirects 1 --tee 1 --nnodes 2 --node_rank \$TESTBED_HOST --nproc_per_node $NPROC \
+          --master_addr \$TESTBED_MASTER --master_port 29500 scripts/torch_zero.py \
+          --num_layers 4 --hidden 512 --warmup 2 --steps 8 --optim ${cfg#torch }"
       fi 2>&1 | grep -E "ms/step"
       continue
     fi

@@ -156,7 +156,7 @@ func parseFlags(args []string, stderr io.Writer) (flags, error) {
 	fs.StringVar(&f.checkpointDir, "checkpoint_dir", "", "directory for checkpoints (empty: none)")
 	fs.IntVar(&f.zero, "zero", 0, "ZeRO stage (ddp.Options.Zero): 0 plain DDP, 1 AdamW's state sharded over the ranks, 2 gradients reduce-scattered too; a checkpoint holds the whole state and resumes at any stage")
 	fs.BoolVar(&f.zeroOverlap, "zero_overlap", false, "with --zero: step each bucket's shard and issue its all-gather as soon as its reduction completes, during backward, instead of after it (ddp.Options.ZeroOverlap: the same bits)")
-	fs.BoolVar(&f.zeroForward, "zero_forward_overlap", false, "with --zero: let the parameters' all-gathers run into the next forward, which waits for each bucket where it first uses it (ddp.Options.ZeroForwardOverlap: the same bits)")
+	fs.BoolVar(&f.zeroForward, "zero_forward_overlap", false, "with --zero: let the parameters' all-gathers run into the next forward, which waits for each bucket where it first uses it (ddp.Options.ZeroForwardOverlap: the same bits; on a slow link, smaller buckets let the first layers start sooner)")
 	fs.IntVar(&f.ckptEvery, "checkpoint_every", 10, "checkpoint every N steps (and at the end)")
 	fs.BoolVar(&f.resume, "resume", false, "resume from the checkpoint in --checkpoint_dir if there is one")
 	fs.StringVar(&f.cpuProfile, "cpuprofile", "", "write a CPU profile of the run to this file")
