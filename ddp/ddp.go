@@ -150,8 +150,9 @@ type Options struct {
 	// ZeroForwardOverlap (with Zero) lets Step return once it has stepped the shard and
 	// issued the parameters' all-gathers, first parameters first, so that they run during
 	// the next forward (Note [ZeRO forward overlap] in zero_forward.go): the trainer must
-	// call WaitParams for a parameter before it reads that parameter's Param.Data
-	// (gorgoniaddp's taps do it where each parameter is first used). Finalize,
+	// call WaitParams for a parameter before it reads that parameter's Param.Data, and
+	// not write it before then (the copy overwrites it; gorgoniaddp's taps wait where
+	// each parameter is first used). Finalize,
 	// GatherOptimizerState and Close complete what is left. The result is the bits of
 	// Step without it. The forward waits for a whole bucket where it first needs one, so
 	// on a slow link it gains most with buckets smaller than the default 25 MiB (about
@@ -782,11 +783,17 @@ func (d *DDP) Err() error {
 // Close releases the DDP (not the process group, which stays the caller's). Closing during a
 // synced backward aborts the process group. It is idempotent and cannot fail; Finalize and
 // BroadcastBuffers return ErrClosed after it. With Options.ZeroForwardOverlap it first
-// waits for the all-gathers that Step left in flight (within the group's timeout).
+// waits for the all-gathers that Step left in flight: between steps (or in a NoSync pass)
+// within the group's timeout, since the peers match them; in a synced pass, or after a
+// failure, once it has aborted the group.
 func (d *DDP) Close() {
-	// The all-gathers that Step left in flight (Note [ZeRO forward overlap]): the peers'
-	// match them, so they are waited for, not aborted; an error fails nothing now.
-	_ = d.completeGathers(context.Background())
+	d.mu.Lock()
+	if z := d.zero; z != nil && z.forward && z.gather.pending.Load() > 0 &&
+		d.phase != phaseIdle && d.phase != phaseAccumulate && d.phase != phaseClosed {
+		d.pg.Abort(fmt.Errorf("ddp: rank %d: closed with the parameters' all-gathers in flight", d.pg.Rank()))
+	}
+	d.mu.Unlock()
+	d.drainGathers() // Note [ZeRO forward overlap]; an error fails nothing now
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.phase == phaseClosed {

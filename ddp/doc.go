@@ -179,6 +179,25 @@
 // then (the step has taken the reduced gradients: Step fails if they changed), and must
 // call Step after every synced Finalize.
 //
+// With Options.ZeroForwardOverlap (Note [ZeRO forward overlap]) Step returns once it has
+// issued the all-gathers, which then run during the next forward: the trainer calls
+// WaitParams for a parameter before forward first reads it (gorgoniaddp's taps do), and
+// WaitParams with no index before it reads them all (an evaluation, a checksum). The bits
+// are the same; a Param.Data must be neither read nor written before its wait:
+//
+//	for step := 0; step < steps; step++ {
+//		d.BeginBackward(ddp.Sync)
+//		wait := func(i int) error { return d.WaitParams(ctx, i) }
+//		forward(x[step], wait) // calls wait(i) where it first reads params[i]
+//		backward()             // GradReady for each gradient, as above
+//		if err := d.Finalize(ctx); err != nil {
+//			return err
+//		}
+//		if err := d.Step(ctx); err != nil { // returns with the all-gathers in flight
+//			return err
+//		}
+//	}
+//
 // # Shards (the same bits at every world size)
 //
 // With Options.Shards = L the global batch is fixed, not the per-rank batch: each step's

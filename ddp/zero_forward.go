@@ -26,9 +26,14 @@ import (
 // What the trainer may do changes, hence the option: between Step and the WaitParams of a
 // parameter, its Param.Data holds the old values, so the trainer must call WaitParams
 // before it reads it (WaitParams with no index waits for all, for a checkpoint or an
-// evaluation). What nothing read, the unused parameters, is completed by the next
-// Finalize (of a synced pass or not), and by GatherOptimizerState and Close, which wait
-// for every all-gather left (Close within the process group's timeout). Nothing else
+// evaluation), and what it writes there first is overwritten by the copy. What nothing
+// read, the unused parameters, is completed by the next Finalize (of a synced pass or
+// not), and by GatherOptimizerState and Close, which wait for every all-gather left
+// (Close within the process group's timeout between steps; in a synced pass, where a
+// forward may be waiting on a peer that has stopped, it aborts the group first, as it
+// does for the pass's reductions). The waits hold no lock, so Close from another
+// goroutine is not held up by a forward's wait, and a bucket's copy is counted done only
+// once it is made, so a concurrent WaitParams never returns before it. Nothing else
 // changes: the reductions of the next backward queue behind the all-gathers on the group,
 // in the same order on every rank, and write other memory (the buckets); the shard that
 // the all-gathers read is written only by the next Step, after a Finalize has completed
@@ -37,11 +42,13 @@ import (
 // A failed all-gather fails the DDP (WaitParams returns the error, as does every later
 // call); so does the end of WaitParams's ctx before its all-gather completes.
 
-// gatherState holds the all-gathers that Step left in flight, in zeroSeg.work.
+// gatherState holds the all-gathers that Step left in flight, in zeroSeg.work. A bucket's
+// work is cleared, and pending counted down, only after its parameters are copied out, so
+// that pending = 0 (read without mu) means every copy is done and visible.
 type gatherState struct {
-	mu      sync.Mutex   // held while an all-gather is waited for and copied out
+	mu      sync.Mutex   // guards zeroSeg.work and the copies out; not held while waiting
 	pending atomic.Int32 // buckets whose all-gather is issued and not yet copied out
-	segOf   []int        // parameter i's bucket, made with the shard
+	segOf   []int        // parameter i's bucket, made with the shard before pending is set
 }
 
 // issueGathers issues every bucket's all-gather of the stepped shard, last bucket first,
@@ -72,9 +79,10 @@ func (d *DDP) issueGathers() {
 // none) hold this step's values in Param.Data: with Options.ZeroForwardOverlap it waits
 // for their buckets' all-gathers that Step left in flight and copies them out (Note [ZeRO
 // forward overlap]); otherwise, or once they are in place, it returns at once. It is safe
-// to call from the goroutine that runs forward (gorgoniaddp's taps call it there). An
+// for concurrent use (gorgoniaddp's taps call it from the goroutine that runs forward). An
 // index out of range is an error wrapping ErrInvalidArgument and changes nothing; a
-// failed all-gather, or ctx ending first, fails the DDP.
+// failed all-gather, or ctx ending first, fails the DDP, and once it has failed WaitParams
+// returns its error.
 func (d *DDP) WaitParams(ctx context.Context, params ...int) error {
 	for _, i := range params {
 		if i < 0 || i >= len(d.params) {
@@ -82,11 +90,14 @@ func (d *DDP) WaitParams(ctx context.Context, params ...int) error {
 		}
 	}
 	z := d.zero
-	if z == nil || !z.forward || z.gather.pending.Load() == 0 {
+	if z == nil || !z.forward {
 		return nil
 	}
-	if err := d.Err(); err != nil {
-		return err
+	if d.failed.Load() {
+		return d.Err()
+	}
+	if z.gather.pending.Load() == 0 {
+		return nil
 	}
 	if err := d.waitGathers(ctx, params); err != nil {
 		return d.fail(err)
@@ -103,11 +114,8 @@ func (d *DDP) ForwardOverlap() bool { return d.zero != nil && d.zero.forward }
 // with none) and copies each into Param.Data, last bucket first.
 func (d *DDP) waitGathers(ctx context.Context, params []int) error {
 	z := d.zero
-	g := &z.gather
-	g.mu.Lock()
-	defer g.mu.Unlock()
 	if len(params) == 0 {
-		for b := len(z.segs) - 1; b >= 0 && g.pending.Load() > 0; b-- {
+		for b := len(z.segs) - 1; b >= 0; b-- {
 			if err := d.collectGather(ctx, b); err != nil {
 				return err
 			}
@@ -115,7 +123,7 @@ func (d *DDP) waitGathers(ctx context.Context, params []int) error {
 		return nil
 	}
 	for _, i := range params {
-		if err := d.collectGather(ctx, g.segOf[i]); err != nil {
+		if err := d.collectGather(ctx, z.gather.segOf[i]); err != nil {
 			return err
 		}
 	}
@@ -123,28 +131,48 @@ func (d *DDP) waitGathers(ctx context.Context, params []int) error {
 }
 
 // collectGather waits for bucket b's all-gather, if it is in flight, and copies it into
-// Param.Data. z.gather.mu must be held.
+// Param.Data once, whichever goroutine gets there first. The wait holds no lock, so Close
+// can abort the group under a forward that waits. A failed all-gather stays in flight
+// (the DDP fails, and later calls return its error).
 func (d *DDP) collectGather(ctx context.Context, b int) error {
-	seg := &d.zero.segs[b]
-	if seg.work == nil {
+	g, seg := &d.zero.gather, &d.zero.segs[b]
+	g.mu.Lock()
+	w := seg.work
+	g.mu.Unlock()
+	if w == nil {
 		return nil
 	}
-	err := seg.work.Wait(ctx)
-	seg.work = nil
-	d.zero.gather.pending.Add(-1)
-	if err != nil {
+	if err := w.Wait(ctx); err != nil {
 		return fmt.Errorf("zero: all-gather of bucket %d's parameters: %w", b, err)
 	}
-	d.scatterParams(seg, seg.all)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if seg.work == w { // not copied out by another goroutine meanwhile
+		d.scatterParams(seg, seg.all)
+		seg.work = nil
+		g.pending.Add(-1)
+	}
 	return nil
 }
 
 // completeGathers is waitGathers for every bucket where Options.ZeroForwardOverlap may
-// have left all-gathers in flight: what Finalize, GatherOptimizerState and Close run
-// first.
+// have left all-gathers in flight: what Finalize and GatherOptimizerState run first.
 func (d *DDP) completeGathers(ctx context.Context) error {
 	if z := d.zero; z == nil || !z.forward || z.gather.pending.Load() == 0 {
 		return nil
 	}
 	return d.waitGathers(ctx, nil)
+}
+
+// drainGathers is Close's completeGathers: it waits for every all-gather still in flight
+// (bounded by the group's timeout, or by the abort Close issued first), copies out those
+// that succeeded, and drops the errors.
+func (d *DDP) drainGathers() {
+	z := d.zero
+	if z == nil || !z.forward || z.gather.pending.Load() == 0 {
+		return
+	}
+	for b := len(z.segs) - 1; b >= 0; b-- {
+		_ = d.collectGather(context.Background(), b)
+	}
 }

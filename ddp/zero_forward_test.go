@@ -237,3 +237,154 @@ func TestZeroForwardFailures(t *testing.T) {
 		})
 	}
 }
+
+// zeroForwardDDPs makes a DDP at stage 1 with Options.ZeroForwardOverlap on each rank of c.
+func zeroForwardDDPs(t *testing.T, c *pgtest.Cluster) ([]*DDP, [][]Param) {
+	t.Helper()
+	n := c.Size()
+	ds, ps := make([]*DDP, n), make([][]Param, n)
+	if err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+		ps[rank] = zeroParams()
+		var err error
+		ds[rank], err = New(context.Background(), pg, ps[rank], Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 1,
+			ZeroForwardOverlap: true, Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return ds, ps
+}
+
+// zeroForwardStep runs one synced pass of rank's step s and Step, which leaves the
+// all-gathers in flight.
+func zeroForwardStep(d *DDP, rank, s int, params []Param) error {
+	d.BeginBackward(Sync)
+	for p := range params {
+		_ = d.GradReady(p, zeroX(rank, s, p, zeroLens[p]))
+	}
+	if err := d.Finalize(context.Background()); err != nil {
+		return err
+	}
+	return d.Step(context.Background())
+}
+
+// TestZeroForwardCloseAborts: with a step's all-gathers in flight behind a peer that has
+// stopped, Close in the next synced pass aborts the group and returns at once, with
+// nothing waiting (the trainer's own goroutine) or with a forward blocked in WaitParams on
+// another goroutine, which then fails; between steps Close waits for the all-gathers, which
+// the peer completes once it goes on.
+func TestZeroForwardCloseAborts(t *testing.T) {
+	for _, how := range []string{"synced", "synced, forward waiting", "idle"} {
+		t.Run(how, func(t *testing.T) {
+			c := pgtest.NewCluster(2)
+			defer c.Close()
+			ds, ps := zeroForwardDDPs(t, c)
+			defer ds[1].Close()
+			if err := c.Each(func(rank int, _ procgroup.ProcessGroup) error {
+				if err := zeroForwardStep(ds[rank], rank, 0, ps[rank]); err != nil {
+					return err
+				}
+				return ds[rank].WaitParams(context.Background())
+			}); err != nil {
+				t.Fatal(err)
+			}
+			// Step 1: rank 1 stops just before its all-gathers run.
+			if err := c.Each(func(rank int, _ procgroup.ProcessGroup) error {
+				if rank == 1 {
+					ds[1].BeginBackward(Sync)
+					for p := range ps[1] {
+						_ = ds[1].GradReady(p, zeroX(1, 1, p, zeroLens[p]))
+					}
+					if err := ds[1].Finalize(context.Background()); err != nil {
+						return err
+					}
+					c.Pause(1)
+					return ds[1].Step(context.Background())
+				}
+				return zeroForwardStep(ds[0], 0, 1, ps[0])
+			}); err != nil {
+				t.Fatal(err)
+			}
+			d := ds[0]
+			forward := make(chan error, 1)
+			if how != "idle" {
+				d.BeginBackward(Sync)
+			}
+			if how == "synced, forward waiting" {
+				go func() { forward <- d.WaitParams(context.Background(), 0) }()
+				time.Sleep(50 * time.Millisecond) // into the wait
+			}
+			closed := make(chan struct{})
+			go func() { d.Close(); close(closed) }()
+			if how == "idle" {
+				select {
+				case <-closed:
+					t.Fatal("Close between steps returned before the all-gathers completed")
+				case <-time.After(100 * time.Millisecond):
+				}
+				c.Resume(1)
+			}
+			select {
+			case <-closed:
+			case <-time.After(10 * time.Second):
+				c.Resume(1)
+				t.Fatalf("Close has not returned after 10 s, %d all-gathers pending", d.zero.gather.pending.Load())
+			}
+			if how == "idle" {
+				if p := d.zero.gather.pending.Load(); p != 0 {
+					t.Errorf("after Close, %d all-gathers pending", p)
+				}
+				return
+			}
+			c.Resume(1)
+			if how == "synced, forward waiting" {
+				if err := <-forward; err == nil {
+					t.Error("the waiting forward's WaitParams returned nil after the abort")
+				}
+			}
+		})
+	}
+}
+
+// TestZeroForwardConcurrentWait: a WaitParams on one goroutine that finds every all-gather
+// counted done (another goroutine's WaitParams collected them) reads the copied values:
+// each step's parameter equals what the collecting goroutine left, and the race detector
+// sees the copy ordered before the read.
+func TestZeroForwardConcurrentWait(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	ds, ps := zeroForwardDDPs(t, c)
+	if err := c.Each(func(rank int, _ procgroup.ProcessGroup) error {
+		d, params := ds[rank], ps[rank]
+		defer d.Close()
+		for s := range 10 {
+			if err := zeroForwardStep(d, rank, s, params); err != nil {
+				return err
+			}
+			i := d.zero.segs[0].bk.Params[0] // bucket 0: the last that WaitParams() collects
+			var wg sync.WaitGroup
+			var all, late error
+			var seen []float32
+			wg.Go(func() { all = d.WaitParams(context.Background()) })
+			wg.Go(func() {
+				for d.zero.gather.pending.Load() != 0 { // arrives once the counter is down
+					time.Sleep(10 * time.Microsecond)
+				}
+				late = d.WaitParams(context.Background(), i)
+				seen = append(seen, params[i].Data.([]float32)...)
+			})
+			wg.Wait()
+			if all != nil || late != nil {
+				return fmt.Errorf("step %d: WaitParams: %v, %v", s, all, late)
+			}
+			for k, v := range params[i].Data.([]float32) {
+				if seen[k] != v {
+					return fmt.Errorf("step %d: element %d of parameter %d read %v, then %v", s, k, i, seen[k], v)
+				}
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -149,8 +149,9 @@ func WrapNodes(ctx context.Context, pg procgroup.ProcessGroup, learnables []*gor
 
 // Wait returns the ParamWait (for TapWait, or a model's option) that waits for parameter
 // i's value with d.WaitParams, or nil where d never leaves one in flight (without
-// ddp.Options.ZeroForwardOverlap). The wait is bounded by the process group's timeout; its
-// errors have failed d.
+// ddp.Options.ZeroForwardOverlap). A gorgonia run takes no context, so the wait is bounded
+// by the process group's timeout, and by d.Close from another goroutine during a synced
+// pass (which aborts the group); its errors have failed d.
 func Wait(d *ddp.DDP) ParamWait {
 	if !d.ForwardOverlap() {
 		return nil
