@@ -43,7 +43,12 @@ import (
 // the rank's own blocks of Param.Grad only; the rest holds this rank's local gradient,
 // divided by n, and must not be used. The memory of the full local gradient (Param.Grad and
 // the buckets, which GradReady fills) is not released: what stage 2 saves is the wire's
-// bytes, not gradient memory. With two ranks a reduce-scatter adds the same two numbers as
+// bytes, not gradient memory. The buckets serve twice instead: between passes the reducer
+// lends them (reducer.ScratchBucket), padded to n blocks and overwritten by the next pass's
+// gradients before anything reads them, and Step all-gathers the parameters into them, in
+// place, so that no second copy of the model is held (stage 1's buckets are not padded, and
+// the overlapped steps' all-gathers outlive the bucket's next use: those gather into
+// buffers of their own). With two ranks a reduce-scatter adds the same two numbers as
 // the all-reduce, and the bits are plain DDP's; with more, the ring sums a block in
 // another order than the all-reduce's chunks do, and the results differ by float32
 // rounding (examples/mlp's test states the bound it checks).
@@ -90,7 +95,7 @@ type zeroSeg struct {
 	blk    int            // the block length, ⌈len/n⌉
 	lo, hi int            // this rank's elements of the bucket, [lo, hi)
 	off    int            // the block's offset in shardP and shardG
-	all    []float32      // n·blk elements: the all-gather's output
+	all    []float32      // n·blk elements: the all-gather's output where no bucket is lent (gatherOut)
 	work   procgroup.Work // the all-gather in flight
 }
 
@@ -218,7 +223,10 @@ func (z *zeroState) layout(buckets []bucket.Bucket, rank, size int) error {
 	for b, bk := range buckets {
 		blk := (bk.Len + size - 1) / size
 		lo := min(rank*blk, bk.Len)
-		z.segs[b] = zeroSeg{bk: bk, blk: blk, lo: lo, hi: min(lo+blk, bk.Len), off: total, all: make([]float32, size*blk)}
+		z.segs[b] = zeroSeg{bk: bk, blk: blk, lo: lo, hi: min(lo+blk, bk.Len), off: total}
+		if z.forward || z.overlap { // their all-gathers outlive the bucket's next use
+			z.segs[b].all = make([]float32, size*blk)
+		}
 		total += blk
 	}
 	z.shardP, z.shardG = make([]float32, total), make([]float32, total)
@@ -407,13 +415,19 @@ func (d *DDP) zeroStep(ctx context.Context) error {
 }
 
 // gatherEach all-gathers every bucket's block of v (bucket by bucket, all launched at
-// once) and calls use with each bucket's gathered elements, in bucket order, as they
-// arrive.
+// once, each in place in gatherOut's buffer) and calls use with each bucket's gathered
+// elements, in bucket order, as they arrive.
 func (d *DDP) gatherEach(ctx context.Context, v []float32, what string, use func(seg *zeroSeg, all []float32)) error {
 	z := d.zero
+	rank := d.pg.Rank()
+	outs := make([][]float32, len(z.segs))
+	lent := make([]bool, len(z.segs))
 	for b := range z.segs {
 		seg := &z.segs[b]
-		seg.work = d.pg.AllGather(ctx, seg.all, v[seg.off:seg.off+seg.blk])
+		outs[b], lent[b] = d.gatherOut(b)
+		own := outs[b][rank*seg.blk : (rank+1)*seg.blk : (rank+1)*seg.blk]
+		copy(own, v[seg.off:seg.off+seg.blk])
+		seg.work = d.pg.AllGather(ctx, outs[b], own)
 	}
 	var err error
 	for b := range z.segs {
@@ -423,10 +437,30 @@ func (d *DDP) gatherEach(ctx context.Context, v []float32, what string, use func
 		}
 		seg.work = nil
 		if err == nil {
-			use(seg, seg.all)
+			use(seg, outs[b])
+		}
+		if lent[b] {
+			clear(outs[b][seg.bk.Len:]) // the padding, given back as zeros
 		}
 	}
 	return err
+}
+
+// gatherOut is where bucket b's all-gather goes in gatherEach: between passes at stage 2,
+// the reducer's own bucket (reducer.ScratchBucket, lent: padded to n blocks, and not read
+// again before the next backward overwrites it), so that ZeRO holds no second copy of the
+// model; elsewhere (stage 1's buckets are not padded, or Accumulate passes left gradients
+// in them) seg.all, made at first use.
+func (d *DDP) gatherOut(b int) (out []float32, lent bool) {
+	seg := &d.zero.segs[b]
+	n := d.pg.Size() * seg.blk
+	if buf, ok := d.r.ScratchBucket(b); ok && len(buf) == n {
+		return buf, true
+	}
+	if seg.all == nil {
+		seg.all = make([]float32, n)
+	}
+	return seg.all, false
 }
 
 // scatterParams copies a bucket's gathered parameters into Param.Data.

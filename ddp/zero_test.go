@@ -43,6 +43,14 @@ func zeroParams() []Param {
 	return params
 }
 
+// newZero2 is the DDP of the stage-2 tests on pgtest, over fresh zeroParams: AdamW, the
+// test buckets, no check.
+func newZero2(pg procgroup.ProcessGroup) (*DDP, []Param, error) {
+	params := zeroParams()
+	d, err := New(context.Background(), pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
+	return d, params, err
+}
+
 // oneZeroParam is a model of one parameter of 4 elements, for the tests of refusals.
 func oneZeroParam() []Param {
 	return []Param{{Name: "w", Data: make([]float32, 4), Grad: make([]float32, 4)}}
@@ -207,6 +215,13 @@ func zeroRunWith(t *testing.T, n, zero int, how zeroHow, opt string, steps int, 
 			}
 			if err := d.GatherOptimizerState(ctx, out.state); err != nil {
 				return err
+			}
+			if zero == 2 && n > 1 && how == zeroInStep { // Step's all-gathers went into the lent buckets
+				for b := range d.zero.segs {
+					if d.zero.segs[b].all != nil {
+						return fmt.Errorf("bucket %d: ZeRO made its own all-gather buffer at stage 2, where the reducer lends its bucket", b)
+					}
+				}
 			}
 			out.bytes = []int64{d.OptimizerStateBytes()}
 			if p := d.zero.gather.pending.Load(); p != 0 {
@@ -510,8 +525,7 @@ func TestZeroStage2ReduceScatters(t *testing.T) {
 	var before, after map[procgroup.CollectiveOp]int
 	err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
 		ctx := context.Background()
-		params := zeroParams()
-		d, err := New(ctx, pg, params, Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 2, Optimizer: zeroOpts["adamw"], NoFiniteCheck: true})
+		d, params, err := newZero2(pg)
 		if err != nil {
 			return err
 		}
@@ -611,6 +625,111 @@ func TestZeroStage2NonFiniteOwnBlock(t *testing.T) {
 			if errs[r] != errs[0] {
 				t.Errorf("n=%d: rank %d's error %q, rank 0's %q", n, r, errs[r], errs[0])
 			}
+		}
+	}
+}
+
+// TestZeroGatherAfterNoSync: at stage 2, after a NoSync pass has left gradients in the
+// buckets (which the reducer then does not lend), GatherOptimizerState gathers into ZeRO's
+// own buffers instead, gives the state it gave before the pass, and leaves the accumulated
+// gradients alone: the next synced step ends with the parameters of a run whose pass
+// accumulated the same gradients with no gather between.
+func TestZeroGatherAfterNoSync(t *testing.T) {
+	run := func(gatherBetween bool) ([][]float32, error) {
+		c := pgtest.NewCluster(2)
+		defer c.Close()
+		out := make([][]float32, 2)
+		err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+			ctx := context.Background()
+			d, params, err := newZero2(pg)
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			total := 0
+			for _, l := range zeroLens {
+				total += l
+			}
+			state := func() (optim.State, error) {
+				st := optim.State{Steps: new(int64)}
+				for _, name := range []string{"adamw.m", "adamw.v"} {
+					st.Vectors = append(st.Vectors, optim.Vector{Name: name, Data: make([]float32, total)})
+				}
+				return st, d.GatherOptimizerState(ctx, st)
+			}
+			pass := func(mode SyncMode, s int) error {
+				d.BeginBackward(mode)
+				for p := range params {
+					x := zeroX(rank, s, p, zeroLens[p])
+					g := params[p].Grad.([]float32)
+					for k, w := range params[p].Data.([]float32) {
+						g[k] = w - x[k]
+					}
+					if err := d.GradReady(p, g); err != nil {
+						return err
+					}
+				}
+				return d.Finalize(ctx)
+			}
+			for s := range 2 {
+				if err := pass(Sync, s); err != nil {
+					return err
+				}
+				if err := d.Step(ctx); err != nil {
+					return err
+				}
+			}
+			if err := pass(Accumulate, 2); err != nil {
+				return err
+			}
+			if gatherBetween {
+				before, err := state()
+				if err != nil {
+					return err
+				}
+				lent := 0
+				for b := range d.zero.segs {
+					if d.zero.segs[b].all == nil {
+						lent++
+					}
+				}
+				if lent != 0 {
+					return fmt.Errorf("%d buckets gathered into the reducer's buckets while a NoSync pass's gradients waited there", lent)
+				}
+				again, err := state()
+				if err != nil {
+					return err
+				}
+				for k := range before.Vectors {
+					if !slices.Equal(before.Vectors[k].Data, again.Vectors[k].Data) {
+						return fmt.Errorf("vector %s changed between two gathers", before.Vectors[k].Name)
+					}
+				}
+			}
+			if err := pass(Sync, 3); err != nil {
+				return err
+			}
+			if err := d.Step(ctx); err != nil {
+				return err
+			}
+			for _, p := range params {
+				out[rank] = append(out[rank], p.Data.([]float32)...)
+			}
+			return nil
+		})
+		return out, err
+	}
+	want, err := run(false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := run(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for r := range got {
+		if !slices.Equal(got[r], want[r]) {
+			t.Fatalf("rank %d: the parameters after a gather between the NoSync pass and the synced one differ from those without it", r)
 		}
 	}
 }

@@ -223,6 +223,26 @@ func (r *Reducer) GradView(i int) (any, error) {
 	}
 }
 
+// ScratchBucket lends bucket b's host buffer of float32 elements (padded as
+// Options.PadBuckets asks) as scratch memory, between passes: ok only when no backward is
+// running, no Accumulate pass left gradients in a bucket since the last synced Finalize, and
+// the buffer is the reducer's own (host buckets, without GradientAsBucketView or Shards).
+// The next pass's gradients overwrite every slot before anything reads it (Note
+// [Accumulation window] in machine.go), so what the borrower writes is never reduced; it
+// must give the padding back as zeros, and stop using the buffer before the next
+// BeginBackward. Package ddp's ZeRO gathers the stepped parameters into it, so as not to
+// hold a second copy of the model.
+func (r *Reducer) ScratchBucket(b int) (buf []float32, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed || r.dev != nil || r.opts.GradientAsBucketView || r.sh != nil || b < 0 || b >= len(r.slots) ||
+		r.m.phase != phaseIdle || r.m.Accumulated() {
+		return nil, false
+	}
+	s := &r.slots[b]
+	return s.f32, s.f32 != nil
+}
+
 // scaleInto sets dst to src·inv, or adds src·inv to it. With one rank inv is exactly 1.
 func scaleInto[T float32 | float64](dst, src []T, inv T, add bool) {
 	src = src[:len(dst)]

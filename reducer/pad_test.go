@@ -2,6 +2,7 @@ package reducer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -120,5 +121,96 @@ func TestPadBuckets(t *testing.T) {
 	}
 	if _, err := New(c.Group(0), []Param{{Name: "a", Grad: make([]float32, 3)}}, Options{PadBuckets: -1}); err == nil {
 		t.Fatal("PadBuckets -1 accepted")
+	}
+}
+
+// TestScratchBucket: a padded host bucket is lent between passes only (not in a backward,
+// not while an Accumulate pass's gradients wait in the buckets), and what the borrower
+// writes there is never reduced: with every lent bucket filled with 1e9 but its padding,
+// the next synced pass (alone, or after an Accumulate pass) averages its own gradients.
+func TestScratchBucket(t *testing.T) {
+	ctx := testCtx(t)
+	const n = 2
+	lens := []int{5, 1, 7, 4, 11, 2}
+	grad := func(rank, s, p, k int) float32 { return float32(rank+1)*0.5 + float32(s*100+p*10+k)*0.25 }
+	c := pgtest.NewCluster(n)
+	defer c.Close()
+	errs := runRanks(n, func(rank int) error {
+		params := make([]Param, len(lens))
+		for p, l := range lens {
+			params[p] = Param{Name: fmt.Sprintf("w%d", p), Grad: make([]float32, l)}
+		}
+		r, err := New(c.Group(rank), params, Options{BucketCapMB: 20.0 / (1 << 20), FirstBucketCapMB: 8.0 / (1 << 20), PadBuckets: n})
+		if err != nil {
+			return err
+		}
+		defer r.Close()
+		pass := func(mode Mode, s int) error {
+			if err := r.BeginBackward(mode); err != nil {
+				return err
+			}
+			if _, ok := r.ScratchBucket(0); ok {
+				return fmt.Errorf("step %d: a bucket lent during a backward", s)
+			}
+			for p := len(lens) - 1; p >= 0; p-- {
+				g := make([]float32, lens[p])
+				for k := range g {
+					g[k] = grad(rank, s, p, k)
+				}
+				if err := r.GradReady(p, g); err != nil {
+					return err
+				}
+			}
+			return r.Finalize(ctx)
+		}
+		lend := func(s int) error {
+			for b, bk := range r.Buckets() {
+				buf, ok := r.ScratchBucket(b)
+				if !ok || len(buf)%n != 0 || len(buf) < bk.Len {
+					return fmt.Errorf("step %d: bucket %d: lent %t, %d elements for %d", s, b, ok, len(buf), bk.Len)
+				}
+				for k := range buf[:bk.Len] {
+					buf[k] = 1e9
+				}
+			}
+			return nil
+		}
+		for s := range 4 {
+			accum := s == 3 // step 3 begins with an Accumulate pass (as step 30)
+			if accum {
+				if err := pass(Accumulate, 30); err != nil {
+					return err
+				}
+				if _, ok := r.ScratchBucket(0); ok {
+					return errors.New("a bucket lent while an Accumulate pass's gradients wait in it")
+				}
+			}
+			if err := pass(Sync, s); err != nil {
+				return err
+			}
+			for p, l := range lens {
+				for k := range l {
+					want := 0.0
+					for q := range n {
+						want += float64(grad(q, s, p, k)) / n
+						if accum {
+							want += float64(grad(q, 30, p, k)) / n
+						}
+					}
+					if got := params[p].Grad.([]float32)[k]; math.Abs(float64(got)-want) > 1e-5*(1+math.Abs(want)) {
+						return fmt.Errorf("step %d: param %d[%d] = %v, want %v", s, p, k, got, want)
+					}
+				}
+			}
+			if err := lend(s); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
 	}
 }
