@@ -343,7 +343,7 @@ func (d *DDP) Step(ctx context.Context) error {
 			d.zero.cur.Store(nil)
 		}
 		return err
-	case d.phase == phaseClosed:
+	case d.phase == phaseClosed || d.closing:
 		d.mu.Unlock()
 		return ErrClosed
 	case d.zero == nil:
@@ -356,6 +356,8 @@ func (d *DDP) Step(ctx context.Context) error {
 	d.zero.ready = false
 	d.phase = phaseStepping
 	run := d.zero.run
+	d.steps.Add(1)
+	defer d.steps.Done() // after the settling below: Close waits for it (DDP.steps)
 	d.mu.Unlock()
 
 	var err error // without d.mu: Stats, Err and Close stay responsive
@@ -436,26 +438,39 @@ func (d *DDP) gatherEach(ctx context.Context, v []float32, what string, use func
 			err = fmt.Errorf("zero: all-gather of bucket %d's %s: %w", b, what, werr)
 		}
 		seg.work = nil
+		if err == nil && beforeCopyOut != nil {
+			beforeCopyOut(d, b)
+		}
 		if err == nil {
 			use(seg, outs[b])
 		}
-		if lent[b] {
+		switch {
+		case lent[b]:
 			clear(outs[b][seg.bk.Len:]) // the padding, given back as zeros
+		case d.opts.Zero == 2 && !z.forward && !z.overlap:
+			seg.all = nil // made for want of a lent bucket this once (gatherOut)
 		}
 	}
 	return err
 }
 
+// beforeCopyOut, nil outside tests, runs in gatherEach before bucket b's gathered elements
+// are used.
+var beforeCopyOut func(d *DDP, b int)
+
 // gatherOut is where bucket b's all-gather goes in gatherEach: between passes at stage 2,
 // the reducer's own bucket (reducer.ScratchBucket, lent: padded to n blocks, and not read
 // again before the next backward overwrites it), so that ZeRO holds no second copy of the
-// model; elsewhere (stage 1's buckets are not padded, or Accumulate passes left gradients
-// in them) seg.all, made at first use.
+// model; elsewhere seg.all, made at first use: at stage 1, whose buckets are not padded, and
+// at stage 2 where Accumulate passes left gradients in the buckets (let go after that use).
+// Close waits for a gatherEach at work (DDP.steps) before the reducer gives the buckets back.
 func (d *DDP) gatherOut(b int) (out []float32, lent bool) {
 	seg := &d.zero.segs[b]
 	n := d.pg.Size() * seg.blk
-	if buf, ok := d.r.ScratchBucket(b); ok && len(buf) == n {
-		return buf, true
+	if d.opts.Zero == 2 {
+		if buf, ok := d.r.ScratchBucket(b); ok && len(buf) == n {
+			return buf, true
+		}
 	}
 	if seg.all == nil {
 		seg.all = make([]float32, n)
@@ -498,7 +513,7 @@ func (d *DDP) GatherOptimizerState(ctx context.Context, full optim.State) error 
 	case d.phase == phaseFailed:
 		defer d.mu.Unlock()
 		return d.err
-	case d.phase == phaseClosed:
+	case d.phase == phaseClosed || d.closing:
 		d.mu.Unlock()
 		return ErrClosed
 	case d.zero == nil || d.zero.opts == nil || d.phase != phaseIdle || d.zero.run != nil:
@@ -512,10 +527,12 @@ func (d *DDP) GatherOptimizerState(ctx context.Context, full optim.State) error 
 		return err
 	}
 	d.phase = phaseStepping
+	d.steps.Add(1)
+	defer d.steps.Done() // after the settling below: Close waits for it (DDP.steps)
 	d.mu.Unlock()
 
 	*full.Steps = *own.Steps
-	err := d.completeGathers(ctx) // Note [ZeRO forward overlap]: gatherEach reuses their outputs
+	err := d.completeGathers(ctx) // Note [ZeRO forward overlap]: gatherEach may reuse their seg.all
 	for k := 0; k < len(own.Vectors) && err == nil; k++ {
 		dst, src := full.Vectors[k].Data, z.stateVector(k)
 		if d.pg.Size() == 1 {

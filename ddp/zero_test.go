@@ -43,6 +43,20 @@ func zeroParams() []Param {
 	return params
 }
 
+// runBoth runs run without, then with, the variation a test compares (run's argument),
+// failing t on an error.
+func runBoth[T any](t *testing.T, run func(bool) (T, error)) (want, got T) {
+	t.Helper()
+	var err error
+	if want, err = run(false); err != nil {
+		t.Fatal(err)
+	}
+	if got, err = run(true); err != nil {
+		t.Fatal(err)
+	}
+	return want, got
+}
+
 // newZero2 is the DDP of the stage-2 tests on pgtest, over fresh zeroParams: AdamW, the
 // test buckets, no check.
 func newZero2(pg procgroup.ProcessGroup) (*DDP, []Param, error) {
@@ -687,14 +701,8 @@ func TestZeroGatherAfterNoSync(t *testing.T) {
 				if err != nil {
 					return err
 				}
-				lent := 0
-				for b := range d.zero.segs {
-					if d.zero.segs[b].all == nil {
-						lent++
-					}
-				}
-				if lent != 0 {
-					return fmt.Errorf("%d buckets gathered into the reducer's buckets while a NoSync pass's gradients waited there", lent)
+				if _, ok := d.r.ScratchBucket(0); ok {
+					return errors.New("the reducer lends a bucket while a NoSync pass's gradients wait there")
 				}
 				again, err := state()
 				if err != nil {
@@ -719,17 +727,83 @@ func TestZeroGatherAfterNoSync(t *testing.T) {
 		})
 		return out, err
 	}
-	want, err := run(false)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := run(true)
-	if err != nil {
-		t.Fatal(err)
-	}
+	want, got := runBoth(t, run)
 	for r := range got {
 		if !slices.Equal(got[r], want[r]) {
 			t.Fatalf("rank %d: the parameters after a gather between the NoSync pass and the synced one differ from those without it", r)
 		}
+	}
+}
+
+// TestZeroCloseDuringStep: at stage 2, where Step gathers into the reducer's buckets, a
+// Close from another goroutine while Step copies the last bucket out lets Step finish
+// before the buckets go back to the group: rank 0's parameters hold the step's values
+// (those of the same step without the Close), not the zeros of released buckets; Step
+// returns nil, and a later Step ErrClosed. On gloo, whose buckets are shared memory that
+// reads as zeros once released.
+func TestZeroCloseDuringStep(t *testing.T) {
+	run := func(closeInStep bool) ([]float32, error) {
+		closed := make(chan struct{})
+		if closeInStep {
+			beforeCopyOut = func(d *DDP, b int) {
+				if d.pg.Rank() != 0 || b != len(d.zero.segs)-1 {
+					return
+				}
+				go func() { d.Close(); close(closed) }()
+				select {
+				case <-closed:
+					t.Error("Close returned while Step was copying the buckets out")
+				case <-time.After(100 * time.Millisecond): // Close waits (or, wrongly, frees the buckets)
+				}
+			}
+			defer func() { beforeCopyOut = nil }()
+		}
+		var out []float32
+		err := glooWorld(2, func(rank int, pg procgroup.ProcessGroup) error {
+			d, params, err := newZero2(pg)
+			if err != nil {
+				return err
+			}
+			if rank != 0 || !closeInStep {
+				defer d.Close()
+			}
+			ctx := context.Background()
+			d.BeginBackward(Sync)
+			for p := range params {
+				g := zeroX(rank, 0, p, zeroLens[p])
+				if err := d.GradReady(p, g); err != nil {
+					return err
+				}
+			}
+			if err := d.Finalize(ctx); err != nil {
+				return err
+			}
+			if err := d.Step(ctx); err != nil {
+				return err
+			}
+			if rank == 0 && closeInStep {
+				<-closed
+				if err := d.Step(ctx); !errors.Is(err, ErrClosed) {
+					return fmt.Errorf("Step after Close: %v, want ErrClosed", err)
+				}
+			}
+			if rank == 0 {
+				for _, p := range params {
+					out = append(out, p.Data.([]float32)...)
+				}
+			}
+			return nil
+		})
+		return out, err
+	}
+	want, got := runBoth(t, run)
+	if !slices.Equal(got, want) {
+		zeros := 0
+		for _, v := range got {
+			if v == 0 {
+				zeros++
+			}
+		}
+		t.Fatalf("rank 0's parameters after a Close during Step are not the step's (%d of %d are zero)", zeros, len(got))
 	}
 }
