@@ -328,7 +328,9 @@ func (seg *zeroSeg) owned(off, n int, f func(k, s, l int)) {
 // issued: WaitParams waits for them). The optimizer is made (Options.Optimizer) at the first Step.
 // Without Zero, or without a synced Finalize since the last Step, it returns ErrPhase and
 // leaves the DDP usable; an error of the optimizer or of a collective, or ctx's, fails the
-// DDP.
+// DDP, and leaves Param.Data undefined (some buckets may have been copied in, from buffers
+// the failure's abort released). Close waits for a Step at work; ctx, or the group's Abort,
+// is what ends one stuck on a stalled peer before the group's timeout.
 func (d *DDP) Step(ctx context.Context) error {
 	d.mu.Lock()
 	switch {
