@@ -785,25 +785,28 @@ func (d *DDP) Err() error {
 // Close releases the DDP (not the process group, which stays the caller's). Closing during a
 // synced backward aborts the process group. It is idempotent and cannot fail; Finalize and
 // BroadcastBuffers return ErrClosed after it. A Step or GatherOptimizerState at work on
-// another goroutine is let finish first (within the group's timeout), and later ones
-// return ErrClosed. With Options.ZeroForwardOverlap it first waits for the all-gathers
+// another goroutine is let finish first (within the group's timeout; so Close must not be
+// called from the optimizer's own Step), and later ones return ErrClosed. With Options.ZeroForwardOverlap it first waits for the all-gathers
 // that Step left in flight: between steps (or in a NoSync pass) within the group's timeout,
 // since the peers match them; in a synced pass, or after a failure, once it has aborted the
 // group.
 func (d *DDP) Close() {
 	d.mu.Lock()
 	d.closing = true // no Step or GatherOptimizerState starts now; one at work is waited for
+	d.mu.Unlock()
+	// A Step at work ends first, its all-gathers matched by its peers' (within the group's
+	// timeout): they may go into the reducer's buckets (Note [ZeRO]), which an abort would
+	// take from under it (the group's shared memory reads as zeros once released), and so
+	// would the reducer's Close below; and with Options.ZeroForwardOverlap it may yet issue
+	// the all-gathers that the drain below waits for.
+	d.steps.Wait()
+	d.mu.Lock()
 	if z := d.zero; z != nil && z.forward && z.gather.pending.Load() > 0 &&
-		d.phase != phaseIdle && d.phase != phaseAccumulate && d.phase != phaseStepping && d.phase != phaseClosed {
+		d.phase != phaseIdle && d.phase != phaseAccumulate && d.phase != phaseClosed {
 		d.pg.Abort(fmt.Errorf("ddp: rank %d: closed with the parameters' all-gathers in flight", d.pg.Rank()))
 	}
 	d.mu.Unlock()
 	d.drainGathers() // Note [ZeRO forward overlap]; an error fails nothing now
-	// A Step at work ends first, its all-gathers matched by its peers' (within the group's
-	// timeout): they may go into the reducer's buckets (Note [ZeRO]), which an abort would
-	// take from under it (the group's shared memory reads as zeros once released), and so
-	// would the reducer's Close below.
-	d.steps.Wait()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.phase == phaseClosed {

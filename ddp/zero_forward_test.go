@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/goddp/goddp/ddp/optim"
 	"github.com/goddp/goddp/procgroup"
 	"github.com/goddp/goddp/procgroup/pgtest"
 )
@@ -386,5 +387,64 @@ func TestZeroForwardConcurrentWait(t *testing.T) {
 		return nil
 	}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// hookOptimizer runs hook before each step of the optimizer it wraps.
+type hookOptimizer struct {
+	optim.Optimizer
+	hook func()
+}
+
+func (o hookOptimizer) Step(p, g []float32) error {
+	if o.hook != nil {
+		o.hook()
+	}
+	return o.Optimizer.Step(p, g)
+}
+
+// TestZeroForwardCloseDuringStep: a Close from another goroutine while Step steps the
+// shard, before Step has issued its all-gathers, waits for Step and then for the
+// all-gathers it issued: none is left in flight when Close returns.
+func TestZeroForwardCloseDuringStep(t *testing.T) {
+	c := pgtest.NewCluster(2)
+	defer c.Close()
+	ds, ps := make([]*DDP, 2), make([][]Param, 2)
+	closed := make(chan struct{})
+	if err := c.Each(func(rank int, pg procgroup.ProcessGroup) error {
+		ps[rank] = zeroParams()
+		factory := func(n int) (optim.Optimizer, error) {
+			o, err := zeroOpts["adamw"](n)
+			h := hookOptimizer{Optimizer: o}
+			if rank == 0 {
+				h.hook = func() {
+					go func() { ds[0].Close(); close(closed) }()
+					time.Sleep(100 * time.Millisecond) // Close is under way
+				}
+			}
+			return h, err
+		}
+		var err error
+		ds[rank], err = New(context.Background(), pg, ps[rank], Options{BucketCapMB: zeroCap, FirstBucketCapMB: zeroFirst, Zero: 1,
+			ZeroForwardOverlap: true, Optimizer: factory, NoFiniteCheck: true})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer ds[1].Close()
+	if err := c.Each(func(rank int, _ procgroup.ProcessGroup) error {
+		if err := zeroForwardStep(ds[rank], rank, 0, ps[rank]); err != nil {
+			return err
+		}
+		if rank == 0 {
+			<-closed
+			return nil
+		}
+		return ds[rank].WaitParams(context.Background())
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if p := ds[0].zero.gather.pending.Load(); p != 0 {
+		t.Errorf("Close returned with %d of Step's all-gathers in flight", p)
 	}
 }
