@@ -21,28 +21,32 @@ import (
 // without it (parameters and the gathered optimizer state, after 6 steps of random data
 // whose gradients each rank reports in its own random order), and so the bits of the
 // plain loop where the stage has them (stage 1; stage 2 at n ≤ 2).
-func TestZeroOverlapEqualsStep(t *testing.T) {
+func TestZeroOverlapEqualsStep(t *testing.T) { checkEqualsStep(t, zeroOverlap, 3) }
+
+// checkEqualsStep runs zeroRunWith's how at n = 1 to maxN, stages 1 and 2, AdamW and SGD
+// with momentum, for 6 steps, against Step (the same bits and optimizer state bytes) and the
+// plain loop (the same bits at stage 1, and at stage 2 with n ≤ 2).
+func checkEqualsStep(t *testing.T, how zeroHow, maxN int) {
 	const steps = 6
+	name := map[zeroHow]string{zeroOverlap: "overlapped", zeroForward: "forward overlap"}[how]
 	for _, opt := range []string{"adamw", "momentum"} {
-		for n := 1; n <= 3; n++ {
+		for n := 1; n <= maxN; n++ {
 			plain := zeroRun(t, n, 0, opt, steps, nil)
 			for zero := 1; zero <= 2; zero++ {
 				step := zeroRun(t, n, zero, opt, steps, nil)
-				over := zeroRunWith(t, n, zero, zeroOverlap, opt, steps, nil)
-				if over.params[0][0] == 0.5 {
-					t.Fatalf("%s n=%d zero %d: the overlapped run did not move the parameters", opt, n, zero)
+				got := zeroRunWith(t, n, zero, how, opt, steps, nil)
+				if got.params[0][0] == 0.5 {
+					t.Fatalf("%s n=%d zero %d: the %s run did not move the parameters", opt, n, zero, name)
 				}
-				if d := snapDiff(step, over); d != "" {
-					t.Errorf("%s n=%d zero %d: overlapped vs Step: %s", opt, n, zero, d)
+				if d := snapDiff(step, got); d != "" {
+					t.Errorf("%s n=%d zero %d: %s vs Step: %s", opt, n, zero, name, d)
 				}
-				if zero == 1 || n <= 2 {
-					if d := snapDiff(plain, over); d != "" {
-						t.Errorf("%s n=%d zero %d: overlapped vs plain: %s", opt, n, zero, d)
-					}
+				if d := snapDiff(plain, got); (zero == 1 || n <= 2) && d != "" {
+					t.Errorf("%s n=%d zero %d: %s vs plain: %s", opt, n, zero, name, d)
 				}
-				for r, b := range over.bytes {
+				for r, b := range got.bytes {
 					if b != step.bytes[r] {
-						t.Errorf("%s n=%d zero %d: rank %d holds %d bytes of optimizer state overlapped, %d without", opt, n, zero, r, b, step.bytes[r])
+						t.Errorf("%s n=%d zero %d: rank %d holds %d bytes of optimizer state (%s), %d without", opt, n, zero, r, b, name, step.bytes[r])
 					}
 				}
 			}
